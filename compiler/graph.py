@@ -1,0 +1,143 @@
+"""A read-only view of a Relax function's dataflow for structural matching.
+
+Bindings are indexed by variable; helpers walk producers through layout-only ops
+(reshape, permute_dims, broadcast_to, expand_dims, squeeze, astype) so that matching does
+not depend on how a particular exporter shuffled axes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.prim.expr import IntImm
+
+LAYOUT_OPS = frozenset(
+    {"relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.squeeze", "relax.astype"}
+)
+
+
+def op_name(expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def const_scalar(expr) -> float | None:
+    """The value of a scalar (or one-element) constant, else None."""
+    if isinstance(expr, tvm.ir.GenericConst):
+        arr = expr.value.numpy()
+        if arr.size == 1:
+            return float(arr.reshape(-1)[0])
+    return None
+
+
+class DataflowGraph:
+    """Bindings of ``func`` by variable, with users and binding order."""
+
+    def __init__(self, func: relax.Function, num_inputs: int) -> None:
+        self.func = func
+        self.inputs = list(func.params)[:num_inputs]
+        self.weights = list(func.params)[num_inputs:]
+        self.weight_set = set(self.weights)
+        self.value: dict[relax.Var, relax.Expr] = {}
+        self.order: dict[relax.Var, int] = {}
+        self.users: dict[relax.Var, list[relax.Var]] = defaultdict(list)
+        self.bindings: list[relax.VarBinding] = []
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                if not isinstance(binding, relax.VarBinding):
+                    continue
+                self.order[binding.var] = len(self.bindings)
+                self.bindings.append(binding)
+                self.value[binding.var] = binding.value
+                for arg in self._var_args(binding.value):
+                    self.users[arg].append(binding.var)
+
+    @staticmethod
+    def _var_args(value) -> list[relax.Var]:
+        out = []
+        if isinstance(value, relax.Call):
+            items = list(value.args)
+        elif isinstance(value, relax.Tuple):
+            items = list(value.fields)
+        elif isinstance(value, relax.TupleGetItem):
+            items = [value.tuple_value]
+        else:
+            items = []
+        for item in items:
+            if isinstance(item, relax.Var):
+                out.append(item)
+            elif isinstance(item, relax.Tuple):
+                out.extend(f for f in item.fields if isinstance(f, relax.Var))
+        return out
+
+    # ---------------------------------------------------------------- queries
+    def op(self, var) -> str | None:
+        return op_name(self.value.get(var))
+
+    def call(self, var) -> relax.Call | None:
+        v = self.value.get(var)
+        return v if isinstance(v, relax.Call) else None
+
+    def calls_of(self, name: str) -> list[relax.Var]:
+        return [b.var for b in self.bindings if op_name(b.value) == name]
+
+    def strip(self, expr, ops=LAYOUT_OPS):
+        """Follow producers through ``ops`` (first argument) and return the first other expr."""
+        while isinstance(expr, relax.Var) and self.op(expr) in ops:
+            expr = self.value[expr].args[0]
+        return expr
+
+    def weight_of(self, expr) -> relax.Var | None:
+        base = self.strip(expr)
+        return base if base in self.weight_set else None
+
+    def weight_index(self, weight: relax.Var) -> int:
+        return self.weights.index(weight)
+
+    def descendants_ops(self, var, max_depth: int = 8) -> set[str]:
+        seen, frontier, ops = {var}, [var], set()
+        for _ in range(max_depth):
+            nxt = []
+            for v in frontier:
+                for u in self.users.get(v, []):
+                    if u not in seen:
+                        seen.add(u)
+                        ops.add(self.op(u) or type(self.value[u]).__name__)
+                        nxt.append(u)
+            frontier = nxt
+        return ops
+
+    def ancestors(self, var, stop=lambda v: False) -> set:
+        seen, stack = set(), [var]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if stop(v) or v not in self.value:
+                continue
+            stack.extend(self._var_args(self.value[v]))
+        return seen
+
+
+
+def shape_of(expr) -> tuple | None:
+    """Shape of a tensor-typed expr: ints for static dims, PrimExprs for symbolic ones."""
+    shape = getattr(getattr(expr, "ty", None), "shape", None)
+    if shape is None:
+        return None
+    dims = shape.values if hasattr(shape, "values") else shape
+    return tuple(int(d.value) if isinstance(d, IntImm) else d for d in dims)
+
+
+def dtype_of(expr) -> str | None:
+    dtype = getattr(getattr(expr, "ty", None), "dtype", None)
+    return str(dtype) if dtype is not None else None
+
+
+def is_static(dim) -> bool:
+    return isinstance(dim, (int, np.integer))

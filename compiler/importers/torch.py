@@ -1,0 +1,76 @@
+"""PyTorch (``nn.Module`` + example inputs, ``ExportedProgram`` or a ``.pt2`` file) -> Relax."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from ..errors import ImportFailure
+from . import ImportedModel, bind_scalar_weights, file_sha256
+
+
+def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    convert_map = ExportedProgramImporter().create_convert_map()
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        key = target.__name__ if hasattr(target, "__name__") else str(target)
+        if key not in convert_map:
+            raise ImportFailure(f"{name}: node {node.name!r} uses op {key}, which moec cannot import")
+
+
+def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<ExportedProgram>", source_hash: str | None = None) -> ImportedModel:
+    from tvm.relax.frontend import detach_params
+    from tvm.relax.frontend.torch import from_exported_program
+
+    ep = ep.run_decompositions()
+    _check_ops(ep, name)
+    user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    try:
+        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()
+        raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
+    mod, params = detach_params(mod)
+    weights = [p.numpy() for p in params.get("main", [])]
+    mod, weights = bind_scalar_weights(mod, weights, len(user_inputs))
+    if source_hash is None:
+        h = hashlib.sha256()
+        for w in weights:
+            h.update(w.tobytes())
+        h.update(str(ep.graph).encode())
+        source_hash = h.hexdigest()
+    return ImportedModel(
+        mod=mod, weights=weights, source_kind="torch", source_name=name, source_hash=source_hash,
+        num_inputs=len(user_inputs), meta={"inputs": [s.arg.name for s in user_inputs]},
+    )
+
+
+def import_pt2(path: str | Path) -> ImportedModel:
+    path = Path(path)
+    if not path.exists():
+        raise ImportFailure(f"{path}: no such file")
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as exc:
+        raise ImportFailure(f"{path}: not a readable torch.export (.pt2) file (truncated or corrupt?): {type(exc).__name__}") from None
+    return import_exported_program(ep, str(path), file_sha256(path))
+
+
+def import_torch(model, example_inputs=None) -> ImportedModel:
+    """Import an ``ExportedProgram``, or export ``model(input_ids, attention_mask)`` with dynamic axes first."""
+    if isinstance(model, torch.export.ExportedProgram):
+        return import_exported_program(model)
+    if not isinstance(model, torch.nn.Module):
+        raise ImportFailure(f"cannot import an object of type {type(model).__name__}: expected an nn.Module or ExportedProgram")
+    from ...models.export import to_exported_program
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise ImportFailure("nn.Module import needs model.config.vocab_size (or pass an ExportedProgram)")
+    return import_exported_program(to_exported_program(model, vocab), type(model).__name__)

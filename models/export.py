@@ -1,0 +1,75 @@
+"""Export helpers: a model with ``forward(input_ids, attention_mask)`` to ONNX or ``torch.export``.
+
+Both exports carry dynamic batch and sequence axes, the way users export their own models.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# ONNX protobufs are limited to 2 GB: larger models keep their weights in an external data file.
+_EXTERNAL_DATA_BYTES = 1 << 30
+
+
+class LogitsOnly(nn.Module):
+    """Wraps a causal LM (reference or HF transformers) to return only the logits tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self._takes_use_cache = "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        kwargs = {"use_cache": False} if self._takes_use_cache else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def example_inputs(vocab_size: int, batch: int = 2, seq: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    return ids, torch.ones_like(ids)
+
+
+def _dynamic_shapes(max_seq: int):
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    seq = torch.export.Dim("seq", min=2, max=max(max_seq, 3))
+    return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+
+
+def to_exported_program(model: nn.Module, vocab_size: int, max_seq: int = 4096) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` with dynamic batch and sequence axes."""
+    wrapped = LogitsOnly(model).eval()
+    with torch.no_grad():
+        return torch.export.export(wrapped, example_inputs(vocab_size), dynamic_shapes=_dynamic_shapes(max_seq))
+
+
+def save_pt2(model: nn.Module, vocab_size: int, path: str | Path, max_seq: int = 4096) -> Path:
+    path = Path(path)
+    torch.export.save(to_exported_program(model, vocab_size, max_seq), str(path))
+    return path
+
+
+def save_onnx(model: nn.Module, vocab_size: int, path: str | Path, max_seq: int = 4096, dynamic: bool = True) -> Path:
+    """Export to ONNX with the dynamo exporter (external data for models over 1 GiB)."""
+    path = Path(path)
+    wrapped = LogitsOnly(model).eval()
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapped,
+            example_inputs(vocab_size),
+            dynamo=True,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["logits"],
+            dynamic_shapes=_dynamic_shapes(max_seq) if dynamic else None,
+            optimize=True,
+            verbose=False,
+        )
+    program.save(str(path), external_data=n_bytes > _EXTERNAL_DATA_BYTES)
+    return path
