@@ -1,0 +1,92 @@
+"""Artifact directories: ``lib.so`` + ``weights.safetensors`` + ``manifest.json``, written atomically.
+
+Reading an artifact checks that every file the manifest names exists and matches its SHA-256, that
+the format is known and that the TVM version matches; errors name the file at fault.
+Shared by the compiler (writing) and the runtime (reading): no compiler imports here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import ArtifactError
+
+FORMAT = "moec-artifact/1"
+MANIFEST = "manifest.json"
+LIBRARY = "lib.so"
+WEIGHTS = "weights.safetensors"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextmanager
+def atomic_directory(target: str | Path):
+    """Yield a temporary directory beside ``target``; on success it replaces ``target`` in one rename.
+
+    On any exception the temporary directory is removed and ``target`` is left as it was.
+    """
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != MANIFEST and (directory / name).is_file():
+            files[name] = sha256_file(directory / name)
+    manifest = dict(manifest, format=FORMAT, files=files)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def read_manifest(directory: str | Path, verify: bool = True) -> dict:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: not an artifact directory (no such directory)")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; {directory} is not a moec artifact")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: corrupt manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: unknown artifact format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT}")
+    for key in ("files", "target", "model", "entry_functions", "tvm_version"):
+        if key not in manifest:
+            raise ArtifactError(f"{path}: manifest lacks {key!r}")
+    for required in (LIBRARY, WEIGHTS):
+        if required not in manifest["files"]:
+            raise ArtifactError(f"{path}: manifest does not list {required}")
+    if verify:
+        for name, digest in manifest["files"].items():
+            fpath = directory / name
+            if not fpath.is_file():
+                raise ArtifactError(f"{fpath}: missing (listed in the manifest)")
+            if sha256_file(fpath) != digest:
+                raise ArtifactError(f"{fpath}: SHA-256 does not match the manifest: the artifact is corrupt or was edited")
+    return manifest

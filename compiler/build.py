@@ -1,0 +1,132 @@
+"""``moec.compile``: model -> Relax -> the "moec" pipeline -> artifact directory."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+from .. import __version__
+from .artifact import LIBRARY, WEIGHTS, atomic_directory, write_manifest
+from .errors import MoecError
+from .importers import ImportedModel, import_model
+from .targets import make_target
+
+
+@contextlib.contextmanager
+def _cuda_ahead_of_time(arch: str):
+    """Compile generated CUDA with nvcc to a fatbin at build time (no NVRTC at load time)."""
+    from tvm.support import nvcc
+
+    prev = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+
+    def compile_fatbin(code, *_):
+        return nvcc.compile_cuda(code, target_format="fatbin", arch=arch, compiler="nvcc")
+
+    tvm.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
+    try:
+        yield
+    finally:
+        if prev is not None:
+            tvm.register_global_func("tvm_callback_cuda_compile", prev, override=True)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[moec] {msg}", flush=True)
+
+
+def compile(  # noqa: A001 - the public name users call
+    model,
+    output_dir: str | Path,
+    target: str = "llvm",
+    arch: str | None = None,
+    example_inputs=None,
+    debug_dump: str | Path | None = None,
+    progress: bool = False,
+) -> Path:
+    """Compile an MoE model into an artifact directory.
+
+    Parameters
+    ----------
+    model : str | Path | torch.nn.Module | torch.export.ExportedProgram | ImportedModel
+        An ONNX file, a ``.pt2`` file, a module (exported with dynamic batch/sequence axes) or a program.
+    output_dir : str | Path
+        The artifact directory; written atomically (nothing is left behind on failure).
+    target : {"llvm", "cuda"}
+    arch : str, optional
+        CUDA architecture (``sm_90`` by default for cuda).
+    debug_dump : str | Path, optional
+        Write the IR after each pipeline phase into this directory.
+
+    Returns
+    -------
+    Path of the artifact directory.
+    """
+    from ..passes.pipeline import moec_pipeline
+
+    tgt = make_target(target, arch)
+    t0 = time.perf_counter()
+    imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
+    _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
+    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump)
+    t1 = time.perf_counter()
+    ctx = _cuda_ahead_of_time(tgt.arch) if tgt.kind.name == "cuda" else contextlib.nullcontext()
+    with ctx:
+        try:
+            executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
+        except MoecError:
+            raise
+        except Exception as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, MoecError):
+                raise cause from None
+            raise
+    structure = insert.structure
+    _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
+    weight_names = imported.weight_names()
+    attn = structure.layers[0].attention
+    with atomic_directory(output_dir) as tmp:
+        executable.export_library(str(tmp / LIBRARY))
+        from safetensors.numpy import save_file
+
+        save_file({f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, imported.weights))}, str(tmp / WEIGHTS))
+        manifest = {
+            "moec_version": __version__,
+            "tvm_version": tvm.__version__,
+            "built_on": platform.platform(),
+            "target": {"kind": tgt.kind.name, "arch": tgt.arch if tgt.kind.name == "cuda" else None, "export": _jsonable(tgt.export())},
+            "source": {"kind": imported.source_kind, "name": imported.source_name, "sha256": imported.source_hash},
+            "model": {
+                "num_layers": structure.num_layers, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "head_dim": attn.head_dim, "vocab_size": structure.vocab_size, "hidden_size": structure.hidden_size,
+                "dtype": structure.dtype, "kv_cache_dtype": structure.dtype,
+            },
+            "structure": structure.to_dict(),
+            "passes": ["InsertPagedKVAttention", "LegalizeOps", "FuseOps", "FuseTIR", "schedules.rules"],
+            "options": {"kv_cache": "paged", "debug_dump": str(debug_dump) if debug_dump else None},
+            "entry_functions": {
+                "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
+                "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
+                "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
+            },
+            "token_input_dtype": str(imported.main.params[0].ty.dtype),
+            "weights": weight_names,
+        }
+        write_manifest(tmp, manifest)
+    _log(progress, f"wrote {output_dir} in {time.perf_counter() - t0:.1f}s total")
+    return Path(output_dir)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)

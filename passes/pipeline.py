@@ -1,0 +1,73 @@
+"""The "moec" compilation pipeline: one flat list of passes, split into phases.
+
+Phase 1 turns the user's single forward into decode-ready entry points over a paged KV cache;
+phase 2 lowers operators to TIR and fuses them; phase 3 schedules TIR for the target (dlight rules
+from ``schedules.rules``); phase 4 lowers to the VM. ``debug_dump`` writes the IR after each phase.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from ..schedules.rules import schedule_pass
+from .paged_kv_attention import InsertPagedKVAttention
+
+
+def _dump(directory: Path | None, name: str):
+    @tvm.transform.module_pass(opt_level=0, name=f"Dump[{name}]")
+    def _pass(mod, _ctx):
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"{name}.py").write_text(mod.script(show_meta=False))
+        return mod
+
+    return _pass
+
+
+def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None):
+    """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure."""
+    dump = Path(debug_dump) if debug_dump else None
+    insert = InsertPagedKVAttention(num_inputs, target, source)
+    passes = [
+        # Phase 1. Decode-ready entry points (attention -> paged KV cache).
+        insert,
+        relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
+        _dump(dump, "phase1_entries"),
+        # Phase 2. Lower to TIR and fuse.
+        relax.backend.DispatchSampling(),
+        relax.backend.DispatchSortScan(),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
+        _dump(dump, "phase2_fused"),
+        # Phase 3. Schedules for the target.
+        schedule_pass(target),
+        _dump(dump, "phase3_scheduled"),
+        # Phase 4. Lower to the VM.
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+        _dump(dump, "phase4_vm"),
+    ]
+    seq = tvm.transform.Sequential(passes, name="moec")
+
+    @tvm.transform.module_pass(opt_level=0, name="moec")
+    def _pipeline(mod, _ctx):
+        with target:
+            return seq(mod)
+
+    return _pipeline, insert

@@ -1,0 +1,221 @@
+"""The minimal runtime: load an artifact with TVM's runtime library only and decode.
+
+``load(DIR, device="cpu"|"cuda")`` verifies the manifest (hashes, target, TVM version), loads the
+library and the weights once onto the device, creates the paged KV cache and returns an ``Engine``.
+Sequences live in the cache between calls: ``prefill`` appends prompts (new or continuing sequences),
+``decode`` appends one token per sequence, ``release`` frees a sequence's pages.
+
+No compiler import happens here: this module runs with ``TVM_USE_RUNTIME_LIB=1``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..compiler.artifact import LIBRARY, WEIGHTS, read_manifest
+from ..compiler.errors import ArtifactError, MoecError
+
+
+class CacheExhausted(MoecError):
+    """The KV cache has no room for the requested tokens or sequences."""
+
+
+_CUDA_RUNTIME_LOADED = False
+
+
+def _load_cuda_runtime() -> None:
+    """In runtime-only mode TVM does not autoload its CUDA backend: load it before a CUDA artifact."""
+    global _CUDA_RUNTIME_LOADED
+    if _CUDA_RUNTIME_LOADED:
+        return
+    import tvm
+
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    if lib.exists():
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    _CUDA_RUNTIME_LOADED = True
+
+
+class Engine:
+    """Prefill and batched decode over a paged KV cache for one compiled artifact."""
+
+    def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
+                 prefill_chunk: int = 2048, page_size: int = 16) -> None:
+        directory = Path(directory)
+        manifest = read_manifest(directory, verify=True)
+        self.manifest = manifest
+        kind = manifest["target"]["kind"]
+        want = {"cpu": "llvm", "cuda": "cuda"}.get(device)
+        if want is None:
+            raise MoecError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
+        if want != kind:
+            raise ArtifactError(f"{directory / 'manifest.json'}: artifact built for target {kind!r}, cannot run on device {device!r}")
+        if device == "cuda":
+            _load_cuda_runtime()
+        import tvm
+        import tvm_ffi
+
+        if manifest["tvm_version"] != tvm.__version__:
+            raise ArtifactError(
+                f"{directory / 'manifest.json'}: built with TVM {manifest['tvm_version']}, this runtime is TVM {tvm.__version__}: recompile"
+            )
+        self._tvm, self._shape = tvm, tvm_ffi.Shape
+        self.device = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
+        try:
+            lib = tvm.runtime.load_module(str(directory / LIBRARY))
+        except Exception as exc:
+            raise ArtifactError(f"{directory / LIBRARY}: cannot load the compiled library: {str(exc).splitlines()[-1] if str(exc) else exc}") from None
+        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.device)
+        from safetensors.numpy import load_file
+
+        stored = load_file(str(directory / WEIGHTS))
+        names = manifest["weights"]
+        keys = sorted(stored)
+        if len(keys) != len(names):
+            raise ArtifactError(f"{directory / WEIGHTS}: holds {len(keys)} tensors, manifest lists {len(names)}")
+        self.weights = [tvm.runtime.tensor(stored[k], self.device) for k in keys]
+        del stored
+        cfg = manifest["model"]
+        self.vocab_size = cfg["vocab_size"]
+        self.token_dtype = manifest.get("token_input_dtype", "int64")
+        self.max_batch, self.max_total_tokens, self.page_size = max_batch, max_total_tokens, page_size
+        self.prefill_chunk = prefill_chunk
+        self.cache = self.vm["create_kv_cache"](
+            self._shape([max_batch]), self._shape([max_total_tokens]), self._shape([prefill_chunk]), self._shape([page_size])
+        )
+        g = tvm.get_global_func
+        self._add = g("vm.builtin.kv_state_add_sequence")
+        self._remove = g("vm.builtin.kv_state_remove_sequence")
+        self._begin = g("vm.builtin.kv_state_begin_forward")
+        self._end = g("vm.builtin.kv_state_end_forward")
+        self._prefill = self.vm["prefill"]
+        self._decode = self.vm["decode"]
+        self.lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    # ----------------------------------------------------------- sequences
+    def add_sequence(self) -> int:
+        if len(self.lengths) >= self.max_batch:
+            raise CacheExhausted(f"KV cache holds at most {self.max_batch} sequences; release one first")
+        seq = self._next_id
+        self._next_id += 1
+        self._add(self.cache, seq)
+        self.lengths[seq] = 0
+        return seq
+
+    def release(self, seq: int) -> None:
+        if seq in self.lengths:
+            self._remove(self.cache, seq)
+            del self.lengths[seq]
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size)
+
+    def _reserve(self, seq_ids, counts) -> None:
+        for s in seq_ids:
+            if s not in self.lengths:
+                raise MoecError(f"unknown sequence id {s}")
+        after = dict(self.lengths)
+        for s, c in zip(seq_ids, counts):
+            after[s] += c
+        pages = sum(self._pages(n) for n in after.values())
+        if pages * self.page_size > self.max_total_tokens:
+            raise CacheExhausted(
+                f"KV cache exhausted: {sum(after.values())} tokens in {pages} pages would exceed the "
+                f"{self.max_total_tokens}-token cache; release sequences or load with a larger max_total_tokens"
+            )
+
+    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None) -> np.ndarray:
+        tvm = self._tvm
+        counts = [len(t) for t in tokens_per_seq]
+        self._reserve(seq_ids, counts)
+        flat = np.concatenate([np.asarray(t, dtype=self.token_dtype) for t in tokens_per_seq])[None, :]
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            raise MoecError(f"token ids must be in [0, {self.vocab_size})")
+        self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
+        try:
+            ids = tvm.runtime.tensor(flat, self.device)
+            if logit_pos is None:
+                out = fn(ids, self.cache, *self.weights)
+            else:
+                pos = tvm.runtime.tensor(np.asarray(logit_pos, dtype="int32"), self.device)
+                out = fn(ids, pos, self.cache, *self.weights)
+        finally:
+            self._end(self.cache)
+        for s, c in zip(seq_ids, counts):
+            self.lengths[s] += c
+        return out.numpy()[0]
+
+    # ----------------------------------------------------------- public API
+    def prefill(self, token_id_lists, seq_ids=None) -> tuple[list[int], np.ndarray]:
+        """Append prompts (one per sequence; new sequences unless ``seq_ids`` given).
+
+        Returns ``(seq_ids, logits[b, V])`` with the logits of each prompt's last token.
+        Prompts longer than the prefill chunk are processed in chunks.
+        """
+        token_id_lists = [list(map(int, t)) for t in token_id_lists]
+        if any(len(t) == 0 for t in token_id_lists):
+            raise MoecError("every prompt needs at least one token")
+        if seq_ids is None:
+            need = sum(self._pages(len(t)) for t in token_id_lists) * self.page_size
+            used = sum(self._pages(n) for n in self.lengths.values()) * self.page_size
+            if used + need > self.max_total_tokens:
+                raise CacheExhausted(f"KV cache exhausted: prompts need {need} token slots, {self.max_total_tokens - used} free")
+            seq_ids = [self.add_sequence() for _ in token_id_lists]
+        logits = [None] * len(seq_ids)
+        # chunk so that no call exceeds the prefill chunk size
+        pending = [(i, s, t) for i, (s, t) in enumerate(zip(seq_ids, token_id_lists))]
+        while pending:
+            batch, budget, rest = [], self.prefill_chunk, []
+            for i, s, t in pending:
+                if budget <= 0:
+                    rest.append((i, s, t))
+                    continue
+                take = t[:budget]
+                batch.append((i, s, take))
+                budget -= len(take)
+                if len(take) < len(t):
+                    rest.append((i, s, t[len(take):]))
+            ends = np.cumsum([len(t) for _, _, t in batch]) - 1
+            out = self._run(self._prefill, [s for _, s, _ in batch], [t for _, _, t in batch], ends)
+            for row, (i, _, _) in enumerate(batch):
+                logits[i] = out[row]
+            pending = rest
+        return list(seq_ids), np.stack(logits)
+
+    def decode(self, seq_ids, tokens) -> np.ndarray:
+        """Append one token per sequence; returns logits[b, V]."""
+        if len(seq_ids) != len(tokens):
+            raise MoecError("decode needs one token per sequence")
+        return self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens])
+
+    def generate(self, token_id_lists, max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
+        """Greedy generation for a batch of prompts; returns the new tokens of each."""
+        seq_ids, logits = self.prefill(token_id_lists)
+        try:
+            outs = [[] for _ in seq_ids]
+            active = list(range(len(seq_ids)))
+            nxt = logits.argmax(-1)
+            for step in range(max_new_tokens):
+                for j, i in enumerate(active):
+                    outs[i].append(int(nxt[j]))
+                active_next = [i for j, i in enumerate(active) if stop_token is None or int(nxt[j]) != stop_token]
+                nxt_tokens = [int(nxt[j]) for j, i in enumerate(active) if i in active_next]
+                active = active_next
+                if step + 1 == max_new_tokens or not active:
+                    break
+                logits = self.decode([seq_ids[i] for i in active], nxt_tokens)
+                nxt = logits.argmax(-1)
+            return outs
+        finally:
+            for s in seq_ids:
+                self.release(s)
+
+
+def load(directory: str | Path, device: str = "cpu", **kwargs) -> Engine:
+    """Load an artifact directory onto ``device`` ("cpu" or "cuda")."""
+    return Engine(directory, device, **kwargs)
