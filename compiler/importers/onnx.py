@@ -45,13 +45,33 @@ def _symbolic_shape_converters():
                 return relax.ShapeExpr([data])
         return orig_reshape(cls, bb, inputs, attr, params)
 
+    orig_expand = of.Expand._impl_v13.__func__
+
+    def expand_v13(cls, bb, inputs, attr, params):
+        data, shape = inputs[0], of.get_constant(inputs[1], params)
+        data_shape = getattr(getattr(data, "ty", None), "shape", None)
+        if isinstance(shape, tvm.ir.GenericConst) and data_shape is not None:
+            # numpy broadcasting against a constant shape keeps symbolic input dims where the target says 1
+            target = [int(x) for x in shape.value.numpy().reshape(-1)]
+            dims = list(data_shape.values)
+            rank = max(len(dims), len(target))
+            dims = [1] * (rank - len(dims)) + dims
+            target = [1] * (rank - len(target)) + target
+            out = [d if t == 1 else t for d, t in zip(dims, target)]
+            if len(out) != len(data_shape.values):
+                data = bb.normalize(relax.op.reshape(data, dims))
+            return relax.op.broadcast_to(data, out)
+        return orig_expand(cls, bb, inputs, attr, params)
+
     of.Range._impl_v12 = classmethod(range_v12)
     of.Reshape._impl_v13 = classmethod(reshape_v13)
+    of.Expand._impl_v13 = classmethod(expand_v13)
     try:
         yield
     finally:
         of.Range._impl_v12 = classmethod(orig_range)
         of.Reshape._impl_v13 = classmethod(orig_reshape)
+        of.Expand._impl_v13 = classmethod(orig_expand)
 
 
 def _supported_ops(opset: int) -> set[str]:
