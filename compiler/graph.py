@@ -87,8 +87,14 @@ class DataflowGraph:
 
     def strip(self, expr, ops=LAYOUT_OPS):
         """Follow producers through ``ops`` (first argument) and return the first other expr."""
-        while isinstance(expr, relax.Var) and self.op(expr) in ops:
-            expr = self.value[expr].args[0]
+        while isinstance(expr, relax.Var):
+            value = self.value.get(expr)
+            if isinstance(value, relax.Var):  # alias binding (e.g. the dataflow output)
+                expr = value
+            elif self.op(expr) in ops:
+                expr = value.args[0]
+            else:
+                break
         return expr
 
     def weight_of(self, expr) -> relax.Var | None:

@@ -11,10 +11,24 @@ from ..errors import ImportFailure
 from . import ImportedModel, bind_scalar_weights, file_sha256
 
 
+def _amax(node, importer):
+    from tvm import relax
+
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    axis = [dim] if isinstance(dim, int) else (list(dim) or None)
+    return importer.block_builder.emit(relax.op.max(x, axis=axis, keepdims=keepdim))
+
+
+# ops the stock frontend lacks that MoE routers use (group scores in group-limited routing)
+EXTRA_CONVERTERS = {"amax.default": _amax}
+
+
 def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    convert_map = ExportedProgramImporter().create_convert_map()
+    convert_map = dict(ExportedProgramImporter().create_convert_map(), **EXTRA_CONVERTERS)
     for node in ep.graph.nodes:
         if node.op != "call_function":
             continue
@@ -32,7 +46,7 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
     _check_ops(ep, name)
     user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     try:
-        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True, custom_convert_map=EXTRA_CONVERTERS)
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None

@@ -1,0 +1,95 @@
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from moec.compiler.errors import ImportFailure, UnsupportedModel
+from moec.compiler.importers import import_model
+from moec.compiler.moe_structure import analyze
+from moec.models.export import save_onnx, to_exported_program
+
+
+def test_missing_file():
+    with pytest.raises(ImportFailure, match="no such file"):
+        import_model("/nonexistent/model.onnx")
+
+
+def test_unknown_suffix(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ImportFailure, match="unknown model format"):
+        import_model(f)
+
+
+def test_truncated_onnx(zoo, tmp_path):
+    src = zoo.source("tiny", "onnx").read_bytes()
+    bad = tmp_path / "trunc.onnx"
+    bad.write_bytes(src[: len(src) // 3])
+    with pytest.raises(ImportFailure, match="truncated or corrupt"):
+        import_model(bad)
+
+
+def test_unsupported_onnx_op_names_node(tmp_path):
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 4])
+    node = helper.make_node("MysteryOp", ["input_ids"], ["logits"], name="layer3_mystery", domain="com.example")
+    graph = helper.make_graph([node], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
+    f = tmp_path / "custom.onnx"
+    onnx.save(model, f)
+    with pytest.raises(ImportFailure, match=r"layer3_mystery.*com.example::MysteryOp"):
+        import_model(f)
+
+
+def test_unsupported_torch_op_names_node():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"vocab_size": 16})()
+            self.emb = torch.nn.Embedding(16, 8)
+
+        def forward(self, input_ids, attention_mask):
+            return torch.special.i0(self.emb(input_ids))
+
+    with pytest.raises(ImportFailure, match=r"node 'i0' uses op i0.default"):
+        import_model(Odd())
+
+
+class Dense(torch.nn.Module):
+    """A small dense transformer-like LM: attention without any router."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("C", (), {"vocab_size": 32})()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.mlp = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.emb(input_ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-1, -2) * 0.35, dim=-1) @ v
+        x = x + att.transpose(1, 2).reshape(b, s, 16)
+        return self.head(x + self.mlp(x))
+
+
+def test_dense_model_is_refused(tmp_path):
+    imported = import_model(to_exported_program(Dense(), 32))
+    with pytest.raises(UnsupportedModel, match="no MoE router found"):
+        analyze(imported.main, imported.num_inputs, "dense")
+    f = save_onnx(Dense(), 32, tmp_path / "dense.onnx")
+    imported = import_model(f)
+    with pytest.raises(UnsupportedModel, match="dense models are not supported"):
+        analyze(imported.main, imported.num_inputs, str(f))
+
+
+def test_static_sequence_export_is_refused(tmp_path):
+    from moec.models import build_reference, get_config
+
+    cfg = get_config("tiny")
+    f = save_onnx(build_reference(cfg), cfg.vocab_size, tmp_path / "static.onnx", dynamic=False)
+    imported = import_model(f)
+    with pytest.raises(UnsupportedModel, match="static sequence length"):
+        analyze(imported.main, imported.num_inputs, str(f))

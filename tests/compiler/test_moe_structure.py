@@ -1,0 +1,42 @@
+import pytest
+
+from moec.compiler.importers import import_model
+from moec.compiler.moe_structure import analyze
+
+# (model, expected per-layer facts) -- recognised by structure, never by parameter names
+EXPECT = {
+    "tiny": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=True, groups=1, shared=0, gate=False, qk=False),
+    "tiny-shared-grouped": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=4, shared=3, gate=True, qk=False),
+    "hf-olmoe": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=1, shared=0, gate=False, qk=True),
+    "hf-mixtral": dict(heads=(4, 2, 16), score="softmax", k=2, e=4, renorm=True, groups=1, shared=0, gate=False, qk=False),
+    "hf-qwen2_moe": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=1, shared=3, gate=True, qk=False),
+}
+
+
+@pytest.mark.parametrize("path", ["onnx", "pt2"])
+@pytest.mark.parametrize("name", list(EXPECT))
+def test_structure(zoo, name, path):
+    imported = import_model(zoo.source(name, path))
+    s = analyze(imported.main, imported.num_inputs, name)
+    e = EXPECT[name]
+    assert s.num_layers == 2 and len(s.moe_layers) == 2
+    assert s.lm_head is not None and s.final_norm is not None
+    assert s.position_sources, "rotary position source not found"
+    for layer in s.layers:
+        a, r = layer.attention, layer.router
+        assert (a.num_heads, a.num_kv_heads, a.head_dim) == e["heads"]
+        assert a.sm_scale == pytest.approx(16**-0.5, rel=1e-5)
+        assert a.qk_norm == e["qk"]
+        assert len(a.projections) == 4
+        assert (r.score, r.top_k, r.num_experts, r.renormalize, r.n_group) == (e["score"], e["k"], e["e"], e["renorm"], e["groups"])
+        assert len(layer.experts) == 2
+        assert all(shape[0] == e["e"] for shape in layer.experts.values())
+        assert len(layer.shared_experts) == e["shared"]
+        assert (layer.shared_expert_gate is not None) == e["gate"]
+        roles = [n.role for n in layer.norms]
+        assert roles.count("attention") == 1 and roles.count("mlp") == 1
+        assert roles.count("qk") == (2 if e["qk"] else 0)
+    table = s.table()
+    assert "top-2" in table and str(s.vocab_size) in table
+    d = s.to_dict()
+    assert d["num_moe_layers"] == 2 and d["layers"][0]["router"]["top_k"] == 2
