@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 
 from ..schedules.rules import schedule_pass
+from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 
 
@@ -37,9 +38,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
         _dump(dump, "phase1_entries"),
         # Phase 2. Lower to TIR and fuse.
-        relax.backend.DispatchSampling(),
-        relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps({"relax.topk": legalize_topk}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -69,7 +69,9 @@ class Engine:
             lib = tvm.runtime.load_module(str(directory / LIBRARY))
         except Exception as exc:
             raise ArtifactError(f"{directory / LIBRARY}: cannot load the compiled library: {str(exc).splitlines()[-1] if str(exc) else exc}") from None
-        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.device)
+        from tvm.runtime.vm import VirtualMachine
+
+        self.vm = VirtualMachine(lib, self.device)
         from safetensors.numpy import load_file
 
         stored = load_file(str(directory / WEIGHTS))

@@ -1,0 +1,67 @@
+"""Helpers shared by the tests (importable as ``moec_testing``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# (name, factory) for every test model; HF families use their own transformers classes
+ATOL = 2e-4  # fp32 logits, compiled (llvm) vs torch / onnxruntime
+
+
+def make_model(name: str):
+    from moec.models import build_reference, get_config
+    from moec.models.hf import tiny_hf_model
+
+    if name.startswith("hf-"):
+        m = tiny_hf_model(name[3:])
+        return m, m.config.vocab_size
+    cfg = get_config(name)
+    return build_reference(cfg), cfg.vocab_size
+
+
+def torch_last_logits(model, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long))
+    out = out.logits if hasattr(out, "logits") else out
+    return out[0, -1].numpy()
+
+
+def ort_last_logits(session, tokens: list[int]) -> np.ndarray:
+    ids = np.asarray([tokens], dtype=np.int64)
+    return session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0][0, -1]
+
+
+class ModelZoo:
+    """Exports and compiles lazily, caching per (model, path)."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.models = {}
+        self.artifacts = {}
+
+    def model(self, name):
+        if name not in self.models:
+            self.models[name] = make_model(name)
+        return self.models[name]
+
+    def source(self, name, path):
+        from moec.models.export import save_onnx, save_pt2
+
+        model, vocab = self.model(name)
+        f = self.root / f"{name}.{path}"
+        if not f.exists():
+            (save_onnx if path == "onnx" else save_pt2)(model, vocab, f)
+        return f
+
+    def artifact(self, name, path):
+        import moec
+
+        key = (name, path)
+        if key not in self.artifacts:
+            out = self.root / f"art-{name}-{path}"
+            moec.compile(self.source(name, path), out, target="llvm")
+            self.artifacts[key] = out
+        return self.artifacts[key]
+
+

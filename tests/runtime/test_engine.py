@@ -1,0 +1,132 @@
+"""End to end on CPU (llvm): compile -> artifact -> moec.load -> prefill + decode, against torch and onnxruntime."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import moec
+from moec.compiler.errors import ArtifactError
+from moec.runtime.engine import CacheExhausted
+
+from moec_testing import ATOL, ort_last_logits, torch_last_logits
+
+MODELS = ["tiny", "tiny-shared-grouped", "hf-olmoe", "hf-mixtral", "hf-qwen2_moe"]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 1, 4, 1, 5]]
+DECODE_STEPS = 8
+
+
+@pytest.mark.parametrize("path", ["onnx", "pt2"])
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_and_decode_match_reference(zoo, name, path):
+    model, vocab = zoo.model(name)
+    engine = moec.load(zoo.artifact(name, path), device="cpu")
+    session = ort.InferenceSession(str(zoo.source(name, "onnx"))) if path == "onnx" else None
+
+    def reference(tokens):
+        return ort_last_logits(session, tokens) if session else torch_last_logits(model, tokens)
+
+    seqs, logits = engine.prefill(PROMPTS)
+    histories = [list(p) for p in PROMPTS]
+    for step in range(DECODE_STEPS + 1):
+        for i, h in enumerate(histories):
+            np.testing.assert_allclose(logits[i], reference(h), atol=ATOL, rtol=1e-4, err_msg=f"{name}/{path} step {step} seq {i}")
+        if step == DECODE_STEPS:
+            break
+        nxt = logits.argmax(-1)
+        for h, t in zip(histories, nxt):
+            h.append(int(t))
+        logits = engine.decode(seqs, nxt)
+    for s in seqs:
+        engine.release(s)
+    assert not engine.lengths
+
+
+@pytest.mark.parametrize("name", ["tiny", "hf-olmoe"])
+def test_greedy_generation_equals_torch(zoo, name):
+    model, _ = zoo.model(name)
+    engine = moec.load(zoo.artifact(name, "onnx"))
+    out = engine.generate(PROMPTS, max_new_tokens=6)
+    for prompt, gen in zip(PROMPTS, out):
+        h = list(prompt)
+        for _ in range(6):
+            h.append(int(torch_last_logits(model, h).argmax()))
+        assert gen == h[len(prompt):]
+
+
+def test_batch_independence_and_chunked_prefill(zoo):
+    art = zoo.artifact("tiny", "onnx")
+    alone = moec.load(art).generate([PROMPTS[1]], 5)[0]
+    batched = moec.load(art).generate(PROMPTS, 5)[1]
+    assert alone == batched
+    chunked = moec.load(art, prefill_chunk=4).generate(PROMPTS, 5)[1]  # prompts split over several prefill calls
+    assert chunked == alone
+
+
+def test_cache_exhausted_is_a_clear_error(zoo):
+    engine = moec.load(zoo.artifact("tiny", "onnx"), max_total_tokens=64, page_size=16, max_batch=4)
+    with pytest.raises(CacheExhausted, match="exhausted"):
+        engine.prefill([[1] * 70])
+    seqs, _ = engine.prefill([[1] * 60])  # fits in 4 pages
+    with pytest.raises(CacheExhausted, match="exhausted"):
+        for _ in range(10):
+            engine.decode(seqs, [1])
+    engine.release(seqs[0])
+    assert engine.prefill([[2] * 10])[0]  # pages came back
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "art"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_edited_manifest_is_refused(zoo, tmp_path):
+    art = _copy(zoo.artifact("tiny", "onnx"), tmp_path)
+    m = json.loads((art / "manifest.json").read_text())
+    m["files"]["lib.so"] = "0" * 64
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="lib.so: SHA-256 does not match"):
+        moec.load(art)
+
+
+def test_corrupt_weights_are_refused(zoo, tmp_path):
+    art = _copy(zoo.artifact("tiny", "onnx"), tmp_path)
+    with open(art / "weights.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00garbage")
+    with pytest.raises(ArtifactError, match="weights.safetensors: SHA-256"):
+        moec.load(art)
+
+
+def test_wrong_target_and_version_are_refused(zoo, tmp_path):
+    art = _copy(zoo.artifact("tiny", "onnx"), tmp_path)
+    with pytest.raises(ArtifactError, match="built for target 'llvm', cannot run on device 'cuda'"):
+        moec.load(art, device="cuda")
+    m = json.loads((art / "manifest.json").read_text())
+    m["tvm_version"] = "0.1.0"
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="built with TVM 0.1.0"):
+        moec.load(art)
+    with pytest.raises(ArtifactError, match="not an artifact directory"):
+        moec.load(tmp_path / "missing")
+
+
+def test_runtime_only_mode(zoo):
+    """The engine runs with TVM's runtime library only (no compiler loaded)."""
+    art = zoo.artifact("tiny", "onnx")
+    code = (
+        "import sys, moec, tvm\n"
+        f"e = moec.load({str(art)!r})\n"
+        "print(e.generate([[1,2,3]], 4)[0])\n"
+        "assert not hasattr(tvm, 'relax'), 'compiler was imported'\n"
+    )
+    env = dict(__import__("os").environ, TVM_USE_RUNTIME_LIB="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = moec.load(art).generate([[1, 2, 3]], 4)[0]
+    assert out.stdout.strip().splitlines()[-1] == str(expected)
