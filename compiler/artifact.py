@@ -49,6 +49,9 @@ def atomic_directory(target: str | Path):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
+        os.chmod(target, 0o755)
+        for f in target.iterdir():
+            os.chmod(f, 0o644 if f.is_file() else 0o755)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

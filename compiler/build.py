@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import platform
 import time
 from pathlib import Path
@@ -17,22 +17,36 @@ from .importers import ImportedModel, import_model
 from .targets import make_target
 
 
-@contextlib.contextmanager
-def _cuda_ahead_of_time(arch: str):
-    """Compile generated CUDA with nvcc to a fatbin at build time (no NVRTC at load time)."""
+def _cuda_modules(mod) -> list:
+    found = [mod] if mod.kind == "cuda" else []
+    for sub in mod.imports:
+        found += _cuda_modules(sub)
+    return found
+
+
+def _compile_cuda_kernels(executable, target, out_dir: Path, progress: bool) -> list[dict]:
+    """Compile every CUDA device module's source to an sm_XX fatbin with nvcc, ahead of time.
+
+    TVM keeps CUDA device code as source and compiles it when the library is loaded (NVRTC through
+    the compiler's Python side). The runtime instead hands the loader these fatbins, matched by the
+    SHA-256 of the source, so loading compiles nothing.
+    """
     from tvm.support import nvcc
 
-    prev = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-
-    def compile_fatbin(code, *_):
-        return nvcc.compile_cuda(code, target_format="fatbin", arch=arch, compiler="nvcc")
-
-    tvm.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
-    try:
-        yield
-    finally:
-        if prev is not None:
-            tvm.register_global_func("tvm_callback_cuda_compile", prev, override=True)
+    arch = target.arch
+    kernels = []
+    for i, mod in enumerate(_cuda_modules(executable.mod)):
+        source = mod.inspect_source("cuda")
+        t = time.perf_counter()
+        with target:
+            fatbin = nvcc.compile_cuda(source, target_format="fatbin", arch=arch, compiler="nvcc")
+        name = f"cuda_kernels_{i}.fatbin"
+        (out_dir / name).write_bytes(bytes(fatbin))
+        kernels.append({"file": name, "arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest()})
+        _log(progress, f"nvcc: {name} ({len(fatbin) / 1e6:.1f} MB, {arch}) in {time.perf_counter() - t:.1f}s")
+    if not kernels:
+        raise MoecError("CUDA build produced no device module")
+    return kernels
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -75,22 +89,21 @@ def compile(  # noqa: A001 - the public name users call
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump)
     t1 = time.perf_counter()
-    ctx = _cuda_ahead_of_time(tgt.arch) if tgt.kind.name == "cuda" else contextlib.nullcontext()
-    with ctx:
-        try:
-            executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
-        except MoecError:
-            raise
-        except Exception as exc:
-            cause = exc.__cause__ or exc.__context__
-            if isinstance(cause, MoecError):
-                raise cause from None
-            raise
+    try:
+        executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
+    except MoecError:
+        raise
+    except Exception as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, MoecError):
+            raise cause from None
+        raise
     structure = insert.structure
     _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
     weight_names = imported.weight_names()
     attn = structure.layers[0].attention
     with atomic_directory(output_dir) as tmp:
+        cuda_kernels = _compile_cuda_kernels(executable, tgt, tmp, progress) if tgt.kind.name == "cuda" else []
         executable.export_library(str(tmp / LIBRARY))
         from safetensors.numpy import save_file
 
@@ -114,6 +127,7 @@ def compile(  # noqa: A001 - the public name users call
                 "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
                 "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
             },
+            "cuda_kernels": cuda_kernels,
             "token_input_dtype": str(imported.main.params[0].ty.dtype),
             "weights": weight_names,
         }

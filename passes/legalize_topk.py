@@ -6,7 +6,7 @@ top-k over at most a few hundred experts: ranking every score against every othe
 token) is cheap, parallel and exact. Ties go to the lower index, as a stable sort would.
 
 Expects: ``topk`` calls with any rank and ``axis`` (moved to last internally).
-Guarantees: ``call_tir`` of three small reductions per call; same values and indices as ``topk``.
+Guarantees: one ``call_tir`` (two small reductions) for the indices and a gather for the values; same values and indices as ``topk``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def _topk_rank_select(x: te.Tensor, k: int, largest: bool, index_dtype: str):
         lambda r, p: te.sum(tirx.Select(rank[r, j] == p, j.astype(index_dtype), tirx.const(0, index_dtype)), axis=j),
         name="topk_index",
     )
-    val = te.compute((rows, k), lambda r, p: x[r, idx[r, p]], name="topk_value")
-    return [val, idx]
+    return idx
 
 
 def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -51,9 +50,10 @@ def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     for d in lead:
         rows = rows * d
     flat = bb.normalize(relax.op.reshape(x, [rows, shape[-1]]))
-    out = bb.emit_te(_topk_rank_select, flat, k, largest, index_dtype, primfunc_name_hint="topk_rank_select")
-    vals = bb.normalize(relax.op.reshape(relax.TupleGetItem(out, 0), lead + [k]))
-    idxs = bb.normalize(relax.op.reshape(relax.TupleGetItem(out, 1), lead + [k]))
+    idx = bb.emit_te(_topk_rank_select, flat, k, largest, index_dtype, primfunc_name_hint="topk_rank_select")
+    val = bb.normalize(relax.op.gather_elements(flat, idx, axis=1))
+    vals = bb.normalize(relax.op.reshape(val, lead + [k]))
+    idxs = bb.normalize(relax.op.reshape(idx, lead + [k]))
     if axis != rank - 1:
         inv = list(range(rank - 1))
         inv.insert(axis, rank - 1)

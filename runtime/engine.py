@@ -25,6 +25,32 @@ class CacheExhausted(MoecError):
 
 
 _CUDA_RUNTIME_LOADED = False
+_FATBINS: dict[str, bytes] = {}
+
+
+def _register_fatbins(directory: Path, manifest: dict) -> None:
+    """Serve the artifact's ahead-of-time fatbins to TVM's CUDA loader (matched by source SHA-256).
+
+    TVM's CUDA module asks ``tvm_callback_cuda_compile`` for device code when it is loaded; answering
+    with the precompiled fatbin means nothing is compiled at load time (and no compiler is needed).
+    """
+    import hashlib
+
+    import tvm_ffi
+
+    kernels = manifest.get("cuda_kernels") or []
+    if not kernels:
+        raise ArtifactError(f"{directory / 'manifest.json'}: CUDA artifact lists no compiled kernels (cuda_kernels)")
+    for k in kernels:
+        _FATBINS[k["source_sha256"]] = (directory / k["file"]).read_bytes()
+
+    def serve(code, *_):
+        digest = hashlib.sha256(str(code).encode()).hexdigest()
+        if digest not in _FATBINS:
+            raise ArtifactError(f"{directory}: no precompiled fatbin for a CUDA module (source {digest[:12]}): stale artifact, recompile")
+        return bytes(_FATBINS[digest])
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", serve, override=True)
 
 
 def _load_cuda_runtime() -> None:
@@ -56,6 +82,7 @@ class Engine:
             raise ArtifactError(f"{directory / 'manifest.json'}: artifact built for target {kind!r}, cannot run on device {device!r}")
         if device == "cuda":
             _load_cuda_runtime()
+            _register_fatbins(directory, manifest)
         import tvm
         import tvm_ffi
 

@@ -10,10 +10,31 @@ from __future__ import annotations
 import tvm
 
 
+def _guarded(rule):
+    """A rule that declines (returns None) where the wrapped dlight rule raises, so the next rule applies.
+
+    dlight rules assume shapes they do not always check (e.g. GEMV on a matrix-vector product with a
+    single output row fails in ``fuse``); one such kernel must not fail the whole build.
+    """
+    from tvm.s_tir.dlight.base import ScheduleRule
+
+    class Guarded(ScheduleRule):
+        def apply(self, func, target, tunable):
+            try:
+                return rule.apply(func, target, tunable)
+            except Exception:  # noqa: BLE001 - any failure means "this rule does not apply"
+                return None
+
+        def __repr__(self) -> str:
+            return f"Guarded({type(rule).__name__})"
+
+    return Guarded()
+
+
 def _gpu_rules():
     from tvm.s_tir import dlight as dl
 
-    return [dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    return [_guarded(r) for r in (dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
 
 
 SCHEDULE_RULES = {
