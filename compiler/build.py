@@ -62,6 +62,7 @@ def compile(  # noqa: A001 - the public name users call
     example_inputs=None,
     debug_dump: str | Path | None = None,
     progress: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -76,6 +77,8 @@ def compile(  # noqa: A001 - the public name users call
         CUDA architecture (``sm_90`` by default for cuda).
     debug_dump : str | Path, optional
         Write the IR after each pipeline phase into this directory.
+    kv_cache_dtype : {"float32", "float16", "bfloat16"}, optional
+        Element type of the paged KV cache (default: the model's dtype).
 
     Returns
     -------
@@ -87,7 +90,9 @@ def compile(  # noqa: A001 - the public name users call
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
-    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump)
+    if kv_cache_dtype not in (None, "float32", "float16", "bfloat16"):
+        raise MoecError(f"bad KV cache dtype {kv_cache_dtype!r}: expected float32, float16 or bfloat16")
+    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype)
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -117,11 +122,11 @@ def compile(  # noqa: A001 - the public name users call
             "model": {
                 "num_layers": structure.num_layers, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
                 "head_dim": attn.head_dim, "vocab_size": structure.vocab_size, "hidden_size": structure.hidden_size,
-                "dtype": structure.dtype, "kv_cache_dtype": structure.dtype,
+                "dtype": structure.dtype, "kv_cache_dtype": kv_cache_dtype or structure.dtype,
             },
             "structure": structure.to_dict(),
             "passes": ["InsertPagedKVAttention", "LegalizeOps", "FuseOps", "FuseTIR", "schedules.rules"],
-            "options": {"kv_cache": "paged", "debug_dump": str(debug_dump) if debug_dump else None},
+            "options": {"kv_cache": "paged", "kv_cache_dtype": kv_cache_dtype or structure.dtype, "debug_dump": str(debug_dump) if debug_dump else None},
             "entry_functions": {
                 "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
                 "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",

@@ -22,7 +22,8 @@ def cmd_compile(args) -> int:
     from .build import compile as moec_compile
 
     _print_args(args)
-    moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True)
+    moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
+                 kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
     p.add_argument("--arch", default=None, help="CUDA architecture, e.g. sm_90 (default for --target cuda)")
     p.add_argument("--debug-dump", default=None, help="write the IR after each pipeline phase into this directory")
+    p.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="element type of the paged KV cache (default: the model's dtype)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")

@@ -1,39 +1,92 @@
-"""Legalization of ``relax.topk`` over the last axis as rank-select TIR (no sort, no extern call).
+"""Legalization of ``relax.topk`` as a selection kernel in TIR (no sort, no extern call).
 
 The stock CPU legalization calls ``tvm.contrib.sort.topk``, a packed function that lives in TVM's
-compiler library, so an artifact using it cannot run with the runtime library alone. MoE routers take
-top-k over at most a few hundred experts: ranking every score against every other (E^2 compares per
-token) is cheap, parallel and exact. Ties go to the lower index, as a stable sort would.
+compiler library, so an artifact using it cannot run with the runtime library alone; the GPU one sorts
+whole rows. MoE routers take top-k (k <= 16) over at most a few hundred experts per token: one thread
+per row selecting the k best in k passes over the row is exact, cheap and needs no scratch memory.
+Ties go to the lower index, as a stable sort would.
 
-Expects: ``topk`` calls with any rank and ``axis`` (moved to last internally).
-Guarantees: one ``call_tir`` (two small reductions) for the indices and a gather for the values; same values and indices as ``topk``.
+Expects: ``topk`` calls with any rank and ``axis`` (moved to last internally), static row length and k.
+Guarantees: one scheduled (``tirx.is_scheduled``) ``call_tir`` for the indices, opaque to fusion,
+and a gather for the values; same results as ``topk``.
 """
 
 from __future__ import annotations
 
-from tvm import relax, te, tirx
+from tvm import relax, tirx
+from tvm.script import tirx as T
+
+_THREADS = 128
 
 
-def _topk_rank_select(x: te.Tensor, k: int, largest: bool, index_dtype: str):
-    rows, n = x.shape
-    i = te.reduce_axis((0, n), "i")
+def _gpu_func(n, k, dtype, index_dtype, largest):
+    sign = T.float32(1.0 if largest else -1.0)
 
-    def before(r, a, b):  # does element a rank before element b?
-        xa, xb = x[r, a], x[r, b]
-        better = xa > xb if largest else xa < xb
-        return tirx.Or(better, tirx.And(xa == xb, a < b))
+    @T.prim_func(private=True, s_tir=True)
+    def topk_select(var_x: T.handle, var_idx: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True, "op_pattern": 8})
+        rows = T.int64()
+        x = T.match_buffer(var_x, (rows, n), dtype)
+        idx = T.match_buffer(var_idx, (rows, k), index_dtype)
+        with T.sblock("root"):
+            for bx in T.thread_binding((rows + _THREADS - 1) // _THREADS, thread="blockIdx.x"):
+                for tx in T.thread_binding(_THREADS, thread="threadIdx.x"):
+                    best = T.decl_buffer((1,), "float32", scope="local")
+                    best_i = T.decl_buffer((1,), "int64", scope="local")
+                    taken = T.decl_buffer((1,), "int32", scope="local")
+                    r = bx * _THREADS + tx
+                    if r < rows:
+                        for p in range(k):
+                            best[0] = T.float32(-3.0e38)
+                            best_i[0] = T.int64(-1)
+                            for e in range(n):
+                                taken[0] = 0
+                                for q in range(p):
+                                    if T.Cast("int64", idx[r, q]) == T.int64(e):
+                                        taken[0] = 1
+                                if taken[0] == 0:
+                                    if best_i[0] < T.int64(0) or T.Cast("float32", x[r, e]) * sign > best[0]:
+                                        best[0] = T.Cast("float32", x[r, e]) * sign
+                                        best_i[0] = T.int64(e)
+                            idx[r, p] = T.Cast(index_dtype, best_i[0])
 
-    rank = te.compute((rows, n), lambda r, j: te.sum(tirx.Select(before(r, i, j), 1, 0), axis=i), name="topk_rank")
-    j = te.reduce_axis((0, n), "j")
-    idx = te.compute(
-        (rows, k),
-        lambda r, p: te.sum(tirx.Select(rank[r, j] == p, j.astype(index_dtype), tirx.const(0, index_dtype)), axis=j),
-        name="topk_index",
-    )
-    return idx
+    return topk_select
+
+
+def _cpu_func(n, k, dtype, index_dtype, largest):
+    sign = T.float32(1.0 if largest else -1.0)
+
+    @T.prim_func(private=True, s_tir=True)
+    def topk_select(var_x: T.handle, var_idx: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True, "op_pattern": 8})
+        rows = T.int64()
+        x = T.match_buffer(var_x, (rows, n), dtype)
+        idx = T.match_buffer(var_idx, (rows, k), index_dtype)
+        with T.sblock("root"):
+            for r in T.parallel(rows):
+                best = T.decl_buffer((1,), "float32", scope="local")
+                best_i = T.decl_buffer((1,), "int64", scope="local")
+                taken = T.decl_buffer((1,), "int32", scope="local")
+                for p in range(k):
+                    best[0] = T.float32(-3.0e38)
+                    best_i[0] = T.int64(-1)
+                    for e in range(n):
+                        taken[0] = 0
+                        for q in range(p):
+                            if T.Cast("int64", idx[r, q]) == T.int64(e):
+                                taken[0] = 1
+                        if taken[0] == 0:
+                            if best_i[0] < T.int64(0) or T.Cast("float32", x[r, e]) * sign > best[0]:
+                                best[0] = T.Cast("float32", x[r, e]) * sign
+                                best_i[0] = T.int64(e)
+                    idx[r, p] = T.Cast(index_dtype, best_i[0])
+
+    return topk_select
 
 
 def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    from tvm.target import Target
+
     x = call.args[0]
     attrs = call.attrs
     k, axis, largest = int(attrs.k), int(attrs.axis), bool(attrs.largest)
@@ -49,8 +102,13 @@ def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     rows = 1
     for d in lead:
         rows = rows * d
-    flat = bb.normalize(relax.op.reshape(x, [rows, shape[-1]]))
-    idx = bb.emit_te(_topk_rank_select, flat, k, largest, index_dtype, primfunc_name_hint="topk_rank_select")
+    n = int(shape[-1])
+    flat = bb.normalize(relax.op.reshape(x, [rows, n]))
+    target = Target.current(allow_none=True)
+    gpu = target is not None and target.kind.name != "llvm"
+    make = _gpu_func if gpu else _cpu_func
+    gv = bb.add_func(make(n, k, str(x.ty.dtype), index_dtype, largest), "topk_select")
+    idx = bb.emit(relax.call_tir(gv, [flat], relax.TensorType([rows, k], index_dtype)))
     val = bb.normalize(relax.op.gather_elements(flat, idx, axis=1))
     vals = bb.normalize(relax.op.reshape(val, lead + [k]))
     idxs = bb.normalize(relax.op.reshape(idx, lead + [k]))

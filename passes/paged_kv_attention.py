@@ -29,8 +29,9 @@ POS_FUNC = "vm.builtin.attention_kv_cache_get_query_positions"
 
 @relax.expr_functor.mutator
 class _PagedKVAttentionRewriter(relax.PyExprMutator):
-    def __init__(self, mod, structure: MoEStructure, cache: relax.Var, n_tokens, extra_inputs) -> None:
+    def __init__(self, mod, structure: MoEStructure, cache: relax.Var, n_tokens, extra_inputs, kv_dtype: str | None = None) -> None:
         super().__init__(mod)
+        self.kv_dtype = kv_dtype
         self.s = structure
         self.cache = cache
         self.n = n_tokens
@@ -64,7 +65,10 @@ class _PagedKVAttentionRewriter(relax.PyExprMutator):
             k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
             v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
             qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
-            dtype = dtype_of(var)
+            model_dtype = dtype_of(var)
+            dtype = self.kv_dtype or model_dtype
+            if dtype != model_dtype:
+                qkv = self._emit(relax.op.astype(qkv, dtype))
             out = self._emit(
                 relax.call_dps_packed(
                     ATTN_FUNC,
@@ -72,6 +76,8 @@ class _PagedKVAttentionRewriter(relax.PyExprMutator):
                     out_ty=relax.TensorType((self.n, a.num_heads, a.head_dim), dtype),
                 )
             )  # N, H, Dh
+            if dtype != model_dtype:
+                out = self._emit(relax.op.astype(out, model_dtype))
             out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
             out = self._emit(relax.op.reshape(out, list(shape_of(var))))
             self.set_var_remap(var, out)
@@ -94,7 +100,7 @@ def _bind_batch_to_one(func: relax.Function, num_inputs: int) -> relax.Function:
     return func
 
 
-def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, with_logit_pos: bool) -> relax.Function:
+def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, with_logit_pos: bool, kv_dtype: str | None = None) -> relax.Function:
     """One entry function (prefill or decode) from the batch-1 forward ``func``."""
     params = list(func.params)
     ids, inputs, weights = params[0], params[1:num_inputs], params[num_inputs:]
@@ -110,7 +116,7 @@ def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, 
     fresh = {p: relax.Var(p.name, p.ty) for p in [ids] + weights}
     for old, new in fresh.items():
         extra[old] = (lambda new=new: new)
-    rewriter = _PagedKVAttentionRewriter(tvm.IRModule({"main": func}), structure, cache, n, extra)
+    rewriter = _PagedKVAttentionRewriter(tvm.IRModule({"main": func}), structure, cache, n, extra, kv_dtype)
     body = rewriter.visit_expr(func.body)
     ids, weights = fresh[ids], [fresh[w] for w in weights]
     new_params = [ids]
@@ -162,8 +168,9 @@ def build_create_kv_cache(structure: MoEStructure, dtype: str, target: tvm.targe
 class InsertPagedKVAttention:
     """Replace ``main`` with paged-KV ``prefill``/``decode`` entries and ``create_kv_cache``."""
 
-    def __init__(self, num_inputs: int, target: tvm.target.Target, source: str = "model") -> None:
+    def __init__(self, num_inputs: int, target: tvm.target.Target, source: str = "model", kv_dtype: str | None = None) -> None:
         self.num_inputs = num_inputs
+        self.kv_dtype = kv_dtype
         self.target = target
         self.source = source
         self.structure: MoEStructure | None = None
@@ -172,8 +179,8 @@ class InsertPagedKVAttention:
         func = _bind_batch_to_one(mod["main"], self.num_inputs)
         structure = analyze(func, self.num_inputs, self.source)
         self.structure = structure
-        kv_dtype = structure.dtype
+        kv_dtype = self.kv_dtype or structure.dtype
         out = build_create_kv_cache(structure, kv_dtype, self.target)  # keeps its kernels' GlobalVars
         for with_pos in (True, False):
-            out["prefill" if with_pos else "decode"] = build_entry(func, self.num_inputs, structure, with_pos)
+            out["prefill" if with_pos else "decode"] = build_entry(func, self.num_inputs, structure, with_pos, kv_dtype)
         return out

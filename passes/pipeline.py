@@ -28,10 +28,11 @@ def _dump(directory: Path | None, name: str):
     return _pass
 
 
-def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None):
+def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
+                  kv_dtype: str | None = None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure."""
     dump = Path(debug_dump) if debug_dump else None
-    insert = InsertPagedKVAttention(num_inputs, target, source)
+    insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
     passes = [
         # Phase 1. Decode-ready entry points (attention -> paged KV cache).
         insert,
