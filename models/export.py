@@ -42,6 +42,13 @@ def _dynamic_shapes(max_seq: int):
     return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
 
 
+def dynamic_shapes_for(num_inputs: int, max_seq: int = 4096) -> tuple:
+    """Positional dynamic shapes for a module called as ``forward(input_ids[, attention_mask])``."""
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    seq = torch.export.Dim("seq", min=2, max=max(max_seq, 3))
+    return tuple({0: batch, 1: seq} for _ in range(num_inputs))
+
+
 def to_exported_program(model: nn.Module, vocab_size: int, max_seq: int = 4096) -> torch.export.ExportedProgram:
     """``torch.export`` of ``model`` with dynamic batch and sequence axes."""
     wrapped = LogitsOnly(model).eval()

@@ -82,9 +82,19 @@ def import_torch(model, example_inputs=None) -> ImportedModel:
         return import_exported_program(model)
     if not isinstance(model, torch.nn.Module):
         raise ImportFailure(f"cannot import an object of type {type(model).__name__}: expected an nn.Module or ExportedProgram")
-    from ...models.export import to_exported_program
+    from ...models.export import dynamic_shapes_for, to_exported_program
 
+    if example_inputs is not None:
+        inputs = tuple(example_inputs)
+        if len(inputs) not in (1, 2):
+            raise ImportFailure("example_inputs must be (input_ids,) or (input_ids, attention_mask)")
+        try:
+            with torch.no_grad():
+                ep = torch.export.export(model.eval(), inputs, dynamic_shapes=dynamic_shapes_for(len(inputs)))
+        except Exception as exc:
+            raise ImportFailure(f"torch.export of {type(model).__name__} with dynamic batch/sequence axes failed: {str(exc).splitlines()[0]}") from None
+        return import_exported_program(ep, type(model).__name__)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
-        raise ImportFailure("nn.Module import needs model.config.vocab_size (or pass an ExportedProgram)")
+        raise ImportFailure("nn.Module import needs example_inputs (input_ids[, attention_mask]) or model.config.vocab_size")
     return import_exported_program(to_exported_program(model, vocab), type(model).__name__)

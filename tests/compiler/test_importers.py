@@ -93,3 +93,15 @@ def test_static_sequence_export_is_refused(tmp_path):
     imported = import_model(f)
     with pytest.raises(UnsupportedModel, match="static sequence length"):
         analyze(imported.main, imported.num_inputs, str(f))
+
+
+def test_module_with_example_inputs():
+    from moec.models import build_reference, get_config
+
+    cfg = get_config("tiny")
+    model = build_reference(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    imported = import_model(model, example_inputs=(ids,))
+    assert imported.num_inputs == 1 and imported.source_kind == "torch"
+    s = analyze(imported.main, imported.num_inputs, "tiny")
+    assert len(s.moe_layers) == cfg.num_layers
