@@ -92,6 +92,11 @@ def compile(  # noqa: A001 - the public name users call
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
     if kv_cache_dtype not in (None, "float32", "float16", "bfloat16"):
         raise MoecError(f"bad KV cache dtype {kv_cache_dtype!r}: expected float32, float16 or bfloat16")
+    # recognise the MoE structure up front: unsupported models fail here with a clear message
+    from ..passes.paged_kv_attention import _bind_batch_to_one
+    from .moe_structure import analyze
+
+    analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype)
     t1 = time.perf_counter()
     try:

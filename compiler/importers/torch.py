@@ -46,7 +46,8 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
     _check_ops(ep, name)
     user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     try:
-        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True, custom_convert_map=EXTRA_CONVERTERS)
+        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                    custom_convert_map=EXTRA_CONVERTERS, run_ep_decomposition=False)  # decomposed above
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
