@@ -19,45 +19,48 @@ from tvm.script import tirx as T
 _THREADS = 128
 
 
-def _gpu_func(n, k, dtype, index_dtype, largest):
+def topk_select_func(n: int, k: int, dtype: str, index_dtype: str, largest: bool, gpu: bool) -> tirx.PrimFunc:
+    """PrimFunc ``(x[R, n], idx[R, k])``: indices of the k largest (smallest) entries of each row."""
     sign = T.float32(1.0 if largest else -1.0)
 
+    @T.macro
+    def select_row(x, idx, r, best, best_i, taken):
+        # k passes; each takes the best entry not chosen by an earlier pass (first index wins ties)
+        for p in range(k):
+            best[0] = T.float32(-3.0e38)
+            best_i[0] = T.int64(-1)
+            for e in range(n):
+                taken[0] = 0
+                for q in range(p):
+                    if T.Cast("int64", idx[r, q]) == T.int64(e):
+                        taken[0] = 1
+                if taken[0] == 0:
+                    if best_i[0] < T.int64(0) or T.Cast("float32", x[r, e]) * sign > best[0]:
+                        best[0] = T.Cast("float32", x[r, e]) * sign
+                        best_i[0] = T.int64(e)
+            idx[r, p] = T.Cast(index_dtype, best_i[0])
+
+    if gpu:
+
+        @T.prim_func(private=True, s_tir=True)
+        def topk_select(var_x: T.handle, var_idx: T.handle):
+            T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True, "op_pattern": 8})
+            rows = T.int64()
+            x = T.match_buffer(var_x, (rows, n), dtype)
+            idx = T.match_buffer(var_idx, (rows, k), index_dtype)
+            with T.sblock("root"):
+                for bx in T.thread_binding((rows + _THREADS - 1) // _THREADS, thread="blockIdx.x"):
+                    for tx in T.thread_binding(_THREADS, thread="threadIdx.x"):
+                        best = T.decl_buffer((1,), "float32", scope="local")
+                        best_i = T.decl_buffer((1,), "int64", scope="local")
+                        taken = T.decl_buffer((1,), "int32", scope="local")
+                        if bx * _THREADS + tx < rows:
+                            select_row(x, idx, bx * _THREADS + tx, best, best_i, taken)
+
+        return topk_select
+
     @T.prim_func(private=True, s_tir=True)
-    def topk_select(var_x: T.handle, var_idx: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True, "op_pattern": 8})
-        rows = T.int64()
-        x = T.match_buffer(var_x, (rows, n), dtype)
-        idx = T.match_buffer(var_idx, (rows, k), index_dtype)
-        with T.sblock("root"):
-            for bx in T.thread_binding((rows + _THREADS - 1) // _THREADS, thread="blockIdx.x"):
-                for tx in T.thread_binding(_THREADS, thread="threadIdx.x"):
-                    best = T.decl_buffer((1,), "float32", scope="local")
-                    best_i = T.decl_buffer((1,), "int64", scope="local")
-                    taken = T.decl_buffer((1,), "int32", scope="local")
-                    r = bx * _THREADS + tx
-                    if r < rows:
-                        for p in range(k):
-                            best[0] = T.float32(-3.0e38)
-                            best_i[0] = T.int64(-1)
-                            for e in range(n):
-                                taken[0] = 0
-                                for q in range(p):
-                                    if T.Cast("int64", idx[r, q]) == T.int64(e):
-                                        taken[0] = 1
-                                if taken[0] == 0:
-                                    if best_i[0] < T.int64(0) or T.Cast("float32", x[r, e]) * sign > best[0]:
-                                        best[0] = T.Cast("float32", x[r, e]) * sign
-                                        best_i[0] = T.int64(e)
-                            idx[r, p] = T.Cast(index_dtype, best_i[0])
-
-    return topk_select
-
-
-def _cpu_func(n, k, dtype, index_dtype, largest):
-    sign = T.float32(1.0 if largest else -1.0)
-
-    @T.prim_func(private=True, s_tir=True)
-    def topk_select(var_x: T.handle, var_idx: T.handle):
+    def topk_select_cpu(var_x: T.handle, var_idx: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tir.noalias": True, "op_pattern": 8})
         rows = T.int64()
         x = T.match_buffer(var_x, (rows, n), dtype)
@@ -67,21 +70,9 @@ def _cpu_func(n, k, dtype, index_dtype, largest):
                 best = T.decl_buffer((1,), "float32", scope="local")
                 best_i = T.decl_buffer((1,), "int64", scope="local")
                 taken = T.decl_buffer((1,), "int32", scope="local")
-                for p in range(k):
-                    best[0] = T.float32(-3.0e38)
-                    best_i[0] = T.int64(-1)
-                    for e in range(n):
-                        taken[0] = 0
-                        for q in range(p):
-                            if T.Cast("int64", idx[r, q]) == T.int64(e):
-                                taken[0] = 1
-                        if taken[0] == 0:
-                            if best_i[0] < T.int64(0) or T.Cast("float32", x[r, e]) * sign > best[0]:
-                                best[0] = T.Cast("float32", x[r, e]) * sign
-                                best_i[0] = T.int64(e)
-                    idx[r, p] = T.Cast(index_dtype, best_i[0])
+                select_row(x, idx, r, best, best_i, taken)
 
-    return topk_select
+    return topk_select_cpu
 
 
 def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -106,8 +97,7 @@ def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     flat = bb.normalize(relax.op.reshape(x, [rows, n]))
     target = Target.current(allow_none=True)
     gpu = target is not None and target.kind.name != "llvm"
-    make = _gpu_func if gpu else _cpu_func
-    gv = bb.add_func(make(n, k, str(x.ty.dtype), index_dtype, largest), "topk_select")
+    gv = bb.add_func(topk_select_func(n, k, str(x.ty.dtype), index_dtype, largest, gpu), "topk_select")
     idx = bb.emit(relax.call_tir(gv, [flat], relax.TensorType([rows, k], index_dtype)))
     val = bb.normalize(relax.op.gather_elements(flat, idx, axis=1))
     vals = bb.normalize(relax.op.reshape(val, lead + [k]))

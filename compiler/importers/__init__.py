@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import tvm
+
+from ..artifact import sha256_file as file_sha256  # noqa: F401 - re-exported for the importers
 
 
 @dataclass
@@ -46,14 +47,6 @@ def bind_scalar_weights(mod: tvm.IRModule, weights: list[np.ndarray], num_inputs
     new_func = func.bind_params(binds)
     mod = tvm.IRModule({"main": new_func})
     return mod, keep
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def import_model(source, example_inputs=None) -> ImportedModel:
