@@ -15,6 +15,7 @@ from tvm import relax
 from ..schedules.rules import schedule_pass
 from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
+from .simplify_power import SimplifyPower
 
 
 def _dump(directory: Path | None, name: str):
@@ -36,6 +37,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     passes = [
         # Phase 1. Decode-ready entry points (attention -> paged KV cache).
         insert,
+        SimplifyPower(),
         relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
         _dump(dump, "phase1_entries"),
         # Phase 2. Lower to TIR and fuse.
