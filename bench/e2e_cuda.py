@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 MODELS = ["tiny", "tiny-shared-grouped", "hf-olmoe", "hf-mixtral", "hf-qwen2_moe"]
+PT2_MODELS = ["tiny", "hf-olmoe"]  # also compiled from torch.export (.pt2); artifact dir "<name>.pt2"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 1, 4, 1, 5]]
 STEPS = 8
 
@@ -38,7 +39,7 @@ def make_model(name):
 
 def prepare(out: Path) -> None:
     import moec
-    from moec.models.export import save_onnx
+    from moec.models.export import save_onnx, save_pt2
 
     out.mkdir(parents=True, exist_ok=True)
     for name in MODELS:
@@ -47,6 +48,11 @@ def prepare(out: Path) -> None:
         save_onnx(model, vocab, onnx_path)
         moec.compile(onnx_path, out / name, target="cuda", arch="sm_90", progress=True)
         onnx_path.unlink()
+        if name in PT2_MODELS:
+            pt2_path = out / f"{name}.pt2"
+            save_pt2(model, vocab, pt2_path)
+            moec.compile(pt2_path, out / f"{name}.pt2-artifact", target="cuda", arch="sm_90", progress=True)
+            pt2_path.unlink()
 
 
 def run(art_root: Path, json_out: Path | None, commit: str) -> int:
@@ -57,11 +63,12 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
     dev = torch.device("cuda")
     results = []
     ok = True
-    for name in MODELS:
+    runs = [(name, name, "onnx") for name in MODELS] + [(name, f"{name}.pt2-artifact", "pt2") for name in PT2_MODELS]
+    for name, art, source in runs:
         model, _ = make_model(name)
         model = model.to(dev)
         t0 = time.perf_counter()
-        engine = moec.load(art_root / name, device="cuda")
+        engine = moec.load(art_root / art, device="cuda")
         load_s = time.perf_counter() - t0
 
         def ref(tokens):
@@ -88,7 +95,7 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
             logits = engine.decode(seqs, nxt)
         passed = max_err < 1e-3 and agree == steps
         ok &= passed
-        results.append({"model": name, "max_abs_logit_error": max_err, "greedy_agreement": f"{agree}/{steps}",
+        results.append({"model": name, "source": source, "max_abs_logit_error": max_err, "greedy_agreement": f"{agree}/{steps}",
                         "load_seconds": round(load_s, 3), "passed": passed})
         print(json.dumps(results[-1]), flush=True)
     doc = {
