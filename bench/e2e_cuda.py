@@ -100,9 +100,8 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
         print(json.dumps(results[-1]), flush=True)
     doc = {
         "benchmark": "e2e_cuda",
-        "command": "python bench/e2e_cuda.py prepare .devcarry/e2e  (CPU machine), then on the GPU machine: "
-                   "bash .devcarry/base/install.sh && source .devcarry/base/env.sh && "
-                   "python3 bench/e2e_cuda.py run .devcarry/e2e --json $OUT/e2e_cuda.json --commit <commit>",
+        "command": "here: python bench/e2e_cuda.py prepare .devcarry/e2e; then on the GPU machine (carry .devcarry/base, "
+                   f".devcarry/e2e): source bench/device_env.sh && python3 bench/e2e_cuda.py run .devcarry/e2e --json $OUT/e2e_cuda.json --commit {commit}",
         "git_commit": commit,
         "device": torch.cuda.get_device_name(0),
         "tvm_runtime_only": os.environ.get("TVM_USE_RUNTIME_LIB") == "1",
