@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
+from pathlib import Path
+
+import numpy as np
 
 from .errors import MoecError
 
 
 def _print_args(args) -> None:
-    shown = {k: v for k, v in vars(args).items() if k != "func"}
+    shown = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
     print(f"[moec] {args.command}: " + " ".join(f"{k}={v}" for k, v in shown.items() if k != "command"), flush=True)
 
 
@@ -62,6 +66,65 @@ def cmd_demo(args) -> int:
                     batch=args.batch, new_tokens=args.new_tokens)
 
 
+def cmd_corpus(args) -> int:
+    from ..models.corpus import build_corpus
+
+    _print_args(args)
+    corpus = build_corpus(args.output, args.tokenizer, args.vocab_size, args.heldout_percent)
+    sp = corpus.meta["splits"]
+    print(f"[moec] corpus {corpus.id}: train {sp['train']['files']} files / {sp['train']['tokens']} tokens, "
+          f"held-out {sp['heldout']['files']} files / {sp['heldout']['tokens']} tokens, "
+          f"unigram held-out perplexity {corpus.meta['unigram_heldout_perplexity']:.3f}")
+    return 0
+
+
+def cmd_train_reference(args) -> int:
+    from ..models.train import train_reference
+
+    _print_args(args)
+    export = tuple(x for x in args.export.split(",") if x) if args.export != "none" else ()
+    train_reference(args.size, args.output, seed=args.seed, device=args.device, steps=args.steps,
+                    corpus_dir=args.corpus, export=export)
+    print(f"[moec] wrote {args.output}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from ..models.corpus import load_corpus
+    from ..models.evaluate import evaluate, format_report, load_subject
+    from ..models.train import corpus_of
+
+    _print_args(args)
+    subject = load_subject(args.model, device=args.device, mode=args.mode, batch_size=args.batch_size)
+    reference = load_subject(args.reference, device=args.device, mode=args.mode, batch_size=args.batch_size) if args.reference else None
+    if args.corpus:
+        corpus = load_corpus(args.corpus)
+    else:
+        trained = next((s for s in (subject, reference) if s is not None and hasattr(s, "meta")), None)
+        if trained is None:
+            raise MoecError("an artifact does not record its tokenizer: give --corpus DIR or --reference TRAINED_MODEL_DIR")
+        corpus = corpus_of(trained.meta)
+    tokens = None
+    split = args.data
+    if args.data not in ("heldout", "train"):
+        path = Path(args.data)
+        files = sorted(path.rglob("*.py")) + sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise MoecError(f"{path}: --data is neither 'heldout', 'train' nor a readable text file or directory")
+        ids = []
+        for f in files:
+            ids += corpus.tokenizer.encode(f.read_text(errors="replace")) + [corpus.tokenizer.eot_id]
+        tokens, split = np.asarray(ids, dtype=np.int64), "heldout"
+    report = evaluate(subject, corpus, split, context=args.context, stride=args.stride, max_tokens=args.max_tokens or None,
+                      reference=reference, tokens=tokens)
+    report["command"] = "moec " + " ".join(shlex.quote(a) for a in args.argv)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moec", description="Compile MoE language models into decode engines on Apache TVM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +151,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("corpus", help="build the offline text corpus (stdlib sources, split by file) with its tokenizer")
+    p.add_argument("-o", "--output", required=True, help="corpus directory to write")
+    p.add_argument("--tokenizer", choices=["bytes", "bpe"], default="bytes")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    p.add_argument("--heldout-percent", type=int, default=5, help="share of files held out (by hash of path)")
+    p.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("train-reference", help="train the reference MoE on the stdlib corpus (tiny: CPU minutes, small: GPU)")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("-o", "--output", required=True, help="directory for weights, config, tokenizer and exports")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="override the size's number of optimisation steps")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--corpus", default=None, help="corpus directory (default: built once in the moec cache)")
+    p.add_argument("--export", default="onnx,pt2", help="comma-separated exports to write (onnx, pt2) or 'none'")
+    p.set_defaults(func=cmd_train_reference)
+
+    p = sub.add_parser("eval", help="held-out perplexity, next-token agreement and routing statistics")
+    p.add_argument("model", help="trained model directory (PyTorch) or compiled artifact directory")
+    p.add_argument("--reference", default=None, help="a second model or artifact scored on the same windows (deltas)")
+    p.add_argument("--data", default="heldout", help="'heldout', 'train', or a text file / directory of .py/.txt files")
+    p.add_argument("--corpus", default=None, help="corpus directory (default: the one the trained model used)")
+    p.add_argument("--context", type=int, default=1024, help="window length in tokens")
+    p.add_argument("--stride", type=int, default=None, help="targets scored per window (default: context / 2)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="targets to score (0: the whole split)")
+    p.add_argument("--mode", choices=["prefill", "decode"], default="prefill",
+                   help="artifacts: score from prefill logits, or from decode steps over the KV cache")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--batch-size", type=int, default=None, help="windows scored together")
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.set_defaults(func=cmd_eval)
+
     p = sub.add_parser("demo", help="export a built-in reference MoE, compile it, load it and generate, printing timings")
     p.add_argument("--model", default="tiny", help="named reference config (default: tiny)")
     p.add_argument("-o", "--output", default="artifacts/demo", help="artifact directory")
@@ -101,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except MoecError as exc:

@@ -72,6 +72,9 @@ class Attention(nn.Module):
         rep = h // hkv
         k = k[:, :, None].expand(b, hkv, rep, s, hd).reshape(b, h, s, hd)
         v = v[:, :, None].expand(b, hkv, rep, s, hd).reshape(b, h, s, hd)
+        if mask is None:  # training kernels: causal, no padding (same function, fused kernel)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd**-0.5)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, h * hd))
         scores = torch.matmul(q, k.transpose(2, 3)) * (hd**-0.5) + mask  # B, H, S, S
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v)  # B, H, S, Dh
@@ -108,15 +111,40 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts with stacked weights; each token gathers its K experts' weights."""
+    """E SwiGLU experts with stacked weights.
+
+    ``forward`` gathers each token's K experts' weights (plain ops every exporter sees);
+    ``grouped=True`` computes the same function with tokens sorted by expert, one matmul per
+    expert, which is what training uses (the gathered weights of a large batch do not fit).
+    """
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, d) * d**-0.5)  # E, 2I, D
         self.down_proj = nn.Parameter(torch.randn(e, d, i) * i**-0.5)  # E, D, I
+        self.grouped = False
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape
+        k = idx.shape[1]
+        flat = idx.reshape(-1)  # T*K
+        order = torch.argsort(flat, stable=True)  # T*K, grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # E
+        xs = x[order // k]  # T*K, D (sorted)
+        outs = []
+        for e, part in enumerate(torch.split(xs, counts)):
+            if part.shape[0]:
+                gate, up = (part @ self.gate_up_proj[e].t()).chunk(2, dim=-1)  # n, I
+                outs.append((F.silu(gate) * up) @ self.down_proj[e].t())  # n, D
+        ys = torch.empty(t * k, d, dtype=x.dtype, device=x.device)
+        ys[order] = torch.cat(outs)
+        ys = ys * weights.reshape(-1, 1)
+        return ys.view(t, k, d).sum(dim=1)  # T, D
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return self._forward_grouped(x, weights, idx)
         t, d = x.shape
         k = idx.shape[1]
         flat_idx = idx.reshape(-1)  # T*K
@@ -188,12 +216,28 @@ class MoEForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.dim_head, cfg.rope_theta)
+        self.training_kernels = False
+
+    def use_training_kernels(self, enabled: bool = True) -> "MoEForCausalLM":
+        """Fused attention (SDPA, causal, no padding mask) and expert-grouped MoE: the same
+        function at training batch sizes. Exports must keep them off (the default)."""
+        self.training_kernels = enabled
+        for mod in self.modules():
+            if isinstance(mod, Experts):
+                mod.grouped = enabled
+        return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)  # B, S, D
         positions = torch.arange(s, device=input_ids.device)
         cos, sin = self.rotary(positions)  # S, Dh
+        if self.training_kernels:
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("training kernels support no padding: pass attention_mask=None or all ones")
+            for layer in self.layers:
+                x = layer(x, cos, sin, None)
+            return self.lm_head(self.norm(x))
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()  # S, S
         allowed = causal[None, None]
         if attention_mask is not None:

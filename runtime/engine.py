@@ -180,41 +180,61 @@ class Engine:
         return out.numpy()[0]
 
     # ----------------------------------------------------------- public API
-    def prefill(self, token_id_lists, seq_ids=None) -> tuple[list[int], np.ndarray]:
+    def prefill(self, token_id_lists, seq_ids=None, logit_positions=None):
         """Append prompts (one per sequence; new sequences unless ``seq_ids`` given).
 
-        Returns ``(seq_ids, logits[b, V])`` with the logits of each prompt's last token.
+        Returns ``(seq_ids, logits[b, V])`` with the logits of each prompt's last token, or, with
+        ``logit_positions`` (a list of positions per prompt, 0-based within the prompt),
+        ``(seq_ids, [logits[len(positions_i), V] for each prompt])``.
         Prompts longer than the prefill chunk are processed in chunks.
         """
         token_id_lists = [list(map(int, t)) for t in token_id_lists]
         if any(len(t) == 0 for t in token_id_lists):
             raise MoecError("every prompt needs at least one token")
+        if logit_positions is None:
+            want = [[len(t) - 1] for t in token_id_lists]
+        else:
+            if len(logit_positions) != len(token_id_lists):
+                raise MoecError("logit_positions needs one list of positions per prompt")
+            want = [sorted(set(map(int, p))) for p in logit_positions]
+            for i, (p, t) in enumerate(zip(want, token_id_lists)):
+                if p and not (0 <= p[0] and p[-1] < len(t)):
+                    raise MoecError(f"logit position out of range for prompt {i} of {len(t)} tokens")
         if seq_ids is None:
             need = sum(self._pages(len(t)) for t in token_id_lists) * self.page_size
             used = sum(self._pages(n) for n in self.lengths.values()) * self.page_size
             if used + need > self.max_total_tokens:
                 raise CacheExhausted(f"KV cache exhausted: prompts need {need} token slots, {self.max_total_tokens - used} free")
             seq_ids = [self.add_sequence() for _ in token_id_lists]
-        logits = [None] * len(seq_ids)
-        # chunk so that no call exceeds the prefill chunk size
-        pending = [(i, s, t) for i, (s, t) in enumerate(zip(seq_ids, token_id_lists))]
+        logits = [[] for _ in seq_ids]
+        # chunk so that no call exceeds the prefill chunk size; (index, seq, tokens, offset in prompt)
+        pending = [(i, s, t, 0) for i, (s, t) in enumerate(zip(seq_ids, token_id_lists))]
         while pending:
             batch, budget, rest = [], self.prefill_chunk, []
-            for i, s, t in pending:
+            for i, s, t, off in pending:
                 if budget <= 0:
-                    rest.append((i, s, t))
+                    rest.append((i, s, t, off))
                     continue
                 take = t[:budget]
-                batch.append((i, s, take))
+                batch.append((i, s, take, off))
                 budget -= len(take)
                 if len(take) < len(t):
-                    rest.append((i, s, t[len(take):]))
-            ends = np.cumsum([len(t) for _, _, t in batch]) - 1
-            out = self._run(self._prefill, [s for _, s, _ in batch], [t for _, _, t in batch], ends)
-            for row, (i, _, _) in enumerate(batch):
-                logits[i] = out[row]
+                    rest.append((i, s, t[len(take):], off + len(take)))
+            pos, owners, base = [], [], 0
+            for i, _, take, off in batch:
+                for p in want[i]:
+                    if off <= p < off + len(take):
+                        pos.append(base + p - off)
+                        owners.append(i)
+                base += len(take)
+            out = self._run(self._prefill, [s for _, s, _, _ in batch], [t for _, _, t, _ in batch], pos or [base - 1])
+            for row, i in enumerate(owners):
+                logits[i].append(out[row])
             pending = rest
-        return list(seq_ids), np.stack(logits)
+        if logit_positions is None:
+            return list(seq_ids), np.stack([rows[0] for rows in logits])
+        vocab = self.vocab_size
+        return list(seq_ids), [np.stack(rows) if rows else np.zeros((0, vocab), np.float32) for rows in logits]
 
     def decode(self, seq_ids, tokens) -> np.ndarray:
         """Append one token per sequence; returns logits[b, V]."""

@@ -19,3 +19,14 @@ from moec_testing import ModelZoo  # noqa: E402
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory):
     return ModelZoo(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """`moec train-reference --size tiny` once per run, on the running interpreter's stdlib corpus."""
+    from moec.models.corpus import build_corpus
+    from moec.models.train import train_reference
+
+    root = tmp_path_factory.mktemp("trained")
+    build_corpus(root / "corpus", "bytes")
+    return train_reference("tiny", root / "model", corpus_dir=root / "corpus", progress=False)
