@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moec-reference-small"))
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--stride", type=int, default=None, help="targets per window (default: context / 2)")
+    ap.add_argument("--train-eval-tokens", type=int, default=None, help="override the held-out tokens scored after training")
     ap.add_argument("--prefill-tokens", type=int, default=65536)
     ap.add_argument("--decode-tokens", type=int, default=16384)
     args = ap.parse_args()
@@ -66,7 +68,8 @@ def main() -> int:
     doc["corpus"] = {k: corpus.meta[k] for k in ("id", "source", "tokenizer", "splits", "unigram_heldout_perplexity")}
     t = time.perf_counter()
     model_dir = train_reference("small", args.work / "model", device=args.device, steps=args.steps,
-                                corpus_dir=corpus.root, export=("onnx",))
+                                corpus_dir=corpus.root, export=("onnx",),
+                                eval_tokens=args.train_eval_tokens)
     stages["train_eval_export"] = round(time.perf_counter() - t, 1)
     model, meta = load_trained(model_dir)
     train = dict(meta["training"])
@@ -87,7 +90,7 @@ def main() -> int:
     runs = {}
     for mode, tokens in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)):
         t = time.perf_counter()
-        stride = args.context // 2
+        stride = args.stride or args.context // 2
         batch = 8 if mode == "prefill" else max(1, min(64, tokens // stride))
         report = evaluate(ArtifactSubject(art, device=args.device, mode=mode, batch_size=batch), corpus,
                           context=args.context, stride=stride, max_tokens=tokens,

@@ -8,7 +8,8 @@ are scored (the same windows for every subject, so runs compare token for token)
 
 Subjects:
   * a PyTorch model (a trained-model directory, or any ``MoEForCausalLM``): logits from one forward
-    per window; routing statistics from hooks on its routers.
+    per window (experts computed grouped by expert, the same function as the gathered form without
+    its memory); routing statistics from hooks on its routers.
   * a compiled artifact (``moec.load``): ``mode="prefill"`` scores each window's targets from a
     chunked prefill; ``mode="decode"`` prefills the first ``context - stride`` tokens and then
     decodes the rest one token per step, all windows of a batch as concurrent sequences, so the
@@ -80,7 +81,12 @@ class TorchSubject:
 
         from .reference import Router
 
+        from .reference import Experts
+
         model = self.model.to(self.device)
+        for mod in model.modules():  # the same function, without materialising gathered expert weights
+            if isinstance(mod, Experts):
+                mod.grouped = True
         routers = [m for m in model.modules() if isinstance(m, Router)]
         captured: list[list[np.ndarray]] = [[] for _ in routers]
         shape = {}
@@ -110,6 +116,9 @@ class TorchSubject:
         finally:
             for h in handles:
                 h.remove()
+            for mod in model.modules():
+                if isinstance(mod, Experts):
+                    mod.grouped = False
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         routing = [np.concatenate(c) for c in captured] if routers else None

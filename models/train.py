@@ -247,7 +247,7 @@ def corpus_of(meta: dict) -> Corpus:
 
 def train_reference(size: str, out_dir: str | Path, seed: int = 0, device: str | None = None, steps: int | None = None,
                     corpus_dir: str | Path | None = None, export: tuple[str, ...] = ("onnx", "pt2"),
-                    progress: bool = True) -> Path:
+                    progress: bool = True, eval_tokens: int | None = None) -> Path:
     """Build (or reuse) the corpus, train the reference of ``size``, measure held-out perplexity, save."""
     from .evaluate import TorchSubject, evaluate
 
@@ -260,7 +260,7 @@ def train_reference(size: str, out_dir: str | Path, seed: int = 0, device: str |
     model, figures = train(cfg, spec, corpus, seed=seed, device=device, steps=steps, progress=progress)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = evaluate(TorchSubject(model, "trained", device=dev), corpus, context=spec.eval_context,
-                      max_tokens=spec.eval_tokens)
+                      max_tokens=eval_tokens or spec.eval_tokens)
     heldout = {k: report[k] for k in ("perplexity", "context", "stride", "tokens_scored", "top1_accuracy")}
     heldout["unigram_perplexity"] = corpus.meta["unigram_heldout_perplexity"]
     if progress:
