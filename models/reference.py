@@ -137,8 +137,9 @@ class Experts(nn.Module):
             if part.shape[0]:
                 gate, up = (part @ self.gate_up_proj[e].t()).chunk(2, dim=-1)  # n, I
                 outs.append((F.silu(gate) * up) @ self.down_proj[e].t())  # n, D
-        ys = torch.empty(t * k, d, dtype=x.dtype, device=x.device)
-        ys[order] = torch.cat(outs)
+        cat = torch.cat(outs)  # (bf16 under autocast)
+        ys = torch.empty(t * k, d, dtype=cat.dtype, device=x.device)
+        ys[order] = cat
         ys = ys * weights.reshape(-1, 1)
         return ys.view(t, k, d).sum(dim=1)  # T, D
 
