@@ -261,6 +261,7 @@ def train_reference(size: str, out_dir: str | Path, seed: int = 0, device: str |
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = evaluate(TorchSubject(model, "trained", device=dev), corpus, context=spec.eval_context,
                       max_tokens=eval_tokens or spec.eval_tokens)
+    model.cpu()  # scoring moved it to the device; exports trace on the CPU
     heldout = {k: report[k] for k in ("perplexity", "context", "stride", "tokens_scored", "top1_accuracy")}
     heldout["unigram_perplexity"] = corpus.meta["unigram_heldout_perplexity"]
     if progress:
