@@ -7,7 +7,9 @@ On the GPU machine (compiler staged: ../shared/device/README.md, two calls back 
   call 2, carry [.devcarry/base, .devcarry/c2]:  source bench/device_env.sh full &&
           python3 bench/reference_small.py --json $OUT/reference_small.json --commit <sha>
 
-Steps: build the stdlib BPE corpus of the machine's interpreter; `train_reference("small")` (held-out
+Steps: build the stdlib BPE corpus of the machine's interpreter (or take ``--corpus DIR``, e.g. one built
+here with ``moec corpus -o .devcarry/corpus-bpe --tokenizer bpe`` and carried: the GPU machine's Python
+ships its stdlib without the test suites, a third of the text); `train_reference("small")` (held-out
 perplexity of the trained model at its eval context); export to ONNX; `moec.compile` for the GPU;
 then held-out perplexity at a 4096-token context of the PyTorch model and of the compiled artifact on
 the same windows (prefill path), and a shorter decode-path run (tokens decoded one step at a time
@@ -32,6 +34,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="override the training steps (dry runs)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moec-reference-small"))
+    ap.add_argument("--corpus", type=Path, default=None, help="a corpus directory built elsewhere (`moec corpus`); "
+                    "default: build the BPE corpus from this machine's interpreter")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--stride", type=int, default=None, help="targets per window (default: context / 2)")
     ap.add_argument("--train-eval-tokens", type=int, default=None, help="override the held-out tokens scored after training")
@@ -42,7 +46,7 @@ def main() -> int:
     import torch
 
     import moec
-    from moec.models.corpus import get_corpus
+    from moec.models.corpus import get_corpus, load_corpus
     from moec.models.evaluate import ArtifactSubject, TorchSubject, evaluate
     from moec.models.train import TRAIN_SIZES, load_trained, train_reference
 
@@ -63,7 +67,7 @@ def main() -> int:
         args.json.write_text(json.dumps(doc, indent=2))
 
     t = time.perf_counter()
-    corpus = get_corpus(spec.tokenizer, spec.vocab_size, root=args.work / "corpus")
+    corpus = load_corpus(args.corpus) if args.corpus else get_corpus(spec.tokenizer, spec.vocab_size, root=args.work / "corpus")
     stages["corpus"] = round(time.perf_counter() - t, 1)
     doc["corpus"] = {k: corpus.meta[k] for k in ("id", "source", "tokenizer", "splits", "unigram_heldout_perplexity")}
     t = time.perf_counter()
