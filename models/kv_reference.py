@@ -18,8 +18,11 @@ every ``rerank_every`` decode steps:
     statistics cover ``page_tokens`` tokens; fewer than ``page_tokens`` excess tokens wait in tier 1
     for a later re-rank (the budget is exceeded by less than one tier-2 page per sequence);
   * a token's importance is the attention probability it has received (summed over the query heads
-    of its KV head, over prefill queries and decode steps) divided by the number of queries that
-    could see it, so early tokens are not favoured for having been visible longer.
+    of its KV head, over prefill queries and decode steps) divided by what uniform attention would
+    have given it over the same queries (the sum of 1/context-length over every query that could see
+    it). Early tokens are not favoured for having been visible longer, nor for having been seen by
+    the short-context queries at the start of a prefill. In decode this is the mass normalised by the
+    steps the token has been visible, each step weighted by 1/length.
 
 Promotion from tier 2 back to tier 1 is not done: the 2-bit codes are all that is kept of a
 demoted token, so "promoting" it would spend FP8 bytes on the same 2-bit-accurate values. What a
@@ -213,17 +216,18 @@ class TieredDecoder:
             return self.model.lm_head(self.model.norm(x[:, -1:]))  # B, 1, V
 
         first = forward(ids[:, :n_prefill], 0)
-        visible[:n_prefill] = n_prefill - np.arange(n_prefill)  # queries that saw each prefill token
+        # uniform-attention share: prefill query i spreads 1/(i+1) over each token it sees
+        visible[:n_prefill] = np.cumsum((1.0 / np.arange(1, n_prefill + 1))[::-1])[::-1]
         for c in caches:
             c.rerank(visible, rng)
         out_logits.append(first)
         for step, t in enumerate(range(n_prefill, length - 1)):
             out_logits.append(forward(ids[:, t:t + 1], t))
-            visible[:t + 1] += 1
+            visible[:t + 1] += 1.0 / (t + 1)
             if (step + 1) % p.rerank_every == 0:
                 for c in caches:
                     c.rerank(visible, rng)
-        self.caches = caches
+        self.caches, self.visible = caches, visible
         return torch.cat(out_logits, 1).float().numpy()
 
 

@@ -1,0 +1,82 @@
+"""The PyTorch tiered-KV reference decoder: exact in full mode, policy invariants per tier."""
+
+import numpy as np
+import pytest
+import torch
+
+from moec.models import get_config
+from moec.models.kv_reference import TierPolicy, TieredDecoder, _LayerCache, tier_fraction
+from moec.models.train import init_model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = init_model(get_config("text-tiny"), seed=0).eval()
+    rng = np.random.default_rng(0)
+    return model, rng.integers(0, 256, (2, 200))
+
+
+def test_full_mode_equals_the_model(setup):
+    model, w = setup
+    logits = TieredDecoder(model, TierPolicy(mode="full")).run(w, 120)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(w[:, :-1]))[:, 119:].numpy()
+    np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["tiered", "tiered-random"])
+def test_tiered_policy_invariants(setup, mode):
+    model, w = setup
+    policy = TierPolicy(mode=mode, tier1_fraction=0.15, sink=4, recent=16, rerank_every=8, page_tokens=16)
+    dec = TieredDecoder(model, policy)
+    dec.run(w, 120)
+    for c in dec.caches:
+        n = c.len
+        tier = c.tier[:, :, :n]
+        assert (tier > 0).all()
+        assert (tier[:, :, :4] == 1).all()  # attention sinks
+        # the recent window as of the last re-rank (every 8 steps) is tier 1
+        last = 120 + ((n - 120) // 8) * 8
+        assert (tier[:, :, last - 16:] == 1).all()
+        ones = (tier == 1).sum(-1)
+        budget = max(int(0.15 * n), 20)
+        assert (ones < budget + 16 + 8 + 1).all()  # < one tier-2 page over, plus steps since the re-rank
+        assert ((tier == 2).sum(-1) % 16 == 0).all()  # whole tier-2 pages
+    assert 0.1 < tier_fraction(dec.caches) < 0.5
+
+
+def test_importance_and_random_choose_differently(setup):
+    model, w = setup
+    kw = dict(tier1_fraction=0.15, sink=4, recent=16, rerank_every=8, page_tokens=16)
+    a, b = TieredDecoder(model, TierPolicy("tiered", **kw)), TieredDecoder(model, TierPolicy("tiered-random", **kw))
+    a.run(w, 120), b.run(w, 120)
+    assert not np.array_equal(a.caches[0].tier, b.caches[0].tier)
+
+
+def test_rerank_demotes_the_least_important():
+    policy = TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8)
+    c = _LayerCache(1, 1, 64, 8, policy)
+    rng = np.random.default_rng(0)
+    c.append(rng.standard_normal((1, 1, 64, 8)).astype(np.float32), rng.standard_normal((1, 1, 64, 8)).astype(np.float32))
+    visible = np.linspace(1.0, 2.0, 64)
+    score = rng.random(64)
+    c.mass[0, 0] = score * visible
+    c.rerank(visible, rng)
+    tier = c.tier[0, 0]
+    # budget 16: sinks 0-1 and window 60-63 stay; of the 58 others, 48 (6 whole pages) are demoted
+    assert (tier[:2] == 1).all() and (tier[60:] == 1).all() and (tier == 2).sum() == 48
+    others = np.arange(2, 60)
+    kept = others[tier[others] == 1]
+    assert set(kept) == set(others[np.argsort(-score[others])[:10]])
+    # demoted values are 2-bit reconstructions, kept ones FP8
+    assert not np.allclose(c.kd[0, 0, tier == 2], c.k[0, 0, tier == 2], atol=1e-2)
+    assert np.allclose(c.kd[0, 0, tier == 1], c.k[0, 0, tier == 1], rtol=0.07, atol=1e-2)
+
+
+def test_2bit_mode_quantizes_nearly_everything(setup):
+    model, w = setup
+    dec = TieredDecoder(model, TierPolicy.named("2bit", page_tokens=16, rerank_every=8))
+    dec.run(w, 120)
+    assert tier_fraction(dec.caches) < 0.2
+    with pytest.raises(ValueError, match="unknown KV policy"):
+        TierPolicy(mode="int3")
