@@ -1,0 +1,1 @@
+"""Hand-written TIR kernels for the hot paths."""
