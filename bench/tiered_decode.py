@@ -1,0 +1,225 @@
+"""Tiered-KV decode attention on the GPU: correctness against NumPy, time and bandwidth against bf16 SDPA.
+
+  python bench/tiered_decode.py prepare DIR                   # here: compile the kernels for sm_90 (fatbins)
+  python3 bench/tiered_decode.py run DIR --json OUT --commit SHA   # GPU machine, runtime-only TVM
+
+Correctness: random K/V quantized into both tiers (NumPy formats), one decode step, output and
+importance mass against ``moec.schedules.kernels.reference`` over the same dequantized values.
+Speed: OLMoE-1B-7B attention shape (16 heads, 16 KV heads, Dh 128) and Mixtral shape (32/8 heads),
+128 sequences of 4096 cached tokens (640 tier-1 tokens, 27 tier-2 pages of 128), one layer. The
+bytes the kernel must read are counted from the formats; the same step over a bf16 cache through
+``torch.nn.functional.scaled_dot_product_attention`` runs in the same process, and so does a
+device-to-device copy for the bandwidth ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # name: heads, kv heads, head dim, tier-1 page, tier-2 page
+    "check": (4, 2, 32, 16, 32),
+    "olmoe": (16, 16, 128, 16, 128),
+    "mixtral": (32, 8, 128, 16, 128),
+}
+STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
+
+
+def prepare(out: Path) -> None:
+    import tvm
+
+    from moec.compiler.artifact import atomic_directory
+    from moec.compiler.build import _compile_cuda_kernels
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    target = make_target("cuda", "sm_90")
+    with atomic_directory(out) as tmp:
+        index = {}
+        for name, (h, hkv, d, ps1, ps2) in SHAPES.items():
+            ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(h, hkv, d, ps1, ps2)}), target=target)
+            sub = tmp / name
+            sub.mkdir()
+            kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
+            ex.export_library(str(sub / "lib.so"))
+            index[name] = {"cuda_kernels": kernels}
+        (tmp / "index.json").write_text(json.dumps(index, indent=2))
+
+
+def _load(root: Path, name: str, device: str):
+    import tvm
+
+    if device == "cpu":
+        from moec.schedules.kernels.tiered_decode import make_tiered_decode
+
+        return tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode(*SHAPES[name])}), target="llvm")
+    from moec.runtime.engine import _load_cuda_runtime, _register_fatbins
+
+    _load_cuda_runtime()
+    index = json.loads((root / "index.json").read_text())
+    _register_fatbins(root / name, index[name])
+    return tvm.runtime.load_module(str(root / name / "lib.so"))
+
+
+def _case(name: str, batch: int, t1: int, t2_pages: int, seed: int):
+    from moec.schedules.kernels import reference as ref
+
+    h, hkv, d, ps1, ps2 = SHAPES[name]
+    rng = np.random.default_rng(seed)
+    kv = [(rng.standard_normal((hkv, t1 + t2_pages * ps2, d)).astype(np.float32),
+           rng.standard_normal((hkv, t1 + t2_pages * ps2, d)).astype(np.float32)) for _ in range(batch)]
+    p1, p2 = batch * (-(-t1 // ps1)) + 3, batch * t2_pages + 3
+    pools, tables, deq, slots = ref.fill_pools(kv, [t1] * batch, p1, p2, ps1, ps2, rng)
+    qv = rng.standard_normal((batch, h, d)).astype(np.float32)
+    return qv, pools, tables, deq, slots
+
+
+def _args(tvm, dev, qv, pools, tables, mass0):
+    from moec.schedules.kernels import reference as ref
+
+    b, h, d = qv.shape
+    m1 = tables["t1_table"].shape[1]
+    ps1 = pools["t1_k"].shape[2]
+    host = [qv] + [pools[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
+    host += [np.zeros((b, h, d), np.float32), mass0, np.zeros((b, h, m1 * ps1), np.float32)]
+    return [tvm.runtime.tensor(a, dev) for a in host]
+
+
+def check(root: Path, device: str) -> list[dict]:
+    import tvm
+
+    from moec.schedules.kernels import reference as ref
+
+    dev = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
+    results = []
+    for name, batch, t1, t2 in (("check", 3, 37, 2), ("check", 2, 0, 3), ("olmoe", 2, 640, 3), ("mixtral", 2, 100, 2)):
+        qv, pools, tables, deq, slots = _case(name, batch, t1, t2, seed=len(results))
+        h, hkv, d, ps1, ps2 = SHAPES[name]
+        scale = d**-0.5
+        mass0 = np.zeros(pools["t1_k"].shape[:3], np.float32)
+        mod = _load(root, name, device)
+        args = _args(tvm, dev, qv, pools, tables, mass0)
+        mod["tiered_decode"](*args, scale)
+        out, mass = args[-3].numpy(), args[-2].numpy()
+        want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(batch)])
+        want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
+        err, merr = float(np.abs(out - want).max()), float(np.abs(mass - want_mass).max())
+        results.append({"shape": name, "batch": batch, "tier1_tokens": t1, "tier2_pages": t2, "max_abs_out_error": err,
+                        "max_abs_mass_error": merr, "passed": err < 1e-4 and merr < 1e-5})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def speed(root: Path, name: str) -> dict:
+    import torch
+    import tvm
+
+    h, hkv, d, ps1, ps2 = SHAPES[name]
+    b, t2p = STREAMS, (CONTEXT - T1_TOKENS) // ps2
+    p1, p2 = b * (T1_TOKENS // ps1), b * t2p
+    rng = np.random.default_rng(0)
+    codes = lambda shape: (rng.integers(0, 0x77, size=shape, dtype=np.uint8) | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7))  # noqa: E731
+    pools = {
+        "t1_k": codes((p1, hkv, ps1, d)), "t1_v": codes((p1, hkv, ps1, d)),
+        "t1_ks": np.full((p1, hkv, ps1), 0.01, np.float16), "t1_vs": np.full((p1, hkv, ps1), 0.01, np.float16),
+        "t2_k": rng.integers(0, 256, (p2, hkv, ps2, d // 4), dtype=np.uint8), "t2_v": rng.integers(0, 256, (p2, hkv, ps2, d // 4), dtype=np.uint8),
+        "t2_kmu": np.zeros((p2, hkv, d), np.float16), "t2_ksig": np.full((p2, hkv, d), 0.5, np.float16),
+        "t2_vmu": np.zeros((p2, hkv, ps2), np.float16), "t2_vsig": np.full((p2, hkv, ps2), 0.5, np.float16),
+    }
+    perm1, perm2 = rng.permutation(p1).astype(np.int32), rng.permutation(p2).astype(np.int32)
+    tables = {"t1_table": perm1.reshape(b, -1), "t1_len": np.full(b, T1_TOKENS, np.int32),
+              "t2_table": perm2.reshape(b, -1), "t2_np": np.full(b, t2p, np.int32)}
+    qv = rng.standard_normal((b, h, d)).astype(np.float32)
+    dev = tvm.cuda(0)
+    mod = _load(root, name, "cuda")
+    args = _args(tvm, dev, qv, pools, tables, np.zeros((p1, hkv, ps1), np.float32))
+    fn = mod["tiered_decode"]
+    for _ in range(3):
+        fn(*args, d**-0.5)
+    dev.sync()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn(*args, d**-0.5)
+        dev.sync()
+        runs.append((time.perf_counter() - t0) / 20)
+    ms = float(np.median(runs)) * 1e3  # host-timed, launches back to back (includes launch overhead)
+    t1_bytes = b * hkv * T1_TOKENS * (2 * d + 2 * 2 + 4 + 4 * 2)  # K, V bytes; 2 scales; table; mass read+write
+    t2_bytes = b * hkv * t2p * (2 * ps2 * d // 4 + 2 * 2 * d + 2 * 2 * ps2)  # codes; key mu/sigma; value mu/sigma
+    q_out = b * h * d * 4 * 2 + b * h * T1_TOKENS * 4 * 2  # q, out, scores written and read
+    total = t1_bytes + t2_bytes + q_out
+    # bf16 baseline: the same step over a bf16 cache, torch SDPA
+    qt = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(b, hkv, CONTEXT, d, device="cuda", dtype=torch.bfloat16)
+    vt = torch.randn_like(kt)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hkv != h)  # noqa: E731
+    bf16_ms = _torch_ms(sdpa)
+    big = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(big)
+    copy_ms = _torch_ms(lambda: dst.copy_(big))
+    copy_bw = 2 * big.numel() / copy_ms / 1e9
+    bf16_bytes = 2 * b * hkv * CONTEXT * d * 2
+    return {
+        "shape": name, "heads": h, "kv_heads": hkv, "head_dim": d, "streams": b, "context": CONTEXT,
+        "tier1_tokens": T1_TOKENS, "tier2_pages": t2p, "tier2_page_tokens": ps2,
+        "tiered_ms": ms, "tiered_bytes": total, "tiered_bytes_per_element": total / (2 * b * hkv * CONTEXT * d),
+        "tiered_bandwidth_GBps": total / ms / 1e6, "bf16_sdpa_ms": bf16_ms, "bf16_bytes": bf16_bytes,
+        "bf16_bandwidth_GBps": bf16_bytes / bf16_ms / 1e6, "copy_bandwidth_GBps": copy_bw,
+        "tiered_fraction_of_copy_bandwidth": total / ms / 1e6 / copy_bw, "speedup_vs_bf16": bf16_ms / ms,
+    }
+
+
+def _torch_ms(fn, iters: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return float(np.median(times))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: correctness only, llvm kernels")
+    args = ap.parse_args()
+    if args.step == "prepare":
+        prepare(args.dir)
+        return 0
+    doc = {"benchmark": "tiered_decode", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
+           "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc["correctness"] = check(args.dir, args.device)
+    if args.device == "cuda":
+        import torch
+
+        doc["device"] = torch.cuda.get_device_name(0)
+        doc["speed"] = []
+        for name in ("olmoe", "mixtral"):
+            doc["speed"].append(speed(args.dir, name))
+            print(json.dumps(doc["speed"][-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    return 0 if all(r["passed"] for r in doc["correctness"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""NumPy references for the tiered-KV kernels: fill pools from float K/V, attend over dequantized values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...runtime import kv_quant as q
+
+POOL_ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")
+TABLE_ORDER = ("t1_table", "t1_len", "t2_table", "t2_np")
+
+
+def empty_pools(p1: int, p2: int, hkv: int, d: int, ps1: int, ps2: int) -> dict[str, np.ndarray]:
+    return {
+        "t1_k": np.zeros((p1, hkv, ps1, d), np.uint8), "t1_v": np.zeros((p1, hkv, ps1, d), np.uint8),
+        "t1_ks": np.ones((p1, hkv, ps1), np.float16), "t1_vs": np.ones((p1, hkv, ps1), np.float16),
+        "t2_k": np.zeros((p2, hkv, ps2, d // 4), np.uint8), "t2_v": np.zeros((p2, hkv, ps2, d // 4), np.uint8),
+        "t2_kmu": np.zeros((p2, hkv, d), np.float16), "t2_ksig": np.ones((p2, hkv, d), np.float16),
+        "t2_vmu": np.zeros((p2, hkv, ps2), np.float16), "t2_vsig": np.ones((p2, hkv, ps2), np.float16),
+    }
+
+
+def fill_pools(kv: list[tuple[np.ndarray, np.ndarray]], t1_lens: list[int], p1: int, p2: int, ps1: int, ps2: int,
+               rng: np.random.Generator):
+    """Quantize each sequence's ``(K, V)`` (``[Hkv, n, D]``): its first ``t1_lens[s]`` tokens into tier-1
+    pages, the rest (a whole number of tier-2 pages) into tier-2 pages, on randomly chosen page ids.
+
+    Returns ``(pools, tables, dequantized [(K, V)], tier-1 (page, slot) per token)``.
+    """
+    hkv, _, d = kv[0][0].shape
+    pools = empty_pools(p1, p2, hkv, d, ps1, ps2)
+    t2_pages = [(k.shape[1] - n1) // ps2 for (k, _), n1 in zip(kv, t1_lens)]
+    if any((k.shape[1] - n1) % ps2 for (k, _), n1 in zip(kv, t1_lens)):
+        raise ValueError("tier-2 tokens must fill whole pages")
+    b = len(kv)
+    t1_table = np.zeros((b, max(max(-(-n // ps1) for n in t1_lens), 1)), np.int32)
+    t2_table = np.zeros((b, max(max(t2_pages), 1)), np.int32)
+    free1, free2 = list(rng.permutation(p1)), list(rng.permutation(p2))
+    deq, slots_all = [], []
+    for s, ((k, v), n1, n2) in enumerate(zip(kv, t1_lens, t2_pages)):
+        kd, vd = np.zeros_like(k), np.zeros_like(v)
+        slots = []
+        for i in range(-(-n1 // ps1)):
+            t1_table[s, i] = free1.pop()
+        for i in range(n1):
+            page, slot = t1_table[s, i // ps1], i % ps1
+            for arr, sc, src, dst in (("t1_k", "t1_ks", k, kd), ("t1_v", "t1_vs", v, vd)):
+                codes, scale = q.fp8_quantize(src[:, i])
+                pools[arr][page, :, slot], pools[sc][page, :, slot] = codes, scale
+                dst[:, i] = q.fp8_dequantize(codes, scale)
+            slots.append((page, slot))
+        for pi in range(n2):
+            page = t2_table[s, pi] = free2.pop()
+            sl = slice(n1 + pi * ps2, n1 + (pi + 1) * ps2)
+            packed, mu, sig = q.quantize_keys_2bit(k[:, sl])
+            pools["t2_k"][page], pools["t2_kmu"][page], pools["t2_ksig"][page] = packed, mu, sig
+            kd[:, sl] = q.nf2_dequantize(packed, mu, sig, axis=-2)
+            packed, mu, sig = q.quantize_values_2bit(v[:, sl])
+            pools["t2_v"][page], pools["t2_vmu"][page], pools["t2_vsig"][page] = packed, mu, sig
+            vd[:, sl] = q.nf2_dequantize(packed, mu, sig, axis=-1)
+        deq.append((kd, vd))
+        slots_all.append(slots)
+    tables = {"t1_table": t1_table, "t1_len": np.array(t1_lens, np.int32), "t2_table": t2_table,
+              "t2_np": np.array(t2_pages, np.int32)}
+    return pools, tables, deq, slots_all
+
+
+def attention(qv: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Single-token attention of ``q[H, D]`` over ``k, v[Hkv, n, D]``: ``(out[H, D], probs[H, n])``."""
+    g = qv.shape[0] // k.shape[0]
+    kk, vv = np.repeat(k, g, 0), np.repeat(v, g, 0)
+    s = np.einsum("hd,hnd->hn", qv.astype(np.float64), kk) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vv).astype(np.float32), p
+
+
+def expected_mass(mass0: np.ndarray, qv: np.ndarray, deq, slots_all, scale: float) -> np.ndarray:
+    """``t1_mass`` after one decode step: each tier-1 token's probability summed over its KV head's query heads."""
+    mass = mass0.astype(np.float64).copy()
+    for s, ((kd, vd), slots) in enumerate(zip(deq, slots_all)):
+        _, p = attention(qv[s], kd, vd, scale)
+        hkv = kd.shape[0]
+        per_kv = p.reshape(hkv, -1, p.shape[-1]).sum(1)
+        for i, (page, slot) in enumerate(slots):
+            mass[page, :, slot] += per_kv[:, i]
+    return mass.astype(np.float32)
