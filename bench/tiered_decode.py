@@ -49,6 +49,13 @@ def prepare(out: Path) -> None:
             kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
             ex.export_library(str(sub / "lib.so"))
             index[name] = {"cuda_kernels": kernels}
+        from moec.schedules.kernels.tiered_append import make_tiered_append
+
+        ex = tvm.compile(tvm.IRModule({"tiered_append": make_tiered_append(16, 128, 16, target="cuda")}), target=target)
+        sub = tmp / "append"
+        sub.mkdir()
+        index["append"] = {"cuda_kernels": _compile_cuda_kernels(ex, target, sub, progress=True)}
+        ex.export_library(str(sub / "lib.so"))
         (tmp / "index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -65,6 +72,40 @@ def _load(root: Path, name: str, device: str):
     index = json.loads((root / "index.json").read_text())
     _register_fatbins(root / name, index[name])
     return tvm.runtime.load_module(str(root / name / "lib.so"))
+
+
+def check_append(root: Path, device: str) -> dict:
+    import tvm
+
+    from moec.runtime import kv_quant as q
+
+    hkv, d, ps1, p1, n = 16, 128, 16, 64, 300
+    if device == "cpu":
+        from moec.schedules.kernels.tiered_append import make_tiered_append
+
+        mod = tvm.compile(tvm.IRModule({"tiered_append": make_tiered_append(hkv, d, ps1)}), target="llvm")
+        dev = tvm.cpu(0)
+    else:
+        from moec.runtime.engine import _load_cuda_runtime, _register_fatbins
+
+        _load_cuda_runtime()
+        _register_fatbins(root / "append", json.loads((root / "index.json").read_text())["append"])
+        mod, dev = tvm.runtime.load_module(str(root / "append" / "lib.so")), tvm.cuda(0)
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((n, hkv, d)) * rng.uniform(1e-3, 50, (n, hkv, 1))).astype(np.float32)
+    v = (rng.standard_normal((n, hkv, d)) * rng.uniform(1e-3, 50, (n, hkv, 1))).astype(np.float32)
+    slots = rng.permutation(p1 * ps1)[:n].astype(np.int32)
+    host = [k, v, slots, np.arange(n, dtype=np.int32), np.zeros((p1, hkv, ps1, d), np.uint8), np.zeros((p1, hkv, ps1, d), np.uint8),
+            np.zeros((p1, hkv, ps1), np.float16), np.zeros((p1, hkv, ps1), np.float16), np.zeros((p1, hkv, ps1), np.int32),
+            np.ones((p1, hkv, ps1), np.float32)]
+    tv = [tvm.runtime.tensor(a, dev) for a in host]
+    mod["tiered_append"](*tv)
+    page, slot = slots // ps1, slots % ps1
+    wk, wks = q.fp8_quantize(k)
+    same = bool((tv[4].numpy()[page, :, slot] == wk).all() and (tv[6].numpy()[page, :, slot] == wks).all())
+    result = {"kernel": "tiered_append", "tokens": n, "bytes_identical_to_reference": same, "passed": same}
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def _case(name: str, batch: int, t1: int, t2_pages: int, seed: int):
@@ -207,7 +248,7 @@ def main() -> int:
         return 0
     doc = {"benchmark": "tiered_decode", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
            "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    doc["correctness"] = check(args.dir, args.device)
+    doc["correctness"] = check(args.dir, args.device) + [check_append(args.dir, args.device)]
     if args.device == "cuda":
         import torch
 

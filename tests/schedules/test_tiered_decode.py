@@ -78,3 +78,13 @@ def test_fp8_decode_matches_ml_dtypes(kernel):
         kernel["tiered_decode"](*tv, 1.0)
         got.append(tv[-3].numpy()[:, 0, 0])  # one token: the output is its value
     np.testing.assert_array_equal(np.concatenate(got), want)
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 32, 16, 32), (16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
+def test_cuda_form_compiles(shape):
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape)}), target=make_target("cuda"))
+    src = ex.mod.imports[0].inspect_source()
+    assert "__syncthreads" in src and "tiered_decode" in src
