@@ -85,3 +85,41 @@ def expected_mass(mass0: np.ndarray, qv: np.ndarray, deq, slots_all, scale: floa
         for i, (page, slot) in enumerate(slots):
             mass[page, :, slot] += per_kv[:, i]
     return mass.astype(np.float32)
+
+
+def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.ndarray, new_t2: np.ndarray,
+                     sink: int, recent: int) -> dict:
+    """What ``tiered_rerank`` does, in NumPy (float32 scores, slot-order ties): returns new pools."""
+    from .tiered_rerank import harmonic_np
+
+    out = {k: v.copy() for k, v in pools.items()}
+    ps1, ps2 = pools["t1_k"].shape[2], pools["t2_k"].shape[2]
+    hkv = pools["t1_k"].shape[1]
+    for b in range(len(length)):
+        n1, nd = int(tables["t1_len"][b]), int(demote[b])
+        keep = n1 - nd
+        pages = tables["t1_table"][b]
+        loc = [(pages[i // ps1], i % ps1) for i in range(n1)]
+        for h in range(hkv):
+            pos = np.array([pools["t1_pos"][pg, h, sl] for pg, sl in loc], np.int64)
+            mass = np.array([pools["t1_mass"][pg, h, sl] for pg, sl in loc], np.float32)
+            uniform = harmonic_np(np.float32(length[b])) - harmonic_np(pos + 1) + (np.float32(1) / (pos + 1)).astype(np.float32)
+            score = mass / np.maximum(uniform, np.float32(1e-12))
+            score[(pos < sink) | (pos >= length[b] - recent)] = np.float32(3.0e38)
+            order = np.lexsort((np.arange(n1), score))  # by score, then slot
+            dem = np.sort(order[:nd])
+            for pi in range(nd // ps2):
+                page2 = new_t2[b, pi]
+                idx = dem[pi * ps2:(pi + 1) * ps2]
+                k = np.stack([q.fp8_dequantize(pools["t1_k"][loc[i][0], h, loc[i][1]], pools["t1_ks"][loc[i][0], h, loc[i][1]]) for i in idx])
+                v = np.stack([q.fp8_dequantize(pools["t1_v"][loc[i][0], h, loc[i][1]], pools["t1_vs"][loc[i][0], h, loc[i][1]]) for i in idx])
+                out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.nf2_quantize(k, axis=-2)
+                out["t2_v"][page2, h], out["t2_vmu"][page2, h], out["t2_vsig"][page2, h] = q.nf2_quantize(v, axis=-1)
+                out["t2_pos"][page2, h] = pos[idx]
+            holes = [i for i in dem if i < keep]
+            movers = [i for i in range(keep, n1) if i not in set(dem)]
+            for dst, src in zip(holes, movers):
+                (pd, sd), (ps_, ss) = loc[dst], loc[src]
+                for name in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass"):
+                    out[name][pd, h, sd] = pools[name][ps_, h, ss]
+    return out

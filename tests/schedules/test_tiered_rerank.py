@@ -1,0 +1,76 @@
+"""Re-rank kernel (llvm build) against the NumPy reference: selection, 2-bit pages, tier-1 compaction."""
+
+import numpy as np
+import pytest
+import tvm
+
+from moec.schedules.kernels import reference as ref
+from moec.schedules.kernels.tiered_rerank import make_tiered_rerank
+
+HKV, D, PS1, PS2, SINK, RECENT = 2, 32, 16, 32, 2, 8
+P1, P2 = 16, 8
+
+
+def _case(seed):
+    rng = np.random.default_rng(seed)
+    n1s, old_t2, demote = [90, 70], [2, 0], np.array([64, 32], np.int32)
+    kv = [(rng.standard_normal((HKV, n, D)).astype(np.float32) * 3, rng.standard_normal((HKV, n, D)).astype(np.float32)) for n in n1s]
+    pools, tables, _, _ = ref.fill_pools(kv, n1s, P1, P2, PS1, PS2, rng)
+    length = np.array([n + t * PS2 for n, t in zip(n1s, old_t2)], np.int32)
+    pools["t1_pos"] = np.full((P1, HKV, PS1), -1, np.int32)
+    pools["t1_mass"] = np.zeros((P1, HKV, PS1), np.float32)
+    pools["t2_pos"] = np.full((P2, HKV, PS2), -1, np.int32)
+    for b, n in enumerate(n1s):
+        for h in range(HKV):
+            middle = rng.choice(np.arange(SINK, length[b] - RECENT), size=n - SINK - RECENT, replace=False)
+            pos = rng.permutation(np.concatenate([np.arange(SINK), middle, np.arange(length[b] - RECENT, length[b])]))
+            for i in range(n):
+                pg, sl = tables["t1_table"][b, i // PS1], i % PS1
+                pools["t1_pos"][pg, h, sl] = pos[i]
+                pools["t1_mass"][pg, h, sl] = rng.uniform(0.01, 2.0)
+    used = set(tables["t1_table"].ravel()) | set(tables["t2_table"][tables["t2_np"] > 0].ravel())
+    free2 = [p for p in range(P2) if p not in set(tables["t2_table"][0, :old_t2[0]])]
+    new_t2 = np.array([free2[:2], free2[2:4]], np.int32)
+    return pools, tables, length, demote, new_t2
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT)}), target="llvm")
+
+
+ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rerank_matches_reference(kernel, seed):
+    pools, tables, length, demote, new_t2 = _case(seed)
+    want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT)
+    dev = tvm.cpu()
+    m1 = tables["t1_table"].shape[1]
+    host = [pools[k] for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
+                                        np.zeros((2, HKV, m1 * PS1), np.int32)]
+    tv = [tvm.runtime.tensor(a, dev) for a in host]
+    kernel["tiered_rerank"](*tv)
+    got = {k: tv[i].numpy() for i, k in enumerate(ORDER)}
+    for b in range(2):
+        keep = int(tables["t1_len"][b] - demote[b])
+        loc = [(tables["t1_table"][b, i // PS1], i % PS1) for i in range(keep)]
+        for name in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass"):  # compacted tier 1: exact copies
+            g = np.stack([got[name][pg, :, sl] for pg, sl in loc])
+            w = np.stack([want[name][pg, :, sl] for pg, sl in loc])
+            np.testing.assert_array_equal(g, w, err_msg=f"{name} seq {b}")
+        for pg in new_t2[b, : demote[b] // PS2]:
+            np.testing.assert_array_equal(got["t2_pos"][pg], want["t2_pos"][pg])
+            for name in ("t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig"):
+                np.testing.assert_allclose(got[name][pg].astype(np.float32), want[name][pg].astype(np.float32), rtol=2e-3, atol=1e-4)
+            for name in ("t2_k", "t2_v"):  # codes: a flip needs a value within float rounding of a threshold
+                assert (got[name][pg] != want[name][pg]).mean() < 0.01, name
+    # sinks and the recent window stayed in tier 1, and tier 1 holds exactly the kept tokens
+    for b in range(2):
+        keep = int(tables["t1_len"][b] - demote[b])
+        for h in range(HKV):
+            kept = {int(got["t1_pos"][tables["t1_table"][b, i // PS1], h, i % PS1]) for i in range(keep)}
+            assert set(range(SINK)) <= kept and set(range(length[b] - RECENT, length[b])) <= kept
+            moved = {int(p) for pg in new_t2[b, : demote[b] // PS2] for p in got["t2_pos"][pg, h]}
+            assert not kept & moved and len(kept) + len(moved) == tables["t1_len"][b]
