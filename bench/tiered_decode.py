@@ -205,7 +205,7 @@ def speed(root: Path, name: str) -> dict:
     big = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(big)
     copy_ms = _torch_ms(lambda: dst.copy_(big))
-    copy_bw = 2 * big.numel() / copy_ms / 1e9
+    copy_bw = 2 * big.numel() / copy_ms / 1e6  # GB/s (bytes read + written per ms)
     bf16_bytes = 2 * b * hkv * CONTEXT * d * 2
     return {
         "shape": name, "heads": h, "kv_heads": hkv, "head_dim": d, "streams": b, "context": CONTEXT,
