@@ -10,14 +10,21 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
    (``pos >= L - recent``) score +inf;
 2. rank the tokens by score (ties by slot): the ``demote[b]`` lowest are demoted. Ranking is by
    counting (each token counts the tokens below it), which a thread per token does in parallel;
+   ``order`` lists the demoted slots in ascending slot order;
 3. quantize the demoted tokens, in slot order, into the new tier-2 pages ``new_t2[b, :]``
    (keys: mean and standard deviation per channel over the page, values per token; NF2 codes);
-4. compact tier 1: the kept tokens in slots ``>= keep`` move into the holes the demoted tokens left
-   in slots ``< keep`` (sources and destinations are disjoint, so the moves are independent).
+4. compact tier 1: the m-th kept token in slots ``>= keep`` moves into the m-th demoted slot, which
+   is below ``keep`` (as many holes lie below ``keep`` as kept tokens above it; sources and
+   destinations are disjoint, so the moves are independent).
+
+The same TIR serves both targets: each phase is a loop over ``head_dim`` "threads", bound to
+``threadIdx.x`` on CUDA (one block per sequence and KV head, a barrier between phases) and serial
+on llvm. Phases talk through global workspaces: ``score`` float32, ``rank`` and ``order`` int32,
+each [B, Hkv, M1 * PS1].
 
 Buffers (layout of ``moec.runtime.kv_cache``): the tier-1 pool (k, v, ks, vs, pos, mass), the tier-2
 pool (k, v, kmu, ksig, vmu, vsig, pos), t1_table [B, M1], t1_len / length / demote [B] int32,
-new_t2 [B, M2n] int32, and a workspace ``order`` int32 [B, Hkv, M1 * PS1] (demoted slot per rank).
+new_t2 [B, M2n] int32, and the workspaces.
 """
 
 from __future__ import annotations
@@ -50,16 +57,24 @@ def _nf2_code(z):
 
 
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
-                       recent: int = 64):
-    """The re-rank PrimFunc, serial (llvm) form."""
+                       recent: int = 64, target: str = "llvm"):
+    """The re-rank PrimFunc for ``target`` "llvm" or "cuda"."""
     HKV, D, PS1, PS2, D4 = num_kv_heads, head_dim, t1_page, t2_page, head_dim // 4
+    NT = D
+    gpu = target == "cuda"
+    if PS2 % NT:
+        raise ValueError(f"the tier-2 page ({PS2}) must be a multiple of head_dim ({D})")
     INF = 3.0e38
+
+    def threads():
+        return T.thread_binding(NT, thread="threadIdx.x") if gpu else T.serial(NT)
 
     @T.prim_func(s_tir=True)
     def tiered_rerank(t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle,
                       mass_h: T.handle, t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle,
                       t2vmu_h: T.handle, t2vsig_h: T.handle, t2pos_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle,
-                      len_h: T.handle, dem_h: T.handle, new_h: T.handle, order_h: T.handle):
+                      len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
+                      order_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_rerank"})
         B, P1, P2, M1, MN = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         t1_k = T.match_buffer(t1k_h, (P1, HKV, PS1, D), "uint8")
@@ -80,106 +95,130 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
         length = T.match_buffer(len_h, (B,), "int32")
         demote = T.match_buffer(dem_h, (B,), "int32")
         new_t2 = T.match_buffer(new_h, (B, MN), "int32")
+        score = T.match_buffer(score_h, (B, HKV, M1 * PS1), "float32")
+        rank = T.match_buffer(rank_h, (B, HKV, M1 * PS1), "int32")
         order = T.match_buffer(order_h, (B, HKV, M1 * PS1), "int32")
 
-        for b in T.serial(B):
-            for h in T.serial(HKV):
+        for b in T.thread_binding(B, thread="blockIdx.x") if gpu else T.serial(B):
+            for h in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
                 with T.sblock("rerank"):
                     T.reads()
                     T.writes()
-                    score = T.sblock_alloc_buffer((M1 * PS1,), "float32")
-                    demoted = T.sblock_alloc_buffer((M1 * PS1,), "int32")
-                    cnt = T.sblock_alloc_buffer((2,), "int32")
-                    acc = T.sblock_alloc_buffer((2,), "float32")
-                    row = T.sblock_alloc_buffer((D,), "float32")
+                    cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    row = T.sblock_alloc_buffer((D,), "float32", scope="local")
                     n1: T.let[T.int32] = t1_len[b]
                     nd: T.let[T.int32] = demote[b]
                     keep: T.let[T.int32] = n1 - nd
                     hl: T.let[T.float32] = harmonic(T.Cast("float32", length[b]))
-                    # 1. scores
-                    for i in T.serial(n1):
-                        pg: T.let[T.int32] = t1_table[b, i // PS1]
-                        p: T.let[T.int32] = t1_pos[pg, h, i % PS1]
-                        score[i] = T.if_then_else(
-                            (p < sink) | (p >= length[b] - recent), T.float32(INF),
-                            t1_mass[pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) + T.float32(1.0) /
-                                                            T.Cast("float32", p + 1), T.float32(1e-12)))
-                    # 2. rank by counting; the nd lowest are demoted; order[rank among demoted by slot] = slot
-                    cnt[1] = 0
-                    for i in T.serial(n1):
-                        cnt[0] = 0
-                        for j in T.serial(n1):
-                            cnt[0] += T.Cast("int32", (score[j] < score[i]) | ((score[j] == score[i]) & (j < i)))
-                        demoted[i] = T.Cast("int32", cnt[0] < nd)
-                        if cnt[0] < nd:
-                            order[b, h, cnt[1]] = i
-                            cnt[1] += 1
-                    # 3. quantize the demoted tokens (slot order) into the new tier-2 pages
-                    for pi in T.serial(nd // PS2):
-                        page2: T.let[T.int32] = new_t2[b, pi]
-                        for d in T.serial(D):  # keys: per channel over the page
+                    # 1. scores (sinks and the recent window: +inf)
+                    for tx in threads():
+                        for c in T.serial(T.ceildiv(n1, NT)):
+                            i: T.let[T.int32] = c * NT + tx
+                            if i < n1:
+                                pg: T.let[T.int32] = t1_table[b, i // PS1]
+                                p: T.let[T.int32] = t1_pos[pg, h, i % PS1]
+                                score[b, h, i] = T.if_then_else(
+                                    (p < sink) | (p >= length[b] - recent), T.float32(INF),
+                                    t1_mass[pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
+                                                                    T.float32(1.0) / T.Cast("float32", p + 1), T.float32(1e-12)))
+                    if gpu:
+                        T.tvm_storage_sync("shared")
+                    # 2. rank by counting (ties by slot)
+                    for tx in threads():
+                        for c in T.serial(T.ceildiv(n1, NT)):
+                            i: T.let[T.int32] = c * NT + tx
+                            if i < n1:
+                                cnt[0] = 0
+                                for j in T.serial(n1):
+                                    cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
+                                                     ((score[b, h, j] == score[b, h, i]) & (j < i)))
+                                rank[b, h, i] = cnt[0]
+                    if gpu:
+                        T.tvm_storage_sync("shared")
+                    # order: the demoted slots, ascending
+                    for tx in threads():
+                        for c in T.serial(T.ceildiv(n1, NT)):
+                            i: T.let[T.int32] = c * NT + tx
+                            if i < n1:
+                                if rank[b, h, i] < nd:
+                                    cnt[0] = 0
+                                    for j in T.serial(i):
+                                        cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
+                                    order[b, h, cnt[0]] = i
+                    if gpu:
+                        T.tvm_storage_sync("shared")
+                    # 3a. key statistics: per channel over each new page's tokens
+                    for tx in threads():
+                        for pi in T.serial(nd // PS2):
                             acc[0] = T.float32(0)
                             acc[1] = T.float32(0)
                             for r in T.serial(PS2):
                                 src: T.let[T.int32] = order[b, h, pi * PS2 + r]
-                                x: T.let[T.float32] = _fp8_to_f32(t1_k[t1_table[b, src // PS1], h, src % PS1, d]) * \
+                                x: T.let[T.float32] = _fp8_to_f32(t1_k[t1_table[b, src // PS1], h, src % PS1, tx]) * \
                                     T.Cast("float32", t1_ks[t1_table[b, src // PS1], h, src % PS1])
                                 acc[0] += x
                                 acc[1] += x * x
                             mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                            sig: T.let[T.float32] = T.max(T.sqrt(T.max(acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))
-                            t2_kmu[page2, h, d] = T.Cast("float16", mu)
-                            t2_ksig[page2, h, d] = T.Cast("float16", sig)
-                        for r in T.serial(PS2):
-                            src2: T.let[T.int32] = order[b, h, pi * PS2 + r]
-                            pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
-                            sl2: T.let[T.int32] = src2 % PS1
-                            t2_pos[page2, h, r] = t1_pos[pg2, h, sl2]
-                            for c in T.serial(D4):  # keys: codes against the page's per-channel statistics
-                                t2_k[page2, h, r, c] = T.Cast("uint8", T.uint32(0))
-                                for e in T.serial(4):
-                                    t2_k[page2, h, r, c] = t2_k[page2, h, r, c] | T.Cast("uint8", _nf2_code(
-                                        (_fp8_to_f32(t1_k[pg2, h, sl2, c * 4 + e]) * T.Cast("float32", t1_ks[pg2, h, sl2])
-                                         - T.Cast("float32", t2_kmu[page2, h, c * 4 + e])) /
-                                        T.Cast("float32", t2_ksig[page2, h, c * 4 + e])) << T.Cast("uint32", e * 2))
-                            acc[0] = T.float32(0)  # values: per token over the channels
-                            acc[1] = T.float32(0)
-                            for d in T.serial(D):
-                                row[d] = _fp8_to_f32(t1_v[pg2, h, sl2, d]) * T.Cast("float32", t1_vs[pg2, h, sl2])
-                                acc[0] += row[d]
-                                acc[1] += row[d] * row[d]
-                            vmu: T.let[T.float32] = acc[0] / T.float32(D)
-                            vsig: T.let[T.float32] = T.max(T.sqrt(T.max(acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))
-                            t2_vmu[page2, h, r] = T.Cast("float16", vmu)
-                            t2_vsig[page2, h, r] = T.Cast("float16", vsig)
-                            for c in T.serial(D4):
-                                t2_v[page2, h, r, c] = T.Cast("uint8", T.uint32(0))
-                                for e in T.serial(4):
-                                    t2_v[page2, h, r, c] = t2_v[page2, h, r, c] | T.Cast("uint8", _nf2_code(
-                                        (row[c * 4 + e] - T.Cast("float32", t2_vmu[page2, h, r])) /
-                                        T.Cast("float32", t2_vsig[page2, h, r])) << T.Cast("uint32", e * 2))
-                    # 4. compact: the k-th kept token at slot >= keep fills the k-th hole below keep
-                    cnt[0] = 0
-                    for i in T.serial(keep, n1):
-                        if demoted[i] == 0:
-                            cnt[1] = 0  # find the cnt[0]-th hole below keep
-                            for j in T.serial(keep):
-                                if demoted[j] >= 1:  # a hole (1: open, >= 2: filled by an earlier mover)
-                                    if cnt[1] == cnt[0]:
-                                        demoted[j] = 2 + i  # filled by slot i
-                                    cnt[1] += 1
-                            cnt[0] += 1
-                    for j in T.serial(keep):
-                        if demoted[j] >= 2:
-                            s: T.let[T.int32] = demoted[j] - 2
-                            ps: T.let[T.int32] = t1_table[b, s // PS1]
-                            pd: T.let[T.int32] = t1_table[b, j // PS1]
-                            for d in T.serial(D):
-                                t1_k[pd, h, j % PS1, d] = t1_k[ps, h, s % PS1, d]
-                                t1_v[pd, h, j % PS1, d] = t1_v[ps, h, s % PS1, d]
-                            t1_ks[pd, h, j % PS1] = t1_ks[ps, h, s % PS1]
-                            t1_vs[pd, h, j % PS1] = t1_vs[ps, h, s % PS1]
-                            t1_pos[pd, h, j % PS1] = t1_pos[ps, h, s % PS1]
-                            t1_mass[pd, h, j % PS1] = t1_mass[ps, h, s % PS1]
+                            t2_kmu[new_t2[b, pi], h, tx] = T.Cast("float16", mu)
+                            t2_ksig[new_t2[b, pi], h, tx] = T.Cast("float16", T.max(T.sqrt(T.max(
+                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24)))
+                    if gpu:
+                        T.tvm_storage_sync("shared")
+                    # 3b. codes: a token per thread (keys against the page statistics, values per token)
+                    for tx in threads():
+                        for pi in T.serial(nd // PS2):
+                            for rr in T.serial(PS2 // NT):
+                                r: T.let[T.int32] = rr * NT + tx
+                                page2: T.let[T.int32] = new_t2[b, pi]
+                                src2: T.let[T.int32] = order[b, h, pi * PS2 + r]
+                                pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
+                                sl2: T.let[T.int32] = src2 % PS1
+                                t2_pos[page2, h, r] = t1_pos[pg2, h, sl2]
+                                for cc in T.serial(D4):
+                                    t2_k[page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                    for e in T.serial(4):
+                                        t2_k[page2, h, r, cc] = t2_k[page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                            (_fp8_to_f32(t1_k[pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[pg2, h, sl2])
+                                             - T.Cast("float32", t2_kmu[page2, h, cc * 4 + e])) /
+                                            T.Cast("float32", t2_ksig[page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
+                                acc[0] = T.float32(0)
+                                acc[1] = T.float32(0)
+                                for d in T.serial(D):
+                                    row[d] = _fp8_to_f32(t1_v[pg2, h, sl2, d]) * T.Cast("float32", t1_vs[pg2, h, sl2])
+                                    acc[0] += row[d]
+                                    acc[1] += row[d] * row[d]
+                                vmu: T.let[T.float32] = acc[0] / T.float32(D)
+                                vsig: T.let[T.float32] = T.max(T.sqrt(T.max(acc[1] / T.float32(D) - vmu * vmu, T.float32(0))),
+                                                               T.float32(2.0**-24))
+                                t2_vmu[page2, h, r] = T.Cast("float16", vmu)
+                                t2_vsig[page2, h, r] = T.Cast("float16", vsig)
+                                for cc in T.serial(D4):
+                                    t2_v[page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                    for e in T.serial(4):
+                                        t2_v[page2, h, r, cc] = t2_v[page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                            (row[cc * 4 + e] - T.Cast("float32", T.Cast("float16", vmu))) /
+                                            T.Cast("float32", T.Cast("float16", vsig))) << T.Cast("uint32", e * 2))
+                    if gpu:
+                        T.tvm_storage_sync("shared")
+                    # 4. compaction: the m-th kept token at slot >= keep fills the m-th demoted slot (< keep)
+                    for tx in threads():
+                        for c in T.serial(T.ceildiv(nd, NT)):
+                            i: T.let[T.int32] = keep + c * NT + tx
+                            if i < n1:
+                                if rank[b, h, i] >= nd:
+                                    cnt[0] = 0
+                                    for j in T.serial(keep, i):
+                                        cnt[0] += T.Cast("int32", rank[b, h, j] >= nd)
+                                    dst: T.let[T.int32] = order[b, h, cnt[0]]
+                                    ps: T.let[T.int32] = t1_table[b, i // PS1]
+                                    pd: T.let[T.int32] = t1_table[b, dst // PS1]
+                                    for d in T.serial(D):
+                                        t1_k[pd, h, dst % PS1, d] = t1_k[ps, h, i % PS1, d]
+                                        t1_v[pd, h, dst % PS1, d] = t1_v[ps, h, i % PS1, d]
+                                    t1_ks[pd, h, dst % PS1] = t1_ks[ps, h, i % PS1]
+                                    t1_vs[pd, h, dst % PS1] = t1_vs[ps, h, i % PS1]
+                                    t1_pos[pd, h, dst % PS1] = t1_pos[ps, h, i % PS1]
+                                    t1_mass[pd, h, dst % PS1] = t1_mass[ps, h, i % PS1]
 
     return tiered_rerank

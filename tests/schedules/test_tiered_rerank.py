@@ -49,6 +49,7 @@ def test_rerank_matches_reference(kernel, seed):
     dev = tvm.cpu()
     m1 = tables["t1_table"].shape[1]
     host = [pools[k] for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
+                                        np.zeros((2, HKV, m1 * PS1), np.float32), np.zeros((2, HKV, m1 * PS1), np.int32),
                                         np.zeros((2, HKV, m1 * PS1), np.int32)]
     tv = [tvm.runtime.tensor(a, dev) for a in host]
     kernel["tiered_rerank"](*tv)
@@ -74,3 +75,11 @@ def test_rerank_matches_reference(kernel, seed):
             assert set(range(SINK)) <= kept and set(range(length[b] - RECENT, length[b])) <= kept
             moved = {int(p) for pg in new_t2[b, : demote[b] // PS2] for p in got["t2_pos"][pg, h]}
             assert not kept & moved and len(kept) + len(moved) == tables["t1_len"][b]
+
+
+def test_cuda_form_compiles():
+    from moec.compiler.targets import make_target
+
+    ex = tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda")}),
+                     target=make_target("cuda"))
+    assert "__syncthreads" in ex.mod.imports[0].inspect_source()
