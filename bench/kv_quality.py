@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--tier1-fraction", type=float, default=0.15)
     ap.add_argument("--rerank-every", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated policies (bf16 is always run: the baseline)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
 
@@ -52,7 +53,8 @@ def main() -> int:
               rerank_every=args.rerank_every, page_tokens=args.page_tokens)
     dh = model.config.dim_head
     rows = {}
-    for mode in MODES:
+    modes = [m for m in MODES if m in set(args.modes.split(",")) | {"bf16"}]
+    for mode in modes:
         t = time.perf_counter()
         subject = KVPolicySubject(model, TierPolicy.named(mode, **kw), batch_size=args.batch_size)
         report = evaluate(subject, corpus, context=args.context, stride=args.stride, max_tokens=args.max_tokens)

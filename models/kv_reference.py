@@ -118,7 +118,7 @@ class _LayerCache:
         if p.recent:
             protected[max(0, n - p.recent):] = True
         budget = max(int(math.floor(p.tier1_fraction * n)), int(protected.sum()))
-        score = self.mass[:, :, :n] / np.maximum(visible[None, None, :n], 1)
+        score = self.mass[:, :, :n] / np.maximum(visible[None, None, :n], 1e-12)
         if p.mode == "tiered-random":
             score = rng.random(score.shape)
         b, hkv = self.tier.shape[:2]
