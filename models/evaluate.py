@@ -23,7 +23,7 @@ agreement, and per-layer top-k overlap of routing when both subjects expose it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -11,7 +11,6 @@ No compiler import happens here: this module runs with ``TVM_USE_RUNTIME_LIB=1``
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np

@@ -6,9 +6,9 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
+import numpy as np  # noqa: F401 - imported before tvm on purpose, with torch
 import pytest
-import torch
+import torch  # noqa: F401 - torch loads before tvm in every test process
 
 warnings.filterwarnings("ignore")
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
-from tvm.script import relax as R
 
 from moec.passes.legalize_topk import legalize_topk
 

@@ -1,6 +1,5 @@
 """InsertPagedKVAttention: IR before/after, and numerics of the rewritten module against torch."""
 
-import numpy as np
 import pytest
 import tvm
 from tvm import relax

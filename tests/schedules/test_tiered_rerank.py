@@ -28,7 +28,6 @@ def _case(seed):
                 pg, sl = tables["t1_table"][b, i // PS1], i % PS1
                 pools["t1_pos"][pg, h, sl] = pos[i]
                 pools["t1_mass"][pg, h, sl] = rng.uniform(0.01, 2.0)
-    used = set(tables["t1_table"].ravel()) | set(tables["t2_table"][tables["t2_np"] > 0].ravel())
     free2 = [p for p in range(P2) if p not in set(tables["t2_table"][0, :old_t2[0]])]
     new_t2 = np.array([free2[:2], free2[2:4]], np.int32)
     return pools, tables, length, demote, new_t2
