@@ -159,6 +159,8 @@ class TieredPageTables:
         """Decide (and apply to the tables) how many tokens of ``slot`` move to tier 2.
 
         Demotion is in whole tier-2 pages; the tier-1 pages left empty after compaction are freed.
+        The re-rank kernel must run with the tables as they were before this call (``tables()``
+        first) and the plan's ``new_t2_pages``; the freed pages are reused only by later work.
         """
         seq = self._get(slot)
         excess = seq.t1_len - self.budget(seq.length)
@@ -175,6 +177,33 @@ class TieredPageTables:
         seq.t2_pages += new
         seq.t1_len = keep
         return RerankPlan(slot, keep, demote, tuple(new), tuple(freed))
+
+    # ---------------------------------------------------------------- kernel arguments
+    def append_slots(self, slot: int, n: int) -> "np.ndarray":
+        """Global tier-1 slot ids (``page * t1_page + slot``) of the last ``n`` tier-1 tokens of ``slot``."""
+        import numpy as np
+
+        seq = self._get(slot)
+        idx = np.arange(seq.t1_len - n, seq.t1_len)
+        pages = np.asarray(seq.t1_pages, np.int32)
+        return (pages[idx // self.t1_page] * self.t1_page + idx % self.t1_page).astype(np.int32)
+
+    def tables(self, slots: list[int]) -> dict[str, "np.ndarray"]:
+        """Dense page tables of ``slots`` for the kernels: t1_table/t2_table (padded with page 0),
+        t1_len, t2_np (tier-2 pages) and length."""
+        import numpy as np
+
+        seqs = [self._get(s) for s in slots]
+        m1 = max([len(q.t1_pages) for q in seqs] + [1])
+        m2 = max([len(q.t2_pages) for q in seqs] + [1])
+        t1 = np.zeros((len(seqs), m1), np.int32)
+        t2 = np.zeros((len(seqs), m2), np.int32)
+        for i, q in enumerate(seqs):
+            t1[i, : len(q.t1_pages)] = q.t1_pages
+            t2[i, : len(q.t2_pages)] = q.t2_pages
+        return {"t1_table": t1, "t1_len": np.array([q.t1_len for q in seqs], np.int32), "t2_table": t2,
+                "t2_np": np.array([len(q.t2_pages) for q in seqs], np.int32),
+                "length": np.array([q.length for q in seqs], np.int32)}
 
     # ---------------------------------------------------------------- checks
     def check(self) -> None:
