@@ -71,12 +71,6 @@ class TierPolicy:
         return base
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from .reference import _rotate_half
-
-    return x * cos + _rotate_half(x) * sin
-
-
 class _LayerCache:
     """One layer's cache for B sequences: true and dequantized K/V, tiers and importance."""
 
@@ -153,17 +147,8 @@ class TieredDecoder:
         self.cfg = model.config
 
     def _qkv(self, layer, x: torch.Tensor, pos: torch.Tensor):
-        cfg = self.cfg
-        a = layer.attn
-        b, s, _ = x.shape
-        h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.dim_head
-        qv, kv, vv = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-        if cfg.qk_norm:
-            qv, kv = a.q_norm(qv), a.k_norm(kv)
         cos, sin = self.model.rotary(pos)
-        qv = _rope(qv.view(b, s, h, dh).transpose(1, 2), cos, sin)  # B, H, S, Dh
-        kv = _rope(kv.view(b, s, hkv, dh).transpose(1, 2), cos, sin)  # B, Hkv, S, Dh
-        return qv, kv, vv.view(b, s, hkv, dh).transpose(1, 2)
+        return layer.attn.qkv(x, cos, sin)
 
     @torch.no_grad()
     def run(self, windows: np.ndarray, n_prefill: int) -> np.ndarray:

@@ -57,7 +57,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.num_heads * hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.num_kv_heads * hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projections after QK-norm and RoPE: q [B, H, S, Dh], k and v [B, Hkv, S, Dh]."""
         cfg = self.cfg
         b, s, _ = x.shape
         hd, h, hkv = cfg.dim_head, cfg.num_heads, cfg.num_kv_heads
@@ -67,8 +68,13 @@ class Attention(nn.Module):
         q = q.view(b, s, h, hd).transpose(1, 2)  # B, H, S, Dh
         k = k.view(b, s, hkv, hd).transpose(1, 2)  # B, Hkv, S, Dh
         v = v.view(b, s, hkv, hd).transpose(1, 2)  # B, Hkv, S, Dh
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        hd, h, hkv = cfg.dim_head, cfg.num_heads, cfg.num_kv_heads
+        q, k, v = self.qkv(x, cos, sin)
         rep = h // hkv
         k = k[:, :, None].expand(b, hkv, rep, s, hd).reshape(b, h, s, hd)
         v = v[:, :, None].expand(b, hkv, rep, s, hd).reshape(b, h, s, hd)
