@@ -10,6 +10,24 @@ POOL_ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ks
 TABLE_ORDER = ("t1_table", "t1_len", "t2_table", "t2_np")
 
 
+LAYERS, LAYER = 2, 1  # the tests' pools hold two layers; kernels run on layer 1 (layer 0 must stay untouched)
+
+
+def layered(arr: np.ndarray, rng: np.random.Generator | None = None, layers: int = LAYERS, layer: int = LAYER) -> np.ndarray:
+    """``arr`` as layer ``layer`` of a ``[layers, ...]`` pool whose other layers hold noise."""
+    rng = rng or np.random.default_rng(1234)
+    out = np.empty((layers,) + arr.shape, arr.dtype)
+    for i in range(layers):
+        if arr.dtype == np.uint8:
+            out[i] = rng.integers(0, 256, arr.shape, dtype=np.uint8)
+        elif arr.dtype.kind == "i":
+            out[i] = rng.integers(0, 50, arr.shape).astype(arr.dtype)
+        else:
+            out[i] = rng.uniform(0.5, 1.5, arr.shape).astype(arr.dtype)
+    out[layer] = arr
+    return out
+
+
 def empty_pools(p1: int, p2: int, hkv: int, d: int, ps1: int, ps2: int) -> dict[str, np.ndarray]:
     return {
         "t1_k": np.zeros((p1, hkv, ps1, d), np.uint8), "t1_v": np.zeros((p1, hkv, ps1, d), np.uint8),

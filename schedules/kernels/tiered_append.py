@@ -2,7 +2,7 @@
 
 For each of N new tokens (the tokens of one forward, all sequences laid out ragged) and each KV head:
 scale = max|x| / 448 (float16, at least 2^-24), code = e4m3(x / scale) with round-to-nearest-even,
-written to ``t1_k/t1_v[page, head, slot, :]`` with ``slot_of[n] = page * PS1 + slot`` (the runtime's
+written to ``t1_k/t1_v[layer, page, head, slot, :]`` with ``slot_of[n] = page * PS1 + slot`` (the runtime's
 page tables give it); the token's position goes to ``t1_pos`` and its importance ``t1_mass`` restarts
 at 0. The e4m3 encoding is integer arithmetic on the float's bits (TVM's llvm fp8 cast is wrong), so
 the llvm and CUDA builds produce the same bytes as ``ml_dtypes.float8_e4m3fn``.
@@ -38,19 +38,19 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
 
     @T.prim_func(s_tir=True)
     def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
-                      t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle, mass_h: T.handle):
+                      t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle, mass_h: T.handle, layer: T.int32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_append"})
-        N, P1 = T.int32(), T.int32()
+        NL, N, P1 = T.int32(), T.int32(), T.int32()
         k_new = T.match_buffer(k_h, (N, HKV, D), "float32")
         v_new = T.match_buffer(v_h, (N, HKV, D), "float32")
         slot_of = T.match_buffer(slot_h, (N,), "int32")
         pos = T.match_buffer(pos_h, (N,), "int32")
-        t1_k = T.match_buffer(t1k_h, (P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (P1, HKV, PS1), "float16")
-        t1_pos = T.match_buffer(t1pos_h, (P1, HKV, PS1), "int32")
-        t1_mass = T.match_buffer(mass_h, (P1, HKV, PS1), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         for n in T.thread_binding(N, thread="blockIdx.x") if gpu else T.serial(N):
             for h in T.thread_binding(HKV, thread="threadIdx.x") if gpu else T.serial(HKV):
                 with T.sblock("append"):
@@ -68,11 +68,11 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
                     sc[0] = T.Cast("float16", T.max(amax[0] / T.float32(448.0), T.float32(2.0**-24)))
                     sc[1] = T.Cast("float16", T.max(amax[1] / T.float32(448.0), T.float32(2.0**-24)))
                     for d in T.serial(D):
-                        t1_k[page, h, slot, d] = _e4m3_byte(k_new[n, h, d] / T.Cast("float32", sc[0]))
-                        t1_v[page, h, slot, d] = _e4m3_byte(v_new[n, h, d] / T.Cast("float32", sc[1]))
-                    t1_ks[page, h, slot] = sc[0]
-                    t1_vs[page, h, slot] = sc[1]
-                    t1_pos[page, h, slot] = pos[n]
-                    t1_mass[page, h, slot] = T.float32(0)
+                        t1_k[layer, page, h, slot, d] = _e4m3_byte(k_new[n, h, d] / T.Cast("float32", sc[0]))
+                        t1_v[layer, page, h, slot, d] = _e4m3_byte(v_new[n, h, d] / T.Cast("float32", sc[1]))
+                    t1_ks[layer, page, h, slot] = sc[0]
+                    t1_vs[layer, page, h, slot] = sc[1]
+                    t1_pos[layer, page, h, slot] = pos[n]
+                    t1_mass[layer, page, h, slot] = T.float32(0)
 
     return tiered_append

@@ -63,26 +63,26 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
                       t2vsig_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle,
-                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, sm_scale: T.float32):
+                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (P1, HKV, PS1), "float16")
-        t2_k = T.match_buffer(t2k_h, (P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (P2, HKV, PS2), "float16")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
         t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
         t1_len = T.match_buffer(t1len_h, (B,), "int32")
         t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
         out = T.match_buffer(out_h, (B, H, D), "float32")
-        t1_mass = T.match_buffer(mass_h, (P1, HKV, PS1), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
 
         for b in T.serial(B):
@@ -105,22 +105,22 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                         slot: T.let[T.int32] = i % PS1
                         s_val[0] = T.float32(0)
                         for d in T.serial(D):
-                            s_val[0] += q[b, h, d] * _fp8_to_f32(t1_k[page, hk, slot, d])
-                        s_val[0] = s_val[0] * T.Cast("float32", t1_ks[page, hk, slot]) * sm_scale * T.float32(LOG2E)
+                            s_val[0] += q[b, h, d] * _fp8_to_f32(t1_k[layer, page, hk, slot, d])
+                        s_val[0] = s_val[0] * T.Cast("float32", t1_ks[layer, page, hk, slot]) * sm_scale * T.float32(LOG2E)
                         scores[b, h, i] = s_val[0]
                         new_m[0] = T.max(m_val[h], s_val[0])
                         l_val[h] = l_val[h] * T.exp2(m_val[h] - new_m[0]) + T.exp2(s_val[0] - new_m[0])
                         for d in T.serial(D):
                             acc[d] = acc[d] * T.exp2(m_val[h] - new_m[0]) + T.exp2(s_val[0] - new_m[0]) * (
-                                _fp8_to_f32(t1_v[page, hk, slot, d]) * T.Cast("float32", t1_vs[page, hk, slot]))
+                                _fp8_to_f32(t1_v[layer, page, hk, slot, d]) * T.Cast("float32", t1_vs[layer, page, hk, slot]))
                         m_val[h] = new_m[0]
                     # tier 2: full 2-bit pages
                     for pi in T.serial(t2_np[b]):
                         page2: T.let[T.int32] = t2_table[b, pi]
                         for j in T.serial(PS2):
                             for d in T.serial(D):
-                                kv[d] = T.Cast("float32", t2_kmu[page2, hk, d]) + T.Cast("float32", t2_ksig[page2, hk, d]) * \
-                                    _nf2_level(t2_k[page2, hk, j, d // 4], d)
+                                kv[d] = T.Cast("float32", t2_kmu[layer, page2, hk, d]) + T.Cast("float32", t2_ksig[layer, page2, hk, d]) * \
+                                    _nf2_level(t2_k[layer, page2, hk, j, d // 4], d)
                             s_val[0] = T.float32(0)
                             for d in T.serial(D):
                                 s_val[0] += q[b, h, d] * kv[d]
@@ -129,15 +129,15 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                             l_val[h] = l_val[h] * T.exp2(m_val[h] - new_m[0]) + T.exp2(s_val[0] - new_m[0])
                             for d in T.serial(D):
                                 acc[d] = acc[d] * T.exp2(m_val[h] - new_m[0]) + T.exp2(s_val[0] - new_m[0]) * (
-                                    T.Cast("float32", t2_vmu[page2, hk, j]) + T.Cast("float32", t2_vsig[page2, hk, j]) *
-                                    _nf2_level(t2_v[page2, hk, j, d // 4], d))
+                                    T.Cast("float32", t2_vmu[layer, page2, hk, j]) + T.Cast("float32", t2_vsig[layer, page2, hk, j]) *
+                                    _nf2_level(t2_v[layer, page2, hk, j, d // 4], d))
                             m_val[h] = new_m[0]
                     for d in T.serial(D):
                         out[b, h, d] = T.if_then_else(l_val[h] > T.float32(0), acc[d] / l_val[h], T.float32(0))
                 # importance: each tier-1 token's probability, summed over the query heads of its KV head
                 for h in T.serial(H):
                     for i in T.serial(t1_len[b]):
-                        t1_mass[t1_table[b, i // PS1], h // G, i % PS1] += T.exp2(scores[b, h, i] - m_val[h]) / l_val[h]
+                        t1_mass[layer, t1_table[b, i // PS1], h // G, i % PS1] += T.exp2(scores[b, h, i] - m_val[h]) / l_val[h]
 
     return tiered_decode
 
@@ -193,26 +193,26 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
                       t2vsig_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle,
-                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, sm_scale: T.float32):
+                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (P1, HKV, PS1), "float16")
-        t2_k = T.match_buffer(t2k_h, (P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (P2, HKV, PS2), "float16")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
         t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
         t1_len = T.match_buffer(t1len_h, (B,), "int32")
         t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
         out = T.match_buffer(out_h, (B, H, D), "float32")
-        t1_mass = T.match_buffer(mass_h, (P1, HKV, PS1), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
 
         for b in T.thread_binding(B, thread="blockIdx.x"):
@@ -252,21 +252,21 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             slot: T.let[T.int32] = i % PS1
                             row_sh[tx] = page * PS1 + slot
                             for d in T.serial(D):
-                                kd[d] = _fp8_to_f32(t1_k[page, hk, slot, d])
+                                kd[d] = _fp8_to_f32(t1_k[layer, page, hk, slot, d])
                             for g in T.serial(G):
                                 s_loc[g] = T.float32(0)
                                 for d in T.serial(D):
                                     s_loc[g] += q_sh[g, d] * kd[d]
                                 s_loc[g] = T.if_then_else(
-                                    i < n1, s_loc[g] * T.Cast("float32", t1_ks[page, hk, slot]) * sm_scale * T.float32(LOG2E),
+                                    i < n1, s_loc[g] * T.Cast("float32", t1_ks[layer, page, hk, slot]) * sm_scale * T.float32(LOG2E),
                                     T.float32(NEG))
                                 if i < n1:
                                     scores[b, hk * G + g, i] = s_loc[g]
                             online_update(tx, s_loc, red, m_loc, l_loc, p_sh, acc, tmp)
                             for j in T.serial(T.min(NT, n1 - c * NT)):
                                 r: T.let[T.int32] = row_sh[j]
-                                v: T.let[T.float32] = _fp8_to_f32(t1_v[r // PS1, hk, r % PS1, tx]) * \
-                                    T.Cast("float32", t1_vs[r // PS1, hk, r % PS1])
+                                v: T.let[T.float32] = _fp8_to_f32(t1_v[layer, r // PS1, hk, r % PS1, tx]) * \
+                                    T.Cast("float32", t1_vs[layer, r // PS1, hk, r % PS1])
                                 for g in T.serial(G):
                                     acc[g] += p_sh[g, j] * v
                             T.tvm_storage_sync("shared")
@@ -274,23 +274,23 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         # ---- tier 2: full 2-bit pages, chunks of NT tokens
                         for pi in T.serial(t2_np[b]):
                             page2: T.let[T.int32] = t2_table[b, pi]
-                            kmu_sh[tx] = T.Cast("float32", t2_kmu[page2, hk, tx])
-                            ksig_sh[tx] = T.Cast("float32", t2_ksig[page2, hk, tx])
+                            kmu_sh[tx] = T.Cast("float32", t2_kmu[layer, page2, hk, tx])
+                            ksig_sh[tx] = T.Cast("float32", t2_ksig[layer, page2, hk, tx])
                             T.tvm_storage_sync("shared")
                             for sc in T.serial(PS2 // NT):
                                 j2: T.let[T.int32] = sc * NT + tx
                                 for d in T.serial(D):
-                                    kd[d] = kmu_sh[d] + ksig_sh[d] * _nf2_level(t2_k[page2, hk, j2, d // 4], d)
+                                    kd[d] = kmu_sh[d] + ksig_sh[d] * _nf2_level(t2_k[layer, page2, hk, j2, d // 4], d)
                                 for g in T.serial(G):
                                     s_loc[g] = T.float32(0)
                                     for d in T.serial(D):
                                         s_loc[g] += q_sh[g, d] * kd[d]
                                     s_loc[g] = s_loc[g] * sm_scale * T.float32(LOG2E)
-                                vmu_sh[tx] = T.Cast("float32", t2_vmu[page2, hk, j2])
-                                vsig_sh[tx] = T.Cast("float32", t2_vsig[page2, hk, j2])
+                                vmu_sh[tx] = T.Cast("float32", t2_vmu[layer, page2, hk, j2])
+                                vsig_sh[tx] = T.Cast("float32", t2_vsig[layer, page2, hk, j2])
                                 online_update(tx, s_loc, red, m_loc, l_loc, p_sh, acc, tmp)
                                 for j in T.serial(NT):
-                                    v2: T.let[T.float32] = vmu_sh[j] + vsig_sh[j] * _nf2_level(t2_v[page2, hk, sc * NT + j, tx // 4], tx)
+                                    v2: T.let[T.float32] = vmu_sh[j] + vsig_sh[j] * _nf2_level(t2_v[layer, page2, hk, sc * NT + j, tx // 4], tx)
                                     for g in T.serial(G):
                                         acc[g] += p_sh[g, j] * v2
                                 T.tvm_storage_sync("shared")
@@ -304,7 +304,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             for g in T.serial(G):
                                 mtot[0] += T.exp2(scores[b, hk * G + g, i2] - m_loc[g]) / l_loc[g]
                             if c2 * NT + tx < n1:
-                                t1_mass[t1_table[b, i2 // PS1], hk, i2 % PS1] += mtot[0]
+                                t1_mass[layer, t1_table[b, i2 // PS1], hk, i2 % PS1] += mtot[0]
 
     return tiered_decode
 

@@ -74,22 +74,22 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                       mass_h: T.handle, t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle,
                       t2vmu_h: T.handle, t2vsig_h: T.handle, t2pos_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle,
                       len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
-                      order_h: T.handle):
+                      order_h: T.handle, layer: T.int32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_rerank"})
-        B, P1, P2, M1, MN = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        t1_k = T.match_buffer(t1k_h, (P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (P1, HKV, PS1), "float16")
-        t1_pos = T.match_buffer(t1pos_h, (P1, HKV, PS1), "int32")
-        t1_mass = T.match_buffer(mass_h, (P1, HKV, PS1), "float32")
-        t2_k = T.match_buffer(t2k_h, (P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (P2, HKV, PS2), "float16")
-        t2_pos = T.match_buffer(t2pos_h, (P2, HKV, PS2), "int32")
+        NL, B, P1, P2, M1, MN = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
+        t2_pos = T.match_buffer(t2pos_h, (NL, P2, HKV, PS2), "int32")
         t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
         t1_len = T.match_buffer(t1len_h, (B,), "int32")
         length = T.match_buffer(len_h, (B,), "int32")
@@ -117,10 +117,10 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             i: T.let[T.int32] = c * NT + tx
                             if i < n1:
                                 pg: T.let[T.int32] = t1_table[b, i // PS1]
-                                p: T.let[T.int32] = t1_pos[pg, h, i % PS1]
+                                p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
                                 score[b, h, i] = T.if_then_else(
                                     (p < sink) | (p >= length[b] - recent), T.float32(INF),
-                                    t1_mass[pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
+                                    t1_mass[layer, pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
                                                                     T.float32(1.0) / T.Cast("float32", p + 1), T.float32(1e-12)))
                     if gpu:
                         T.tvm_storage_sync("shared")
@@ -155,13 +155,13 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             acc[1] = T.float32(0)
                             for r in T.serial(PS2):
                                 src: T.let[T.int32] = order[b, h, pi * PS2 + r]
-                                x: T.let[T.float32] = _fp8_to_f32(t1_k[t1_table[b, src // PS1], h, src % PS1, tx]) * \
-                                    T.Cast("float32", t1_ks[t1_table[b, src // PS1], h, src % PS1])
+                                x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, tx]) * \
+                                    T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
                                 acc[0] += x
                                 acc[1] += x * x
                             mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                            t2_kmu[new_t2[b, pi], h, tx] = T.Cast("float16", mu)
-                            t2_ksig[new_t2[b, pi], h, tx] = T.Cast("float16", T.max(T.sqrt(T.max(
+                            t2_kmu[layer, new_t2[b, pi], h, tx] = T.Cast("float16", mu)
+                            t2_ksig[layer, new_t2[b, pi], h, tx] = T.Cast("float16", T.max(T.sqrt(T.max(
                                 acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24)))
                     if gpu:
                         T.tvm_storage_sync("shared")
@@ -174,29 +174,29 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 src2: T.let[T.int32] = order[b, h, pi * PS2 + r]
                                 pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
                                 sl2: T.let[T.int32] = src2 % PS1
-                                t2_pos[page2, h, r] = t1_pos[pg2, h, sl2]
+                                t2_pos[layer, page2, h, r] = t1_pos[layer, pg2, h, sl2]
                                 for cc in T.serial(D4):
-                                    t2_k[page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                    t2_k[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
                                     for e in T.serial(4):
-                                        t2_k[page2, h, r, cc] = t2_k[page2, h, r, cc] | T.Cast("uint8", _nf2_code(
-                                            (_fp8_to_f32(t1_k[pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[pg2, h, sl2])
-                                             - T.Cast("float32", t2_kmu[page2, h, cc * 4 + e])) /
-                                            T.Cast("float32", t2_ksig[page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
+                                        t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                            (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
+                                             - T.Cast("float32", t2_kmu[layer, page2, h, cc * 4 + e])) /
+                                            T.Cast("float32", t2_ksig[layer, page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
                                 acc[0] = T.float32(0)
                                 acc[1] = T.float32(0)
                                 for d in T.serial(D):
-                                    row[d] = _fp8_to_f32(t1_v[pg2, h, sl2, d]) * T.Cast("float32", t1_vs[pg2, h, sl2])
+                                    row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
                                     acc[0] += row[d]
                                     acc[1] += row[d] * row[d]
                                 vmu: T.let[T.float32] = acc[0] / T.float32(D)
                                 vsig: T.let[T.float32] = T.max(T.sqrt(T.max(acc[1] / T.float32(D) - vmu * vmu, T.float32(0))),
                                                                T.float32(2.0**-24))
-                                t2_vmu[page2, h, r] = T.Cast("float16", vmu)
-                                t2_vsig[page2, h, r] = T.Cast("float16", vsig)
+                                t2_vmu[layer, page2, h, r] = T.Cast("float16", vmu)
+                                t2_vsig[layer, page2, h, r] = T.Cast("float16", vsig)
                                 for cc in T.serial(D4):
-                                    t2_v[page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                    t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
                                     for e in T.serial(4):
-                                        t2_v[page2, h, r, cc] = t2_v[page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                        t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _nf2_code(
                                             (row[cc * 4 + e] - T.Cast("float32", T.Cast("float16", vmu))) /
                                             T.Cast("float32", T.Cast("float16", vsig))) << T.Cast("uint32", e * 2))
                     if gpu:
@@ -214,11 +214,11 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     ps: T.let[T.int32] = t1_table[b, i // PS1]
                                     pd: T.let[T.int32] = t1_table[b, dst // PS1]
                                     for d in T.serial(D):
-                                        t1_k[pd, h, dst % PS1, d] = t1_k[ps, h, i % PS1, d]
-                                        t1_v[pd, h, dst % PS1, d] = t1_v[ps, h, i % PS1, d]
-                                    t1_ks[pd, h, dst % PS1] = t1_ks[ps, h, i % PS1]
-                                    t1_vs[pd, h, dst % PS1] = t1_vs[ps, h, i % PS1]
-                                    t1_pos[pd, h, dst % PS1] = t1_pos[ps, h, i % PS1]
-                                    t1_mass[pd, h, dst % PS1] = t1_mass[ps, h, i % PS1]
+                                        t1_k[layer, pd, h, dst % PS1, d] = t1_k[layer, ps, h, i % PS1, d]
+                                        t1_v[layer, pd, h, dst % PS1, d] = t1_v[layer, ps, h, i % PS1, d]
+                                    t1_ks[layer, pd, h, dst % PS1] = t1_ks[layer, ps, h, i % PS1]
+                                    t1_vs[layer, pd, h, dst % PS1] = t1_vs[layer, ps, h, i % PS1]
+                                    t1_pos[layer, pd, h, dst % PS1] = t1_pos[layer, ps, h, i % PS1]
+                                    t1_mass[layer, pd, h, dst % PS1] = t1_mass[layer, ps, h, i % PS1]
 
     return tiered_rerank

@@ -51,7 +51,7 @@ def test_append_decode_rerank_cycle():
         "t2_pos": np.zeros((P2, HKV, PS2), np.int32),
     }
     dev = tvm.cpu()
-    dp = {k: tvm.runtime.tensor(v, dev) for k, v in pools.items()}
+    dp = {k: tvm.runtime.tensor(v[None], dev) for k, v in pools.items()}  # one layer
     seqs = [pt.add_sequence(), pt.add_sequence()]
 
     def put(slot, n):  # append n random tokens to one sequence
@@ -61,7 +61,7 @@ def test_append_decode_rerank_cycle():
         v = rng.standard_normal((n, HKV, D)).astype(np.float32)
         args = [k, v, pt.append_slots(slot, n), np.arange(start, start + n, dtype=np.int32)]
         append(*[tvm.runtime.tensor(a, dev) for a in args],
-               *[dp[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass")])
+               *[dp[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass")], 0)
 
     put(seqs[0], 70)
     put(seqs[1], 40)
@@ -77,8 +77,8 @@ def test_append_decode_rerank_cycle():
         o = tvm.runtime.tensor(out, dev)
         decode(tvm.runtime.tensor(qv, dev), *[dp[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu",
                                                                "t2_ksig", "t2_vmu", "t2_vsig")],
-               *targs, o, dp["t1_mass"], tvm.runtime.tensor(ws, dev), D**-0.5)
-        host = {k: v.numpy() for k, v in dp.items()}
+               *targs, o, dp["t1_mass"], tvm.runtime.tensor(ws, dev), 0, D**-0.5)
+        host = {k: v.numpy()[0] for k, v in dp.items()}
         for b in range(2):  # the output is attention over exactly what the pools hold
             for h in range(HKV):
                 pos, k, v = _dequantized(host, tab, b, h)
@@ -104,6 +104,6 @@ def test_append_decode_rerank_cycle():
                                          "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")],
                        *[tvm.runtime.tensor(a, dev) for a in (tab["t1_table"], tab["t1_len"], tab["length"], demote, new,
                                                                np.zeros((2, HKV, m), np.float32), np.zeros((2, HKV, m), np.int32),
-                                                               np.zeros((2, HKV, m), np.int32))])
+                                                               np.zeros((2, HKV, m), np.int32))], 0)
             pt.check()
     assert reranks >= 3 and all(len(pt.seqs[s].t2_pages) > 0 for s in seqs)

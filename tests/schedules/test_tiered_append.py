@@ -7,6 +7,7 @@ import tvm
 
 from moec.compiler.targets import make_target
 from moec.runtime import kv_quant as q
+from moec.schedules.kernels import reference as ref
 from moec.schedules.kernels.tiered_append import make_tiered_append
 
 HKV, D, PS1, P1 = 2, 32, 16, 8
@@ -22,9 +23,13 @@ def _run(kernel, k, v, slots, pos):
     bufs = [np.zeros((P1, HKV, PS1, D), np.uint8), np.zeros((P1, HKV, PS1, D), np.uint8),
             np.zeros((P1, HKV, PS1), np.float16), np.zeros((P1, HKV, PS1), np.float16),
             np.full((P1, HKV, PS1), -1, np.int32), np.full((P1, HKV, PS1), 7.0, np.float32)]
+    bufs = [ref.layered(b) for b in bufs]
     tv = [tvm.runtime.tensor(a, dev) for a in [k, v, slots, pos] + bufs]
-    kernel["tiered_append"](*tv)
-    return [t.numpy() for t in tv[4:]]
+    kernel["tiered_append"](*tv, ref.LAYER)
+    got = [t.numpy() for t in tv[4:]]
+    for g, b in zip(got, bufs):
+        np.testing.assert_array_equal(g[0], b[0])  # other layers untouched
+    return [g[ref.LAYER] for g in got]
 
 
 def test_bytes_match_the_reference_format(kernel):

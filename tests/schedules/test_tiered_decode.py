@@ -36,12 +36,16 @@ def test_against_numpy_over_dequantized_values(kernel, seed, t1_lens, t2_pages):
     dev = tvm.cpu()
     mass0 = np.random.default_rng(9).random((P1, HKV, PS1)).astype(np.float32)
     m1 = tables["t1_table"].shape[1]
-    args = [qv] + [pools[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
+    lp = {k: ref.layered(pools[k]) for k in ref.POOL_ORDER}
+    args = [qv] + [lp[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
     out = np.zeros((len(t1_lens), H, D), np.float32)
     scores = np.zeros((len(t1_lens), H, m1 * PS1), np.float32)
-    tv = [tvm.runtime.tensor(a, dev) for a in args + [out, mass0.copy(), scores]]
-    kernel["tiered_decode"](*tv, scale)
+    lmass = ref.layered(mass0)
+    tv = [tvm.runtime.tensor(a, dev) for a in args + [out, lmass.copy(), scores]]
+    kernel["tiered_decode"](*tv, ref.LAYER, scale)
     got_out, got_mass = tv[-3].numpy(), tv[-2].numpy()
+    np.testing.assert_array_equal(got_mass[0], lmass[0])  # other layers untouched
+    got_mass = got_mass[ref.LAYER]
     for s, ((k, v), (kd, vd)) in enumerate(zip(kv, deq)):
         want, _ = ref.attention(qv[s], kd, vd, scale)
         np.testing.assert_allclose(got_out[s], want, rtol=1e-5, atol=1e-5)  # same dequantized values: tight
@@ -74,8 +78,10 @@ def test_fp8_decode_matches_ml_dtypes(kernel):
                 np.zeros((P2, HKV, PS2), np.float16), np.ones((P2, HKV, PS2), np.float16),
                 np.arange(m, dtype=np.int32)[:, None], np.ones(m, np.int32), np.zeros((m, 1), np.int32), np.zeros(m, np.int32),
                 np.zeros((m, H, D), np.float32), np.zeros((P1, HKV, PS1), np.float32), np.zeros((m, H, PS1), np.float32)]
+        args[1:11] = [a[None] for a in args[1:11]]  # one layer
+        args[-2] = args[-2][None]
         tv = [tvm.runtime.tensor(a, tvm.cpu()) for a in args]
-        kernel["tiered_decode"](*tv, 1.0)
+        kernel["tiered_decode"](*tv, 0, 1.0)
         got.append(tv[-3].numpy()[:, 0, 0])  # one token: the output is its value
     np.testing.assert_array_equal(np.concatenate(got), want)
 

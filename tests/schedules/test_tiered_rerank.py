@@ -47,12 +47,15 @@ def test_rerank_matches_reference(kernel, seed):
     want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT)
     dev = tvm.cpu()
     m1 = tables["t1_table"].shape[1]
-    host = [pools[k] for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
+    host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
                                         np.zeros((2, HKV, m1 * PS1), np.float32), np.zeros((2, HKV, m1 * PS1), np.int32),
                                         np.zeros((2, HKV, m1 * PS1), np.int32)]
     tv = [tvm.runtime.tensor(a, dev) for a in host]
-    kernel["tiered_rerank"](*tv)
+    kernel["tiered_rerank"](*tv, ref.LAYER)
     got = {k: tv[i].numpy() for i, k in enumerate(ORDER)}
+    for i, k in enumerate(ORDER):
+        np.testing.assert_array_equal(got[k][0], host[i][0], err_msg=f"{k}: another layer changed")
+    got = {k: v[ref.LAYER] for k, v in got.items()}
     for b in range(2):
         keep = int(tables["t1_len"][b] - demote[b])
         loc = [(tables["t1_table"][b, i // PS1], i % PS1) for i in range(keep)]
