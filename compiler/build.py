@@ -63,6 +63,8 @@ def compile(  # noqa: A001 - the public name users call
     debug_dump: str | Path | None = None,
     progress: bool = False,
     kv_cache_dtype: str | None = None,
+    kv_cache: str = "paged",
+    tiered_options=None,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -79,6 +81,12 @@ def compile(  # noqa: A001 - the public name users call
         Write the IR after each pipeline phase into this directory.
     kv_cache_dtype : {"float32", "float16", "bfloat16"}, optional
         Element type of the paged KV cache (default: the model's dtype).
+    kv_cache : {"paged", "bf16", "fp8", "tiered"}
+        "paged": TVM's paged cache of ``kv_cache_dtype`` elements; "bf16": the same with bfloat16;
+        "tiered": moec's FP8 + 2-bit tiered cache (importance re-rank every N steps); "fp8": that
+        cache with every token in FP8 (no re-rank).
+    tiered_options : moec.passes.tiered_kv_attention.TieredOptions, optional
+        Pages, sink, recent window, tier-1 fraction and re-rank interval of the tiered cache.
 
     Returns
     -------
@@ -92,12 +100,27 @@ def compile(  # noqa: A001 - the public name users call
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
     if kv_cache_dtype not in (None, "float32", "float16", "bfloat16"):
         raise MoecError(f"bad KV cache dtype {kv_cache_dtype!r}: expected float32, float16 or bfloat16")
+    if kv_cache not in ("paged", "bf16", "fp8", "tiered"):
+        raise MoecError(f"unknown KV cache {kv_cache!r}: expected paged, bf16, fp8 or tiered")
+    tiered = None
+    if kv_cache == "bf16":
+        kv_cache_dtype = "bfloat16"
+    elif kv_cache in ("fp8", "tiered"):
+        from dataclasses import replace
+
+        from ..passes.tiered_kv_attention import TieredOptions
+
+        if kv_cache_dtype is not None:
+            raise MoecError(f"--kv-cache-dtype applies to the paged cache, not to the {kv_cache} cache")
+        tiered = replace(tiered_options or TieredOptions(), mode=kv_cache)
+        if kv_cache == "fp8":
+            tiered = replace(tiered, tier1_fraction=1.0)
     # recognise the MoE structure up front: unsupported models fail here with a clear message
     from ..passes.paged_kv_attention import _bind_batch_to_one
     from .moe_structure import analyze
 
     analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs, imported.source_name)
-    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype)
+    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered)
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -127,16 +150,16 @@ def compile(  # noqa: A001 - the public name users call
             "model": {
                 "num_layers": structure.num_layers, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
                 "head_dim": attn.head_dim, "vocab_size": structure.vocab_size, "hidden_size": structure.hidden_size,
-                "dtype": structure.dtype, "kv_cache_dtype": kv_cache_dtype or structure.dtype,
+                "dtype": structure.dtype, "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else kv_cache,
             },
             "structure": structure.to_dict(),
-            "passes": ["InsertPagedKVAttention", "LegalizeOps", "FuseOps", "FuseTIR", "schedules.rules"],
-            "options": {"kv_cache": "paged", "kv_cache_dtype": kv_cache_dtype or structure.dtype, "debug_dump": str(debug_dump) if debug_dump else None},
-            "entry_functions": {
-                "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
-                "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
-                "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
-            },
+            "passes": ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention", "LegalizeOps", "FuseOps",
+                       "FuseTIR", "schedules.rules"],
+            "options": {"kv_cache": "paged" if tiered is None else kv_cache,
+                        "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
+                        "tiered": tiered.to_dict() if tiered is not None else None,
+                        "debug_dump": str(debug_dump) if debug_dump else None},
+            "entry_functions": _entry_doc(tiered),
             "cuda_kernels": cuda_kernels,
             "token_input_dtype": str(imported.main.params[0].ty.dtype),
             "weights": weight_names,
@@ -144,6 +167,23 @@ def compile(  # noqa: A001 - the public name users call
         write_manifest(tmp, manifest)
     _log(progress, f"wrote {output_dir} in {time.perf_counter() - t0:.1f}s total")
     return Path(output_dir)
+
+
+def _entry_doc(tiered) -> dict:
+    if tiered is None:
+        return {
+            "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
+            "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
+            "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
+        }
+    cache = "q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B+1], t1_table[B,M1], t2_table[B,M2], t2_np[B], *pools"
+    doc = {
+        "prefill": f"prefill(input_ids[1,N], logit_pos[b] int32, {cache}, *weights) -> logits[1,b,V]",
+        "decode": f"decode(input_ids[1,N], {cache}, *weights) -> logits[1,N,V]",
+    }
+    if tiered.mode == "tiered":
+        doc["rerank"] = "rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools"
+    return doc
 
 
 def _jsonable(obj):

@@ -1,6 +1,7 @@
 """The "moec" compilation pipeline: one flat list of passes, split into phases.
 
-Phase 1 turns the user's single forward into decode-ready entry points over a paged KV cache;
+Phase 1 turns the user's single forward into decode-ready entry points over a paged KV cache
+(TVM's paged cache of bf16/fp16/fp32 elements, or moec's tiered FP8 + 2-bit cache);
 phase 2 lowers operators to TIR and fuses them; phase 3 schedules TIR for the target (dlight rules
 from ``schedules.rules``); phase 4 lowers to the VM. ``debug_dump`` writes the IR after each phase.
 """
@@ -16,6 +17,7 @@ from ..schedules.rules import schedule_pass
 from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_power import SimplifyPower
+from .tiered_kv_attention import InsertTieredKVAttention, TieredOptions
 
 
 def _dump(directory: Path | None, name: str):
@@ -30,15 +32,24 @@ def _dump(directory: Path | None, name: str):
 
 
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
-                  kv_dtype: str | None = None):
-    """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure."""
+                  kv_dtype: str | None = None, tiered: TieredOptions | None = None):
+    """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
+
+    ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
+    cache of ``kv_dtype`` elements (``InsertPagedKVAttention``).
+    """
     dump = Path(debug_dump) if debug_dump else None
-    insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
+    if tiered is not None:
+        insert = InsertTieredKVAttention(num_inputs, target, tiered, source)
+        entries = ["prefill", "decode"] + (["rerank"] if tiered.mode == "tiered" else [])
+    else:
+        insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
+        entries = ["prefill", "decode", "create_kv_cache"]
     passes = [
         # Phase 1. Decode-ready entry points (attention -> paged KV cache).
         insert,
         SimplifyPower(),
-        relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
+        relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),
         # Phase 2. Lower to TIR and fuse.
         relax.transform.LegalizeOps({"relax.topk": legalize_topk}),
@@ -46,7 +57,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"]),
+        relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase2_fused"),
         # Phase 3. Schedules for the target.
         schedule_pass(target),

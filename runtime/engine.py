@@ -19,8 +19,7 @@ from ..compiler.artifact import LIBRARY, WEIGHTS, read_manifest
 from ..compiler.errors import ArtifactError, MoecError
 
 
-class CacheExhausted(MoecError):
-    """The KV cache has no room for the requested tokens or sequences."""
+from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error users catch
 
 
 _CUDA_RUNTIME_LOADED = False
@@ -69,7 +68,7 @@ class Engine:
     """Prefill and batched decode over a paged KV cache for one compiled artifact."""
 
     def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
-                 prefill_chunk: int = 2048, page_size: int = 16) -> None:
+                 prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None) -> None:
         directory = Path(directory)
         manifest = read_manifest(directory, verify=True)
         self.manifest = manifest
@@ -112,6 +111,15 @@ class Engine:
         self.token_dtype = manifest.get("token_input_dtype", "int64")
         self.max_batch, self.max_total_tokens, self.page_size = max_batch, max_total_tokens, page_size
         self.prefill_chunk = prefill_chunk
+        self.kv_cache = manifest.get("options", {}).get("kv_cache", "paged")
+        self.tiered = None
+        self._prefill = self.vm["prefill"]
+        self._decode = self.vm["decode"]
+        self.lengths: dict[int, int] = {}
+        self._next_id = 0
+        if self.kv_cache in ("fp8", "tiered"):
+            self.tiered = _TieredState(self, manifest["options"]["tiered"], t1_pages, t2_pages)
+            return
         self.cache = self.vm["create_kv_cache"](
             self._shape([max_batch]), self._shape([max_total_tokens]), self._shape([prefill_chunk]), self._shape([page_size])
         )
@@ -120,24 +128,26 @@ class Engine:
         self._remove = g("vm.builtin.kv_state_remove_sequence")
         self._begin = g("vm.builtin.kv_state_begin_forward")
         self._end = g("vm.builtin.kv_state_end_forward")
-        self._prefill = self.vm["prefill"]
-        self._decode = self.vm["decode"]
-        self.lengths: dict[int, int] = {}
-        self._next_id = 0
 
     # ----------------------------------------------------------- sequences
     def add_sequence(self) -> int:
         if len(self.lengths) >= self.max_batch:
             raise CacheExhausted(f"KV cache holds at most {self.max_batch} sequences; release one first")
         seq = self._next_id
+        if self.tiered is not None:
+            self.tiered.add(seq)
+        else:
+            self._add(self.cache, seq)
         self._next_id += 1
-        self._add(self.cache, seq)
         self.lengths[seq] = 0
         return seq
 
     def release(self, seq: int) -> None:
         if seq in self.lengths:
-            self._remove(self.cache, seq)
+            if self.tiered is not None:
+                self.tiered.remove(seq)
+            else:
+                self._remove(self.cache, seq)
             del self.lengths[seq]
 
     def _pages(self, n: int) -> int:
@@ -160,10 +170,18 @@ class Engine:
     def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None) -> np.ndarray:
         tvm = self._tvm
         counts = [len(t) for t in tokens_per_seq]
-        self._reserve(seq_ids, counts)
+        for s in seq_ids:
+            if s not in self.lengths:
+                raise MoecError(f"unknown sequence id {s}")
         flat = np.concatenate([np.asarray(t, dtype=self.token_dtype) for t in tokens_per_seq])[None, :]
         if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
             raise MoecError(f"token ids must be in [0, {self.vocab_size})")
+        if self.tiered is not None:
+            out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos)
+            for s, c in zip(seq_ids, counts):
+                self.lengths[s] += c
+            return out
+        self._reserve(seq_ids, counts)
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
             ids = tvm.runtime.tensor(flat, self.device)
@@ -199,11 +217,14 @@ class Engine:
             for i, (p, t) in enumerate(zip(want, token_id_lists)):
                 if p and not (0 <= p[0] and p[-1] < len(t)):
                     raise MoecError(f"logit position out of range for prompt {i} of {len(t)} tokens")
-        if seq_ids is None:
+        if seq_ids is None and self.tiered is None:
             need = sum(self._pages(len(t)) for t in token_id_lists) * self.page_size
             used = sum(self._pages(n) for n in self.lengths.values()) * self.page_size
             if used + need > self.max_total_tokens:
                 raise CacheExhausted(f"KV cache exhausted: prompts need {need} token slots, {self.max_total_tokens - used} free")
+        if seq_ids is None:
+            if len(self.lengths) + len(token_id_lists) > self.max_batch:
+                raise CacheExhausted(f"KV cache holds at most {self.max_batch} sequences; release some first")
             seq_ids = [self.add_sequence() for _ in token_id_lists]
         logits = [[] for _ in seq_ids]
         # chunk so that no call exceeds the prefill chunk size; (index, seq, tokens, offset in prompt)
@@ -230,6 +251,8 @@ class Engine:
             for row, i in enumerate(owners):
                 logits[i].append(out[row])
             pending = rest
+            if self.tiered is not None:
+                self.tiered.rerank([s for _, s, _, _ in batch])  # the prompt's tokens compete for tier 1 now
         if logit_positions is None:
             return list(seq_ids), np.stack([rows[0] for rows in logits])
         vocab = self.vocab_size
@@ -239,7 +262,10 @@ class Engine:
         """Append one token per sequence; returns logits[b, V]."""
         if len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
-        return self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens])
+        out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens])
+        if self.tiered is not None:
+            self.tiered.after_decode_step()
+        return out
 
     def generate(self, token_id_lists, max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
         """Greedy generation for a batch of prompts; returns the new tokens of each."""
@@ -262,6 +288,108 @@ class Engine:
         finally:
             for s in seq_ids:
                 self.release(s)
+
+
+class _TieredState:
+    """The tiered FP8 + 2-bit cache of an engine: pools on the device, page tables on the host.
+
+    Each forward reserves tier-1 slots for its tokens (all or nothing; ``CacheExhausted`` otherwise),
+    passes the page tables and the tokens' slots, positions and visible tier-1 prefixes to the entry
+    function, which quantizes and appends K/V, attends and accumulates importance in place. After
+    each prefill call and every ``rerank_every`` decode steps, ``rerank`` demotes the least important
+    tier-1 tokens of every sequence over its budget into 2-bit pages.
+
+    Pool sizes (pages of ``t1_page`` / ``t2_page`` tokens, shared by all layers) default to what
+    ``max_total_tokens`` tokens in ``max_batch`` sequences can need: tier 2 for all of them; tier 1
+    for the budget share plus, per sequence, the sink and window, one tier-2 page of not yet demoted
+    excess, the tokens of ``rerank_every`` steps and a partial page, plus one prefill chunk.
+    """
+
+    def __init__(self, engine: "Engine", opts: dict, t1_pages: int | None, t2_pages: int | None) -> None:
+        from .kv_cache import POOLS, TieredPageTables, pool_specs
+
+        self.e, self.opts = engine, opts
+        self.mode = opts["mode"]
+        cfg = engine.manifest["model"]
+        ps1, ps2 = opts["t1_page"], opts["t2_page"]
+        total, batch = engine.max_total_tokens, engine.max_batch
+        full1 = -(-total // ps1) + batch
+        if t1_pages is None:
+            if self.mode == "fp8":
+                t1_pages = full1
+            else:
+                per_seq = opts["sink"] + opts["recent"] + ps2 + opts["rerank_every"] + ps1
+                t1_pages = min(full1, -(-int(opts["tier1_fraction"] * total + batch * per_seq + engine.prefill_chunk) // ps1))
+        if t2_pages is None:
+            t2_pages = max(1, total // ps2) if self.mode == "tiered" else 1
+        fraction = opts["tier1_fraction"] if self.mode == "tiered" else 1.0
+        self.tables = TieredPageTables(t1_pages, t2_pages, ps1, ps2, max_sequences=batch, tier1_fraction=fraction,
+                                       sink=opts["sink"], recent=opts["recent"])
+        tvm = engine._tvm
+        specs = pool_specs(cfg["num_layers"], t1_pages, t2_pages, cfg["num_kv_heads"], cfg["head_dim"], ps1, ps2)
+        self.pools = [tvm.runtime.empty(specs[name][0], specs[name][1], engine.device) for name in POOLS]
+        self.pool_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs.values())
+        self._rerank = engine.vm["rerank"] if self.mode == "tiered" else None
+        self.slot: dict[int, int] = {}
+        self.steps = 0
+        self.reranks = 0
+
+    def add(self, seq: int) -> None:
+        self.slot[seq] = self.tables.add_sequence()
+
+    def remove(self, seq: int) -> None:
+        self.tables.remove_sequence(self.slot.pop(seq))
+
+    def _tensor(self, a):
+        return self.e._tvm.runtime.tensor(np.ascontiguousarray(a), self.e.device)
+
+    def forward(self, fn, seq_ids, counts, flat, logit_pos) -> np.ndarray:
+        pt = self.tables
+        slots = [self.slot[s] for s in seq_ids]
+        before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots}
+        pt.append(dict(zip(slots, counts)))  # all or nothing: raises CacheExhausted before any change
+        tab = pt.tables(slots)
+        q_pos, q_slot, q_row, q_t1 = [], [], [], []
+        for row, (s, n) in enumerate(zip(slots, counts)):
+            length, t1 = before[s]
+            q_pos.append(np.arange(length, length + n, dtype=np.int32))
+            q_slot.append(pt.append_slots(s, n))
+            q_row.append(np.full(n, row, np.int32))
+            q_t1.append(np.arange(t1 + 1, t1 + n + 1, dtype=np.int32))
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        cache = [np.concatenate(q_pos), np.concatenate(q_slot), np.concatenate(q_row), np.concatenate(q_t1), indptr,
+                 tab["t1_table"], tab["t2_table"], tab["t2_np"]]
+        args = [self._tensor(flat)]
+        if logit_pos is not None:
+            args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))
+        args += [self._tensor(a) for a in cache] + self.pools
+        out = fn(*args, *self.e.weights)
+        return out.numpy()[0]
+
+    def after_decode_step(self) -> None:
+        self.steps += 1
+        if self.steps % self.opts["rerank_every"] == 0:
+            self.rerank([s for s in self.slot])
+
+    def rerank(self, seq_ids) -> None:
+        """Demote what is over budget in these sequences (the tables before the plan go to the kernel)."""
+        if self._rerank is None or not seq_ids:
+            return
+        pt = self.tables
+        slots = [self.slot[s] for s in seq_ids]
+        tab = pt.tables(slots)
+        plans = [pt.plan_rerank(s) for s in slots]
+        rows = [i for i, p in enumerate(plans) if p.demote]
+        if not rows:
+            return
+        width = max(len(plans[i].new_t2_pages) for i in rows)
+        new = np.zeros((len(rows), width), np.int32)
+        for j, i in enumerate(rows):
+            new[j, : len(plans[i].new_t2_pages)] = plans[i].new_t2_pages
+        t1_table = tab["t1_table"][rows]
+        args = [t1_table, tab["t1_len"][rows], tab["length"][rows], np.array([plans[i].demote for i in rows], np.int32), new]
+        self._rerank(*[self._tensor(a) for a in args], *self.pools)
+        self.reranks += 1
 
 
 def load(directory: str | Path, device: str = "cpu", **kwargs) -> Engine:

@@ -35,6 +35,27 @@ from dataclasses import dataclass, field
 from ..compiler.errors import MoecError
 
 
+POOLS = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass",
+         "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")
+
+
+def pool_specs(num_layers, t1_pages, t2_pages, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int) -> dict:
+    """``{name: (shape, dtype)}`` of the pool tensors, each with a leading layer axis, in ``POOLS`` order.
+
+    (Sizes may be symbolic: the compiler builds its function signatures from the same table.)
+    """
+    L, P1, P2, H, D = num_layers, t1_pages, t2_pages, num_kv_heads, head_dim
+    return {
+        "t1_k": ((L, P1, H, t1_page, D), "uint8"), "t1_v": ((L, P1, H, t1_page, D), "uint8"),
+        "t1_ks": ((L, P1, H, t1_page), "float16"), "t1_vs": ((L, P1, H, t1_page), "float16"),
+        "t1_pos": ((L, P1, H, t1_page), "int32"), "t1_mass": ((L, P1, H, t1_page), "float32"),
+        "t2_k": ((L, P2, H, t2_page, D // 4), "uint8"), "t2_v": ((L, P2, H, t2_page, D // 4), "uint8"),
+        "t2_kmu": ((L, P2, H, D), "float16"), "t2_ksig": ((L, P2, H, D), "float16"),
+        "t2_vmu": ((L, P2, H, t2_page), "float16"), "t2_vsig": ((L, P2, H, t2_page), "float16"),
+        "t2_pos": ((L, P2, H, t2_page), "int32"),
+    }
+
+
 class CacheExhausted(MoecError):
     """A page pool has too few free pages for the request."""
 

@@ -126,9 +126,10 @@ def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.n
             score[(pos < sink) | (pos >= length[b] - recent)] = np.float32(3.0e38)
             order = np.lexsort((np.arange(n1), score))  # by score, then slot
             dem = np.sort(order[:nd])
+            by_pos = dem[np.argsort(pos[dem], kind="stable")]  # pages are filled in position order
             for pi in range(nd // ps2):
                 page2 = new_t2[b, pi]
-                idx = dem[pi * ps2:(pi + 1) * ps2]
+                idx = by_pos[pi * ps2:(pi + 1) * ps2]
                 k = np.stack([q.fp8_dequantize(pools["t1_k"][loc[i][0], h, loc[i][1]], pools["t1_ks"][loc[i][0], h, loc[i][1]]) for i in idx])
                 v = np.stack([q.fp8_dequantize(pools["t1_v"][loc[i][0], h, loc[i][1]], pools["t1_vs"][loc[i][0], h, loc[i][1]]) for i in idx])
                 out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.nf2_quantize(k, axis=-2)

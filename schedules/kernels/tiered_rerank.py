@@ -10,8 +10,9 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
    (``pos >= L - recent``) score +inf;
 2. rank the tokens by score (ties by slot): the ``demote[b]`` lowest are demoted. Ranking is by
    counting (each token counts the tokens below it), which a thread per token does in parallel;
-   ``order`` lists the demoted slots in ascending slot order;
-3. quantize the demoted tokens, in slot order, into the new tier-2 pages ``new_t2[b, :]``
+   ``order[:, :, :M]`` lists the demoted slots in ascending slot order (for the compaction) and
+   ``order[:, :, M:]`` in ascending position order (M = M1 * PS1);
+3. quantize the demoted tokens, in position order, into the new tier-2 pages ``new_t2[b, :]``
    (keys: mean and standard deviation per channel over the page, values per token; NF2 codes);
 4. compact tier 1: the m-th kept token in slots ``>= keep`` moves into the m-th demoted slot, which
    is below ``keep`` (as many holes lie below ``keep`` as kept tokens above it; sources and
@@ -20,7 +21,7 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
 The same TIR serves both targets: each phase is a loop over ``head_dim`` "threads", bound to
 ``threadIdx.x`` on CUDA (one block per sequence and KV head, a barrier between phases) and serial
 on llvm. Phases talk through global workspaces: ``score`` float32, ``rank`` and ``order`` int32,
-each [B, Hkv, M1 * PS1].
+each [B, Hkv, M1 * PS1] (``order`` twice that).
 
 Buffers (layout of ``moec.runtime.kv_cache``): the tier-1 pool (k, v, ks, vs, pos, mass), the tier-2
 pool (k, v, kmu, ksig, vmu, vsig, pos), t1_table [B, M1], t1_len / length / demote [B] int32,
@@ -97,7 +98,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
         new_t2 = T.match_buffer(new_h, (B, MN), "int32")
         score = T.match_buffer(score_h, (B, HKV, M1 * PS1), "float32")
         rank = T.match_buffer(rank_h, (B, HKV, M1 * PS1), "int32")
-        order = T.match_buffer(order_h, (B, HKV, M1 * PS1), "int32")
+        order = T.match_buffer(order_h, (B, HKV, 2 * M1 * PS1), "int32")
 
         for b in T.thread_binding(B, thread="blockIdx.x") if gpu else T.serial(B):
             for h in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
@@ -146,6 +147,12 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     for j in T.serial(i):
                                         cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
                                     order[b, h, cnt[0]] = i
+                                    cnt[0] = 0
+                                    for j in T.serial(n1):
+                                        cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (
+                                            t1_pos[layer, t1_table[b, j // PS1], h, j % PS1] <
+                                            t1_pos[layer, t1_table[b, i // PS1], h, i % PS1]))
+                                    order[b, h, M1 * PS1 + cnt[0]] = i
                     if gpu:
                         T.tvm_storage_sync("shared")
                     # 3a. key statistics: per channel over each new page's tokens
@@ -154,7 +161,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             acc[0] = T.float32(0)
                             acc[1] = T.float32(0)
                             for r in T.serial(PS2):
-                                src: T.let[T.int32] = order[b, h, pi * PS2 + r]
+                                src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
                                 x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, tx]) * \
                                     T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
                                 acc[0] += x
@@ -171,7 +178,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             for rr in T.serial(PS2 // NT):
                                 r: T.let[T.int32] = rr * NT + tx
                                 page2: T.let[T.int32] = new_t2[b, pi]
-                                src2: T.let[T.int32] = order[b, h, pi * PS2 + r]
+                                src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
                                 pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
                                 sl2: T.let[T.int32] = src2 % PS1
                                 t2_pos[layer, page2, h, r] = t1_pos[layer, pg2, h, sl2]

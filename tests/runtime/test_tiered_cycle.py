@@ -104,6 +104,6 @@ def test_append_decode_rerank_cycle():
                                          "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")],
                        *[tvm.runtime.tensor(a, dev) for a in (tab["t1_table"], tab["t1_len"], tab["length"], demote, new,
                                                                np.zeros((2, HKV, m), np.float32), np.zeros((2, HKV, m), np.int32),
-                                                               np.zeros((2, HKV, m), np.int32))], 0)
+                                                               np.zeros((2, HKV, 2 * m), np.int32))], 0)
             pt.check()
     assert reranks >= 3 and all(len(pt.seqs[s].t2_pages) > 0 for s in seqs)

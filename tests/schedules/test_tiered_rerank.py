@@ -49,7 +49,7 @@ def test_rerank_matches_reference(kernel, seed):
     m1 = tables["t1_table"].shape[1]
     host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
                                         np.zeros((2, HKV, m1 * PS1), np.float32), np.zeros((2, HKV, m1 * PS1), np.int32),
-                                        np.zeros((2, HKV, m1 * PS1), np.int32)]
+                                        np.zeros((2, HKV, 2 * m1 * PS1), np.int32)]
     tv = [tvm.runtime.tensor(a, dev) for a in host]
     kernel["tiered_rerank"](*tv, ref.LAYER)
     got = {k: tv[i].numpy() for i, k in enumerate(ORDER)}

@@ -1,0 +1,265 @@
+"""InsertTieredKVAttention: decode-ready entry points over the tiered (FP8 + 2-bit) KV cache.
+
+Expects what ``InsertPagedKVAttention`` expects (``main(input_ids[B,S], [attention_mask], *weights)``
+whose MoE structure ``compiler.moe_structure.analyze`` recognises) and replaces it with:
+
+  * ``prefill(input_ids[1,N], logit_pos[b], <cache arguments>, *weights) -> logits[1,b,V]``
+  * ``decode(input_ids[1,N], <cache arguments>, *weights) -> logits[1,N,V]``
+  * ``rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools``
+    (mode "tiered" only)
+
+with ``<cache arguments>`` = ``q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B+1], t1_table[B,M1],
+t2_table[B,M2], t2_np[B], *pools``: the N tokens of a forward (ragged over B sequences, ``q_row``
+giving each token's table row) with their absolute positions and tier-1 slots, the page tables of
+the B sequences and the 13 pool tensors of ``moec.runtime.kv_cache.POOLS`` (leading layer axis),
+which the entries update in place. The runtime (``moec.runtime.engine``) owns pools and tables.
+
+Each recognised attention ``softmax(Q K^T * s + mask) V`` of layer l becomes:
+  1. ``tiered_append``: the new K and V are quantized to FP8 into their tier-1 slots of layer l;
+  2. ``tiered_attention``: each query attends over its sequence's tier-2 pages and its visible tier-1
+     prefix ``q_t1`` (new tokens go to the end of tier 1 in order, so the prefix is the causal mask);
+  3. ``tiered_mass``: the tier-1 tokens' attention probabilities (column sums over the queries and the
+     query heads of each KV head) are added to the importance ``t1_mass``.
+Every rotary position source becomes ``q_pos``. ``rerank`` runs ``tiered_rerank`` on every layer.
+Mode "fp8" is the same cache with a 100% tier-1 budget and no ``rerank`` (the comparison point).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import tvm
+from tvm import relax, tirx
+
+from ..compiler.errors import MoecError
+from ..compiler.graph import dtype_of, shape_of
+from ..compiler.moe_structure import MoEStructure, analyze
+from ..runtime.kv_cache import POOLS, pool_specs
+from .paged_kv_attention import _bind_batch_to_one
+
+CACHE_ARGS = ("q_pos", "slots", "q_row", "q_t1", "q_indptr", "t1_table", "t2_table", "t2_np")
+RERANK_ARGS = ("t1_table", "t1_len", "length", "demote", "new_t2")
+
+
+@dataclass(frozen=True)
+class TieredOptions:
+    """Compile-time parameters of the tiered cache (stored in the artifact's manifest)."""
+
+    mode: str = "tiered"  # "tiered" or "fp8"
+    t1_page: int = 16
+    t2_page: int = 128
+    sink: int = 4
+    recent: int = 64
+    tier1_fraction: float = 0.15
+    rerank_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tiered", "fp8"):
+            raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
+        if not 0 < self.tier1_fraction <= 1:
+            raise MoecError("tier-1 fraction must be in (0, 1]")
+        if self.rerank_every < 1 or self.t1_page < 1 or self.t2_page < 1 or self.sink < 0 or self.recent < 0:
+            raise MoecError("tiered KV cache: pages and re-rank interval must be positive, sink and recent window >= 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _i32(x: int):
+    return relax.prim_value(tirx.IntImm("int32", int(x)))
+
+
+class _Kernels:
+    """The tiered kernels of one head configuration, added to the module being built."""
+
+    def __init__(self, bb: relax.BlockBuilder, structure: MoEStructure, opts: TieredOptions, target: tvm.target.Target) -> None:
+        from ..schedules.kernels.tiered_append import make_tiered_append
+        from ..schedules.kernels.tiered_attention import make_tiered_attention, make_tiered_mass
+        from ..schedules.kernels.tiered_rerank import make_tiered_rerank
+
+        heads = {(la.attention.num_heads, la.attention.num_kv_heads, la.attention.head_dim) for la in structure.layers}
+        if len(heads) != 1:
+            raise MoecError(f"layers differ in attention heads {sorted(heads)}: one KV cache shape per model is supported")
+        (self.h, self.hkv, self.d), = heads
+        if self.d % 4 or self.d < 4:
+            raise MoecError(f"tiered KV cache needs a head dimension divisible by 4 (2-bit packing), got {self.d}")
+        kind = "cuda" if target.kind.name == "cuda" else "llvm"
+        if opts.t2_page % self.d:
+            raise MoecError(f"tiered KV cache: the tier-2 page ({opts.t2_page} tokens) must be a multiple of the head dimension ({self.d})")
+        h, hkv, d = self.h, self.hkv, self.d
+        self.append = bb.add_func(make_tiered_append(hkv, d, opts.t1_page, target=kind), "tiered_append")
+        self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind), "tiered_attention")
+        self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
+        self.rerank = None
+        if opts.mode == "tiered":
+            self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind),
+                                      "tiered_rerank")
+
+
+class _Sig:
+    """Symbolic sizes and the relax parameter variables of one entry function."""
+
+    def __init__(self, structure: MoEStructure, k: _Kernels, opts: TieredOptions, n) -> None:
+        self.n = n
+        self.b = tirx.Var("num_rows", "int64")
+        self.m1, self.m2 = tirx.Var("t1_width", "int64"), tirx.Var("t2_width", "int64")
+        self.p1, self.p2 = tirx.Var("t1_pages", "int64"), tirx.Var("t2_pages", "int64")
+        specs = pool_specs(structure.num_layers, self.p1, self.p2, k.hkv, k.d, opts.t1_page, opts.t2_page)
+        self.pool_types = {name: relax.TensorType(shape, dt) for name, (shape, dt) in specs.items()}
+        i32 = lambda *s: relax.TensorType(s, "int32")  # noqa: E731
+        self.cache_types = {"q_pos": i32(n), "slots": i32(n), "q_row": i32(n), "q_t1": i32(n), "q_indptr": i32(self.b + 1),
+                            "t1_table": i32(self.b, self.m1), "t2_table": i32(self.b, self.m2), "t2_np": i32(self.b)}
+        self.cache = {name: relax.Var(name, ty) for name, ty in self.cache_types.items()}
+        self.pools = {name: relax.Var(name, self.pool_types[name]) for name in POOLS}
+
+
+@relax.expr_functor.mutator
+class _TieredRewriter(relax.PyExprMutator):
+    def __init__(self, mod, structure: MoEStructure, kernels: _Kernels, sig: _Sig, extra_inputs) -> None:
+        super().__init__(mod)
+        self.s, self.k, self.sig = structure, kernels, sig
+        self.extra_inputs = extra_inputs
+        self.attn = {layer.attention.out: (i, layer.attention) for i, layer in enumerate(structure.layers)}
+        self.pos = set(structure.position_sources)
+        self.pools = dict(sig.pools)  # current value of each pool (threaded through the in-place calls)
+        self._prologue_done = False
+
+    def _emit(self, expr):
+        return self.builder_.emit(expr)
+
+    def _prologue(self) -> None:
+        for var, make in self.extra_inputs.items():
+            value = make()
+            self.set_var_remap(var, value if isinstance(value, relax.Var) else self._emit(value))
+        self._prologue_done = True
+
+    def _heads(self, var, layout: str, heads: int, head_dim: int):
+        x = self.visit_expr(var)
+        if layout == "bhsd":
+            x = self._emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+        x = self._emit(relax.op.reshape(x, [self.sig.n, heads, head_dim]))  # N, H, Dh
+        if dtype_of(x) != "float32":
+            x = self._emit(relax.op.astype(x, "float32"))
+        return x
+
+    def _attention(self, layer_id: int, a, var) -> relax.Expr:
+        sig, k, p = self.sig, self.k, self.pools
+        c = sig.cache
+        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
+        kk = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
+        vv = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
+        t1 = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass")
+        appended = self._emit(relax.call_tir_inplace(
+            k.append, [kk, vv, c["slots"], c["q_pos"]] + [p[x] for x in t1] + [_i32(layer_id)],
+            inplace_indices=list(range(4, 10)), out_ty=[sig.pool_types[x] for x in t1]))
+        for i, x in enumerate(t1):
+            p[x] = self._emit(relax.TupleGetItem(appended, i))
+        n, h, d = sig.n, a.num_heads, a.head_dim
+        scale = relax.prim_value(tirx.FloatImm("float32", float(a.sm_scale)))
+        out0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, d]), "float32"))
+        stats0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, 2]), "float32"))
+        pools_read = [p[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")]
+        res = self._emit(relax.call_tir_inplace(
+            k.attention, [q] + pools_read + [c["t1_table"], c["t2_table"], c["t2_np"], c["q_row"], c["q_t1"], out0, stats0,
+                                             _i32(layer_id), scale],
+            inplace_indices=[16, 17], out_ty=[relax.TensorType((n, h, d), "float32"), relax.TensorType((n, h, 2), "float32")]))
+        out = self._emit(relax.TupleGetItem(res, 0))
+        stats = self._emit(relax.TupleGetItem(res, 1))
+        p["t1_mass"] = self._emit(relax.call_tir_inplace(
+            k.mass, [q, p["t1_k"], p["t1_ks"], c["t1_table"], c["q_t1"], c["q_indptr"], stats, p["t1_mass"], _i32(layer_id), scale],
+            inplace_indices=[7], out_ty=sig.pool_types["t1_mass"]))
+        model_dtype = dtype_of(var)
+        if model_dtype != "float32":
+            out = self._emit(relax.op.astype(out, model_dtype))
+        out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
+        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+
+    def visit_var_binding_(self, binding) -> None:
+        if not self._prologue_done:
+            self._prologue()
+        var = binding.var
+        if var in self.attn:
+            layer_id, a = self.attn[var]
+            self.set_var_remap(var, self._attention(layer_id, a, var))
+            return
+        if var in self.pos:
+            pos = self._emit(relax.op.astype(self.sig.cache["q_pos"], dtype_of(var)))
+            self.set_var_remap(var, self._emit(relax.op.reshape(pos, list(shape_of(var)))))
+            return
+        super().visit_var_binding_(binding)
+
+
+def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, kernels: _Kernels, opts: TieredOptions,
+                with_logit_pos: bool, bb: relax.BlockBuilder) -> None:
+    params = list(func.params)
+    ids, inputs, weights = params[0], params[1:num_inputs], params[num_inputs:]
+    n = shape_of(ids)[1]
+    sig = _Sig(structure, kernels, opts, n)
+    extra = {}
+    for inp in inputs:
+        shp, dt = shape_of(inp), dtype_of(inp)
+        if shp is None or len(shp) != 2:
+            raise MoecError(f"unsupported extra model input {inp.name} of shape {shp}: only an attention mask [B,S] is supported")
+        extra[inp] = (lambda dt=dt: relax.op.ones(relax.ShapeExpr([1, n]), dt))
+    fresh = {p: relax.Var(p.name, p.ty) for p in [ids] + weights}
+    for old, new in fresh.items():
+        extra[old] = (lambda new=new: new)
+    rewriter = _TieredRewriter(tvm.IRModule({"main": func}), structure, kernels, sig, extra)
+    body = rewriter.visit_expr(func.body)
+    logit_pos = None
+    new_params = [fresh[ids]]
+    if with_logit_pos:
+        logit_pos = relax.Var("logit_pos", relax.TensorType((tirx.Var("num_seq", "int64"),), "int32"))
+        new_params.append(logit_pos)
+    new_params += list(sig.cache.values()) + list(sig.pools.values()) + [fresh[w] for w in weights]
+    fname = "prefill" if with_logit_pos else "decode"
+    inner = relax.BlockBuilder()
+    with inner.function(fname, new_params, attrs={"num_input": len(new_params) - len(weights)}):
+        result = inner.emit(body)
+        if isinstance(result.ty, relax.TupleType):
+            result = inner.emit(relax.TupleGetItem(result, 0))
+        if logit_pos is not None:
+            result = inner.emit(relax.op.take(result, logit_pos, axis=1))
+        inner.emit_func_output(result)
+    bb.add_func(relax.utils.copy_with_new_vars(inner.get()[fname]), fname)
+
+
+def build_rerank(structure: MoEStructure, kernels: _Kernels, opts: TieredOptions, bb: relax.BlockBuilder) -> None:
+    sig = _Sig(structure, kernels, opts, tirx.Var("unused", "int64"))
+    b, m1, mn = sig.b, sig.m1, tirx.Var("new_width", "int64")
+    types = {"t1_table": relax.TensorType((b, m1), "int32"), "t1_len": relax.TensorType((b,), "int32"),
+             "length": relax.TensorType((b,), "int32"), "demote": relax.TensorType((b,), "int32"),
+             "new_t2": relax.TensorType((b, mn), "int32")}
+    args = {name: relax.Var(name, types[name]) for name in RERANK_ARGS}
+    pools = dict(sig.pools)
+    with bb.function("rerank", list(args.values()) + list(pools.values())):
+        cur = list(pools.values())
+        ws = [bb.emit(relax.op.zeros(relax.ShapeExpr([b, kernels.hkv, f * m1 * opts.t1_page]), dt))
+              for f, dt in ((1, "float32"), (1, "int32"), (2, "int32"))]  # score, rank, order (tiered_rerank)
+        for layer in range(structure.num_layers):
+            res = bb.emit(relax.call_tir_inplace(
+                kernels.rerank, cur + [args[x] for x in RERANK_ARGS] + ws + [_i32(layer)],
+                inplace_indices=list(range(len(POOLS))), out_ty=[sig.pool_types[x] for x in POOLS]))
+            cur = [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(POOLS))]
+        bb.emit_func_output(relax.Tuple(cur))
+
+
+@tvm.transform.module_pass(opt_level=0, name="InsertTieredKVAttention")
+class InsertTieredKVAttention:
+    """Replace ``main`` with tiered-KV ``prefill``/``decode`` entries (and ``rerank`` in mode "tiered")."""
+
+    def __init__(self, num_inputs: int, target: tvm.target.Target, options: TieredOptions, source: str = "model") -> None:
+        self.num_inputs, self.target, self.options, self.source = num_inputs, target, options, source
+        self.structure: MoEStructure | None = None
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        func = _bind_batch_to_one(mod["main"], self.num_inputs)
+        structure = analyze(func, self.num_inputs, self.source)
+        self.structure = structure
+        bb = relax.BlockBuilder()
+        kernels = _Kernels(bb, structure, self.options, self.target)
+        for with_pos in (True, False):
+            build_entry(func, self.num_inputs, structure, kernels, self.options, with_pos, bb)
+        if self.options.mode == "tiered":
+            build_rerank(structure, kernels, self.options, bb)
+        return bb.get()
