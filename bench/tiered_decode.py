@@ -29,6 +29,8 @@ SHAPES = {  # name: heads, kv heads, head dim, tier-1 page, tier-2 page
     "mixtral": (32, 8, 128, 16, 128),
 }
 STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
+VARIANTS = {"olmoe-direct-keys": ("olmoe", {"bitsplit_keys": False})}  # timed too, for the record
+LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
 
 def prepare(out: Path) -> None:
@@ -42,8 +44,10 @@ def prepare(out: Path) -> None:
     target = make_target("cuda", "sm_90")
     with atomic_directory(out) as tmp:
         index = {}
-        for name, (h, hkv, d, ps1, ps2) in SHAPES.items():
-            ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(h, hkv, d, ps1, ps2)}), target=target)
+        builds = {name: (shape, {}) for name, shape in SHAPES.items()}
+        builds.update({name: (SHAPES[base], kw) for name, (base, kw) in VARIANTS.items()})
+        for name, ((h, hkv, d, ps1, ps2), kw) in builds.items():
+            ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(h, hkv, d, ps1, ps2, **kw)}), target=target)
             sub = tmp / name
             sub.mkdir()
             kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
@@ -65,7 +69,7 @@ def _load(root: Path, name: str, device: str):
     if device == "cpu":
         from moec.schedules.kernels.tiered_decode import make_tiered_decode
 
-        return tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode(*SHAPES[name])}), target="llvm")
+        return tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode(*SHAPES[name.split("-")[0]])}), target="llvm")
     from moec.runtime.engine import _load_cuda_runtime, _register_fatbins
 
     _load_cuda_runtime()
@@ -98,11 +102,12 @@ def check_append(root: Path, device: str) -> dict:
     host = [k, v, slots, np.arange(n, dtype=np.int32), np.zeros((p1, hkv, ps1, d), np.uint8), np.zeros((p1, hkv, ps1, d), np.uint8),
             np.zeros((p1, hkv, ps1), np.float16), np.zeros((p1, hkv, ps1), np.float16), np.zeros((p1, hkv, ps1), np.int32),
             np.ones((p1, hkv, ps1), np.float32)]
+    host[4:] = [np.concatenate([np.zeros_like(a)[None]] * LAYER + [a[None]]) for a in host[4:]]  # layer axis
     tv = [tvm.runtime.tensor(a, dev) for a in host]
-    mod["tiered_append"](*tv)
+    mod["tiered_append"](*tv, LAYER)
     page, slot = slots // ps1, slots % ps1
     wk, wks = q.fp8_quantize(k)
-    same = bool((tv[4].numpy()[page, :, slot] == wk).all() and (tv[6].numpy()[page, :, slot] == wks).all())
+    same = bool((tv[4].numpy()[LAYER][page, :, slot] == wk).all() and (tv[6].numpy()[LAYER][page, :, slot] == wks).all())
     result = {"kernel": "tiered_append", "tokens": n, "bytes_identical_to_reference": same, "passed": same}
     print(json.dumps(result), flush=True)
     return result
@@ -121,14 +126,17 @@ def _case(name: str, batch: int, t1: int, t2_pages: int, seed: int):
     return qv, pools, tables, deq, slots
 
 
-def _args(tvm, dev, qv, pools, tables, mass0):
+def _args(tvm, dev, qv, pools, tables, mass0, splits=None):
+    """Kernel arguments: pools and mass as given (layer axis first), then ``decode_workspaces``."""
     from moec.schedules.kernels import reference as ref
+    from moec.schedules.kernels.tiered_decode import decode_workspaces
 
     b, h, d = qv.shape
-    m1 = tables["t1_table"].shape[1]
-    ps1 = pools["t1_k"].shape[2]
+    m1, m2 = tables["t1_table"].shape[1], tables["t2_table"].shape[1]
+    ps1, hkv, ps2 = pools["t1_k"].shape[-2], pools["t1_k"].shape[-3], pools["t2_k"].shape[-2]
     host = [qv] + [pools[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
-    host += [np.zeros((b, h, d), np.float32), mass0, np.zeros((b, h, m1 * ps1), np.float32)]
+    host += [np.zeros((b, h, d), np.float32), mass0]
+    host += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits)]
     return [tvm.runtime.tensor(a, dev) for a in host]
 
 
@@ -143,23 +151,44 @@ def check(root: Path, device: str) -> list[dict]:
         qv, pools, tables, deq, slots = _case(name, batch, t1, t2, seed=len(results))
         h, hkv, d, ps1, ps2 = SHAPES[name]
         scale = d**-0.5
-        mass0 = np.zeros(pools["t1_k"].shape[:3], np.float32)
+        mass0 = np.random.default_rng(9).random(pools["t1_k"].shape[:3]).astype(np.float32)
+        lpools = {k: ref.layered(v, layers=LAYERS, layer=LAYER) for k, v in pools.items()}
+        lmass = ref.layered(mass0, layers=LAYERS, layer=LAYER)
         mod = _load(root, name, device)
-        args = _args(tvm, dev, qv, pools, tables, mass0)
-        mod["tiered_decode"](*args, scale)
-        out, mass = args[-3].numpy(), args[-2].numpy()
-        want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(batch)])
-        want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
-        err, merr = float(np.abs(out - want).max()), float(np.abs(mass - want_mass).max())
-        results.append({"shape": name, "batch": batch, "tier1_tokens": t1, "tier2_pages": t2, "max_abs_out_error": err,
-                        "max_abs_mass_error": merr, "passed": err < 1e-4 and merr < 1e-5})
-        print(json.dumps(results[-1]), flush=True)
+        for splits in (None, 3):
+            args = _args(tvm, dev, qv, lpools, tables, lmass, splits)
+            mod["tiered_decode"](*args, LAYER, scale)
+            out, mass = args[15].numpy(), args[16].numpy()
+            want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(batch)])
+            want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
+            err, merr = float(np.abs(out - want).max()), float(np.abs(mass[LAYER] - want_mass).max())
+            untouched = bool((mass[:LAYER] == lmass[:LAYER]).all())
+            results.append({"shape": name, "batch": batch, "tier1_tokens": t1, "tier2_pages": t2,
+                            "splits": int(args[18].shape[2]), "max_abs_out_error": err, "max_abs_mass_error": merr,
+                            "other_layers_untouched": untouched, "passed": err < 1e-4 and merr < 1e-5 and untouched})
+            print(json.dumps(results[-1]), flush=True)
     return results
 
 
-def speed(root: Path, name: str) -> dict:
+def _time(fn, args, extra, dev) -> float:
+    for _ in range(3):
+        fn(*args, *extra)
+    dev.sync()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn(*args, *extra)
+        dev.sync()
+        runs.append((time.perf_counter() - t0) / 20)
+    return float(np.median(runs)) * 1e3  # host-timed, launches back to back (includes launch overhead)
+
+
+def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[int, ...] = (1, 2, 4)) -> dict:
     import torch
     import tvm
+
+    from moec.schedules.kernels.tiered_decode import decode_workspaces
 
     h, hkv, d, ps1, ps2 = SHAPES[name]
     b, t2p = STREAMS, (CONTEXT - T1_TOKENS) // ps2
@@ -173,28 +202,32 @@ def speed(root: Path, name: str) -> dict:
         "t2_kmu": np.zeros((p2, hkv, d), np.float16), "t2_ksig": np.full((p2, hkv, d), 0.5, np.float16),
         "t2_vmu": np.zeros((p2, hkv, ps2), np.float16), "t2_vsig": np.full((p2, hkv, ps2), 0.5, np.float16),
     }
+    for k, v in pools.items():  # [LAYERS, ...] pools, the data in layer LAYER (other layers zero)
+        lv = np.zeros((LAYERS,) + v.shape, v.dtype)
+        lv[LAYER] = v
+        pools[k] = lv
     perm1, perm2 = rng.permutation(p1).astype(np.int32), rng.permutation(p2).astype(np.int32)
     tables = {"t1_table": perm1.reshape(b, -1), "t1_len": np.full(b, T1_TOKENS, np.int32),
               "t2_table": perm2.reshape(b, -1), "t2_np": np.full(b, t2p, np.int32)}
     qv = rng.standard_normal((b, h, d)).astype(np.float32)
     dev = tvm.cuda(0)
-    mod = _load(root, name, "cuda")
-    args = _args(tvm, dev, qv, pools, tables, np.zeros((p1, hkv, ps1), np.float32))
-    fn = mod["tiered_decode"]
-    for _ in range(3):
-        fn(*args, d**-0.5)
-    dev.sync()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn(*args, d**-0.5)
-        dev.sync()
-        runs.append((time.perf_counter() - t0) / 20)
-    ms = float(np.median(runs)) * 1e3  # host-timed, launches back to back (includes launch overhead)
+    mass0 = np.zeros((LAYERS, p1, hkv, ps1), np.float32)
+    args = _args(tvm, dev, qv, pools, tables, mass0)
+    splits = int(args[18].shape[2])
+    fn = _load(root, name, "cuda")["tiered_decode"]
+    ms = _time(fn, args, (LAYER, d**-0.5), dev)
+    sweep_ms = {}
+    for sp in sweep:
+        wargs = args[:17] + [tvm.runtime.tensor(np.zeros(shape, dtype), dev)
+                             for shape, dtype in decode_workspaces(b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp)]
+        sweep_ms[str(sp)] = _time(fn, wargs, (LAYER, d**-0.5), dev)
+    variant_ms = {}
+    for var in variants:
+        variant_ms[var] = _time(_load(root, var, "cuda")["tiered_decode"], args, (LAYER, d**-0.5), dev)
     t1_bytes = b * hkv * T1_TOKENS * (2 * d + 2 * 2 + 4 + 4 * 2)  # K, V bytes; 2 scales; table; mass read+write
     t2_bytes = b * hkv * t2p * (2 * ps2 * d // 4 + 2 * 2 * d + 2 * 2 * ps2)  # codes; key mu/sigma; value mu/sigma
     q_out = b * h * d * 4 * 2 + b * h * T1_TOKENS * 4 * 2  # q, out, scores written and read
+    q_out += b * h * splits * (d + 2) * 4 * 2  # split partials written and read
     total = t1_bytes + t2_bytes + q_out
     # bf16 baseline: the same step over a bf16 cache, torch SDPA
     qt = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -214,6 +247,7 @@ def speed(root: Path, name: str) -> dict:
         "tiered_bandwidth_GBps": total / ms / 1e6, "bf16_sdpa_ms": bf16_ms, "bf16_bytes": bf16_bytes,
         "bf16_bandwidth_GBps": bf16_bytes / bf16_ms / 1e6, "copy_bandwidth_GBps": copy_bw,
         "tiered_fraction_of_copy_bandwidth": total / ms / 1e6 / copy_bw, "speedup_vs_bf16": bf16_ms / ms,
+        "splits": splits, "tiered_ms_by_splits": sweep_ms, "variants_ms": variant_ms,
     }
 
 
@@ -255,7 +289,7 @@ def main() -> int:
         doc["device"] = torch.cuda.get_device_name(0)
         doc["speed"] = []
         for name in ("olmoe", "mixtral"):
-            doc["speed"].append(speed(args.dir, name))
+            doc["speed"].append(speed(args.dir, name, tuple(v for v, (base, _) in VARIANTS.items() if base == name)))
             print(json.dumps(doc["speed"][-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))

@@ -6,6 +6,8 @@ its tier-2 pages (2-bit NF2 codes: keys ``mu + sigma * level`` per channel, valu
 dequantized in registers, and writes ``out[b, h, :]``. It also adds each tier-1 token's final
 attention probability, summed over the query heads of its KV head, to ``t1_mass`` (the importance
 the re-rank reads); the scores of pass one are kept in ``scores`` (a workspace) for that.
+Workspaces (``decode_workspaces`` gives their shapes, the same for both forms): ``scores``, and the
+CUDA form's per-split partial results ``part_acc`` / ``part_ml`` (the llvm form leaves them alone).
 
 Buffers (layout of ``moec.runtime.kv_cache``; B sequences, P1/P2 pages per pool, M1/M2 table width):
   q        float32 [B, H, Dh]
@@ -13,7 +15,7 @@ Buffers (layout of ``moec.runtime.kv_cache``; B sequences, P1/P2 pages per pool,
   t2_k/v   uint8   [P2, Hkv, PS2, Dh/4]      t2_kmu/ksig float16 [P2, Hkv, Dh], t2_vmu/vsig [P2, Hkv, PS2]
   t1_table int32   [B, M1], t1_len int32 [B] (tokens), t2_table int32 [B, M2], t2_pages int32 [B]
   out      float32 [B, H, Dh]                t1_mass float32 [P1, Hkv, PS1] (accumulated in place)
-  scores   float32 [B, H, M1 * PS1]          workspace
+  scores   float32 [B, H, M1 * PS1]          workspace; part_acc float32 [B, H, S, Dh], part_ml [B, H, S, 2]
 
 FP8 bytes are decoded with integer arithmetic (sign, 4-bit exponent, 3-bit mantissa; subnormals
 ``m * 2^-9``) rather than a cast: TVM's llvm fp8 cast is wrong, and the same code runs on both targets.
@@ -63,9 +65,10 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
                       t2vsig_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle,
-                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, layer: T.int32, sm_scale: T.float32):
+                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, pacc_h: T.handle, pml_h: T.handle,
+                      layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        NL, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2, S = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -84,6 +87,8 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
         out = T.match_buffer(out_h, (B, H, D), "float32")
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
+        T.match_buffer(pacc_h, (B, H, S, D), "float32")  # split partials: used by the CUDA form only
+        T.match_buffer(pml_h, (B, H, S, 2), "float32")
 
         for b in T.serial(B):
             with T.sblock("attn"):
@@ -142,60 +147,175 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
     return tiered_decode
 
 
-def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128):
-    """CUDA form: one thread block per (sequence, KV head), ``head_dim`` threads.
 
-    Scoring gives each thread one token of a chunk of ``head_dim`` tokens (it reads the token's whole
-    FP8 row, or its packed 2-bit row, and dots it with q from shared memory); a block-wide max/sum
-    updates the online softmax; accumulation gives each thread one output channel and walks the
-    chunk's tokens, reading a row of V bytes that the block loads in one coalesced transaction. All
-    query heads of the KV head are handled by the same block, so the importance sum over them needs
-    no atomics.
+# ---------------------------------------------------------------------------------------------------
+# CUDA form
+#
+# 2-bit codes are decoded without integer-to-float conversions: a code's two bits b0, b1 are each
+# masked, in place, into a float32 bit pattern with a fixed base (one LOP3 each), so that
+# f = Y + b (X - Y) exactly. The NF2 level is affine in the bits (the levels are symmetric:
+# lev = -L1 + (L1 - L0) b0 + (L1 + L0) b1), hence affine in (f0, f1). Bit positions from 20 up keep
+# (X - Y) / X well away from the float32 rounding; codes below are shifted up by 12 or 24 (two shifts
+# per 16 codes). Per code position the constants differ, and are folded at compile time.
+
+
+def _bit_float(k: int) -> tuple[int, float, float]:
+    """(base bits, value with bit k clear, value with bit k set) of the float built as base | bit k."""
+    import struct
+
+    if 19 <= k <= 22:
+        base = 0x3F800000
+    elif 23 <= k <= 29:
+        base = (127 - (1 << (k - 23))) << 23
+    elif k == 30:
+        base = 1 << 23
+    elif k == 31:
+        base = 0x3F800000
+    else:
+        raise ValueError(k)
+    assert not base & (1 << k)
+    f = lambda bits: struct.unpack("<f", struct.pack("<I", bits))[0]  # noqa: E731
+    return base, f(base), f(base | (1 << k))
+
+
+def _code_plan():
+    """For each of the 16 codes of a uint32 word: (source word 0/1/2 = w, w << 12, w << 24; bit of b0)."""
+    plan = []
+    for i in range(16):
+        if i >= 10:
+            plan.append((0, 2 * i))
+        elif i >= 4:
+            plan.append((1, 2 * i + 12))
+        else:
+            plan.append((2, 2 * i + 24))
+    return plan
+
+
+def _code_consts():
+    """Per code position: (src, mask0, base0, mask1, base1, c0, c1, cc) with lev = cc + c0 f0 + c1 f1."""
+    l0, l1 = float(NF2_LEVELS[2]), float(NF2_LEVELS[3])
+    out = []
+    for src, p in _code_plan():
+        b0, y0, x0 = _bit_float(p)
+        b1, y1, x1 = _bit_float(p + 1)
+        c0, c1 = (l1 - l0) / (x0 - y0), (l1 + l0) / (x1 - y1)
+        out.append((src, 1 << p, b0, 1 << (p + 1), b1, c0, c1, -l1 - c0 * y0 - c1 * y1))
+    return out
+
+
+def _tab(i, values, dtype):
+    """values[i] for an unrolled loop index i (a chain the simplifier folds once i is a constant)."""
+    mk = (lambda v: T.uint32(v)) if dtype == "uint32" else (lambda v: T.float32(v))
+    e = mk(values[-1])
+    for j in range(len(values) - 2, -1, -1):
+        e = T.if_then_else(i == j, mk(values[j]), e)
+    return e
+
+
+def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int) -> int:
+    """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form."""
+    units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles: more splits idle
+    return max(1, min(8, -(-2048 // max(1, batch * num_kv_heads)), units))
+
+
+def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
+                      head_dim: int = 128, splits: int | None = None) -> list[tuple[tuple[int, ...], str]]:
+    """Shapes and dtypes of the workspaces ``tiered_decode`` takes after ``t1_mass``, in argument order.
+
+    ``scores`` [B, H, M1 * PS1] (tier-1 scores kept for the importance pass), ``part_acc``
+    [B, H, S, Dh] and ``part_ml`` [B, H, S, 2] (the CUDA form's per-split unnormalised output and its
+    running max and sum; S splits of the sequence, from ``decode_splits`` unless given).
+    """
+    s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2)
+    return [((batch, num_heads, m1 * t1_page), "float32"), ((batch, num_heads, s, head_dim), "float32"),
+            ((batch, num_heads, s, 2), "float32")]
+
+
+def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
+                            bitsplit_keys: bool | None = None):
+    """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
+
+    Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
+    +15 (LPT = Dh / 16 lanes per token) of token group l // LPT; a tile of the warp is TPS = 32 / LPT
+    groups of KSTEP consecutive tokens. A lane reads a token's 16 channels in one load (uint4 of FP8
+    bytes, uint32 of 2-bit codes), dots them with q (tier 2: q * sigma, with q . mu per page), and
+    the partial scores are summed over the LPT lanes by xor shuffles. The online softmax is per tile
+    (max over the warp by shuffles, rescale only when the max grows); each lane accumulates its 16
+    channels over its token group, and the groups are summed once at the end. The split's tier-1
+    tiles and tier-2 pages are every S-th of the sequence's. Writes (acc, m, l) per split and the
+    tier-1 scores. Kernel 2: one block per (sequence, KV head) merges the splits into ``out`` and
+    adds each tier-1 token's probability (summed over the KV head's query heads) to ``t1_mass``.
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
     D4 = D // 4
-    NT = D
-    if NT & (NT - 1) or NT < 32 or PS2 % NT:
-        raise ValueError(f"CUDA tiered decode needs a power-of-two head_dim >= 32 dividing the tier-2 page, got {D}, {PS2}")
-    LOGNT = NT.bit_length() - 1
+    if D % 16 or 32 % (D // 16):
+        raise ValueError(f"CUDA tiered decode needs head_dim = 16 * a divisor of 32, got {D}")
+    LPT = D // 16  # lanes per token
+    TPS = 32 // LPT  # token groups per warp
+    KSTEP = min(8 if G == 1 else 4, PS1, PS2 // TPS)
+    if KSTEP < 1 or PS1 % KSTEP or PS2 % (TPS * KSTEP):
+        raise ValueError(f"CUDA tiered decode: pages ({PS1}, {PS2}) do not fit tiles of {TPS} x {KSTEP} tokens")
+    TILE = TPS * KSTEP
+    W1 = D // 4  # uint32 words of a tier-1 row
+    W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
+    BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     NEG = -1e30
+    consts = _code_consts()
+    SRC = [c[0] for c in consts]
+    M0, B0, M1c, B1, C0, C1, CC = ([c[j] for c in consts] for j in range(1, 8))
+    NT2 = min(D, 128)  # threads of the merge kernel
+
+    def xs(w, i):  # the shifted word holding code i
+        src = _tab(i, SRC, "uint32")
+        return T.if_then_else(src == T.uint32(0), w, T.if_then_else(src == T.uint32(1), w << T.uint32(12), w << T.uint32(24)))
+
+    def f0(x, i):
+        return T.reinterpret("float32", (x & _tab(i, M0, "uint32")) | _tab(i, B0, "uint32"))
+
+    def f1(x, i):
+        return T.reinterpret("float32", (x & _tab(i, M1c, "uint32")) | _tab(i, B1, "uint32"))
+
+    def lev(x, i):
+        return _tab(i, CC, "float32") + _tab(i, C0, "float32") * f0(x, i) + _tab(i, C1, "float32") * f1(x, i)
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
 
     @T.macro
-    def online_update(tx, s_loc, red, m_loc, l_loc, p_sh, acc, tmp):
-        # block-wide online-softmax step for one chunk of NT scores per query head; every thread
-        # keeps the running max and sum in registers (they are block-wide reductions, equal in all)
-        for g in T.serial(G):
-            red[tx] = s_loc[g]
-            T.tvm_storage_sync("shared")
-            for r in T.serial(LOGNT):
-                tmp[0] = T.max(red[tx], red[T.min(tx + T.shift_right(NT, r + 1), NT - 1)])
-                T.tvm_storage_sync("shared")
-                red[tx] = T.if_then_else(tx < T.shift_right(NT, r + 1), tmp[0], red[tx])
-                T.tvm_storage_sync("shared")
-            tmp[0] = T.max(m_loc[g], red[0])  # the new running max
-            T.tvm_storage_sync("shared")
-            p_sh[g, tx] = T.exp2(s_loc[g] - tmp[0])
-            red[tx] = p_sh[g, tx]
-            acc[g] = acc[g] * T.exp2(m_loc[g] - tmp[0])
-            l_loc[g] = l_loc[g] * T.exp2(m_loc[g] - tmp[0])
-            m_loc[g] = tmp[0]
-            T.tvm_storage_sync("shared")
-            for r in T.serial(LOGNT):
-                tmp[0] = red[tx] + red[T.min(tx + T.shift_right(NT, r + 1), NT - 1)]
-                T.tvm_storage_sync("shared")
-                red[tx] = T.if_then_else(tx < T.shift_right(NT, r + 1), tmp[0], red[tx])
-                T.tvm_storage_sync("shared")
-            l_loc[g] = l_loc[g] + red[0]
-            T.tvm_storage_sync("shared")
+    def lane_sum(buf, idx):  # sum over the LPT lanes of a token group
+        for r in T.unroll(LPT.bit_length() - 1):
+            buf[idx] = buf[idx] + shfl(buf[idx], T.shift_left(1, r))
+
+    @T.macro
+    def softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt):
+        # online softmax over one tile: s_l[g * KSTEP + k] (log2 domain) -> p_l; the warp-wide tile max
+        # rescales the running state only when it grows (a warp-uniform branch)
+        for g in T.unroll(G):
+            mt[0] = s_l[g * KSTEP]
+            for k in T.unroll(KSTEP - 1):
+                mt[0] = T.max(mt[0], s_l[g * KSTEP + k + 1])
+            for r in T.unroll(TPS.bit_length() - 1):
+                mt[0] = T.max(mt[0], shfl(mt[0], T.shift_left(LPT, r)))
+            if mt[0] > m_l[g]:
+                mt[1] = T.exp2(m_l[g] - mt[0])
+                l_l[g] = l_l[g] * mt[1]
+                pmu[g] = pmu[g] * mt[1]
+                for i in T.unroll(16):
+                    acc[g * 16 + i] = acc[g * 16 + i] * mt[1]
+                m_l[g] = mt[0]
+            for k in T.unroll(KSTEP):
+                p_l[g * KSTEP + k] = T.exp2(s_l[g * KSTEP + k] - m_l[g])
+                l_l[g] = l_l[g] + p_l[g * KSTEP + k]
 
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
                       t2vsig_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle,
-                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, layer: T.int32, sm_scale: T.float32):
+                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, pacc_h: T.handle, pml_h: T.handle,
+                      layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        NL, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2, S = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -214,97 +334,183 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         out = T.match_buffer(out_h, (B, H, D), "float32")
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
+        part_acc = T.match_buffer(pacc_h, (B, H, S, D), "float32")
+        part_ml = T.match_buffer(pml_h, (B, H, S, 2), "float32")
+        t1_k8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_k.data)
+        t1_v8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_v.data)
+        t1_ks1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_ks.data)
+        t1_vs1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_vs.data)
+        t2_k32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_k.data)
+        t2_v32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_v.data)
 
-        for b in T.thread_binding(B, thread="blockIdx.x"):
+        for bs in T.thread_binding(B * S, thread="blockIdx.x"):
             for hk in T.thread_binding(HKV, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for lane in T.thread_binding(32, thread="threadIdx.x"):
                     with T.sblock("attn"):
                         T.reads()
                         T.writes()
-                        q_sh = T.sblock_alloc_buffer((G, D), "float32", scope="shared")
-                        p_sh = T.sblock_alloc_buffer((G, NT), "float32", scope="shared")
-                        red = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-                        m_loc = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        l_loc = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        kmu_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-                        ksig_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-                        vmu_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-                        vsig_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-                        row_sh = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
-                        acc = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        s_loc = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        kd = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                        mtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        tmp = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        qv = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        qs = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        ck = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        acc = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        m_l = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        l_l = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        pmu = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        s_l = T.sblock_alloc_buffer((G * KSTEP,), "float32", scope="local")
+                        p_l = T.sblock_alloc_buffer((G * KSTEP,), "float32", scope="local")
+                        mt = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        qs2 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        kw = T.sblock_alloc_buffer((KSTEP,), "uint32", scope="local")
+                        vw = T.sblock_alloc_buffer((KSTEP,), "uint32", scope="local")
+                        sc16 = T.sblock_alloc_buffer((KSTEP,), "float16", scope="local")
+                        vs16 = T.sblock_alloc_buffer((KSTEP,), "float16", scope="local")
+                        h16 = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        h16b = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        k8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
+                        v8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
+                        kf = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        lv = T.sblock_alloc_buffer((16,), "float32", scope="local")
+                        b: T.let[T.int32] = bs // S
+                        sp: T.let[T.int32] = bs % S
+                        tg: T.let[T.int32] = lane // LPT
+                        cw: T.let[T.int32] = lane % LPT
                         n1: T.let[T.int32] = t1_len[b]
+                        n2: T.let[T.int32] = t2_np[b]
+                        for g in T.unroll(G):
+                            for i in T.unroll(16):
+                                qv[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E)
+                                acc[g * 16 + i] = T.float32(0)
+                            m_l[g] = T.float32(NEG)
+                            l_l[g] = T.float32(0)
+                            pmu[g] = T.float32(0)
 
+                        # ---- tier 1: tiles of TILE FP8 tokens, every S-th
+                        for it in T.serial((T.ceildiv(n1, TILE) - sp + S - 1) // S):
+                            tok0: T.let[T.int32] = (sp + it * S) * TILE + tg * KSTEP
+                            page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
+                            row0: T.let[T.int32] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
+                            for k in T.unroll(KSTEP):
+                                k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                            for k in T.unroll(KSTEP):
+                                sc16[k] = t1_ks1[row0 + k]
+                                vs16[k] = t1_vs1[row0 + k]
+                            for k in T.unroll(KSTEP):
+                                for j in T.unroll(4):
+                                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
+                                for g in T.unroll(G):
+                                    s_l[g * KSTEP + k] = T.float32(0)
+                                    for i in T.unroll(16):
+                                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
+                                    lane_sum(s_l, g * KSTEP + k)
+                                    s_l[g * KSTEP + k] = T.if_then_else(
+                                        tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
+                                    if tok0 + k < n1 and cw == k % LPT:
+                                        scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
+                            softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+                            for k in T.unroll(KSTEP):
+                                for j in T.unroll(4):
+                                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
+                                for g in T.unroll(G):
+                                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                                    for i in T.unroll(16):
+                                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
+
+                        # ---- tier 2: 2-bit pages, every S-th
+                        for ip in T.serial((n2 - sp + S - 1) // S):
+                            page2: T.let[T.int32] = t2_table[b, sp + ip * S]
+                            for j in T.unroll(2):
+                                h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                                h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                            for g in T.unroll(G):
+                                ck[g] = T.float32(0)
+                                for i in T.unroll(16):
+                                    # q again from memory (cached): keeps qv out of registers in this loop
+                                    ck[g] = ck[g] + q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16b[i])
+                                    qs[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16[i])
+                                    if BITSPLIT:
+                                        ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, CC, "float32")
+                                        qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
+                                        qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
+                            for st in T.serial(PS2 // TILE):
+                                r0: T.let[T.int32] = st * TILE + tg * KSTEP
+                                wrow: T.let[T.int32] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
+                                for k in T.unroll(KSTEP):
+                                    kw[k] = t2_k32[wrow + k * W2]
+                                    vw[k] = t2_v32[wrow + k * W2]
+                                sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                for k in T.unroll(KSTEP):
+                                    for g in T.unroll(G):
+                                        s_l[g * KSTEP + k] = ck[g]
+                                    if BITSPLIT:
+                                        for i in T.unroll(16):
+                                            for g in T.unroll(G):
+                                                s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i) + \
+                                                    qs2[g * 16 + i] * f1(xs(kw[k], i), i)
+                                    else:
+                                        for i in T.unroll(16):
+                                            lv[i] = lev(xs(kw[k], i), i)
+                                            for g in T.unroll(G):
+                                                s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * lv[i]
+                                    for g in T.unroll(G):
+                                        lane_sum(s_l, g * KSTEP + k)
+                                softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+                                for k in T.unroll(KSTEP):
+                                    for i in T.unroll(16):
+                                        lv[i] = lev(xs(vw[k], i), i)
+                                    for g in T.unroll(G):
+                                        pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                                        p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                                        for i in T.unroll(16):
+                                            acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
+
+                        # ---- sum the token groups, write this split's partial result
+                        for g in T.unroll(G):
+                            for r in T.unroll(TPS.bit_length() - 1):
+                                l_l[g] = l_l[g] + shfl(l_l[g], T.shift_left(LPT, r))
+                                pmu[g] = pmu[g] + shfl(pmu[g], T.shift_left(LPT, r))
+                                for i in T.unroll(16):
+                                    acc[g * 16 + i] = acc[g * 16 + i] + shfl(acc[g * 16 + i], T.shift_left(LPT, r))
+                            if tg == 0:
+                                for i in T.unroll(16):
+                                    part_acc[b, hk * G + g, sp, cw * 16 + i] = acc[g * 16 + i] + pmu[g]
+                            if lane == 0:
+                                part_ml[b, hk * G + g, sp, 0] = m_l[g]
+                                part_ml[b, hk * G + g, sp, 1] = l_l[g]
+
+        # ---- merge the splits; importance of the tier-1 tokens
+        for b in T.thread_binding(B, thread="blockIdx.x"):
+            for hk in T.thread_binding(HKV, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT2, thread="threadIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        mg = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        linv = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        lg = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        o = T.sblock_alloc_buffer((D // NT2,), "float32", scope="local")
+                        mtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        n1m: T.let[T.int32] = t1_len[b]
                         for g in T.serial(G):
-                            q_sh[g, tx] = q[b, hk * G + g, tx]
-                            acc[g] = T.float32(0)
-                            m_loc[g] = T.float32(NEG)
-                            l_loc[g] = T.float32(0)
-                        T.tvm_storage_sync("shared")
-
-                        # ---- tier 1: chunks of NT FP8 tokens
-                        for c in T.serial(T.ceildiv(n1, NT)):
-                            i: T.let[T.int32] = c * NT + tx
-                            page: T.let[T.int32] = T.if_then_else(i < n1, t1_table[b, T.min(i, n1 - 1) // PS1], 0)
-                            slot: T.let[T.int32] = i % PS1
-                            row_sh[tx] = page * PS1 + slot
-                            for d in T.serial(D):
-                                kd[d] = _fp8_to_f32(t1_k[layer, page, hk, slot, d])
-                            for g in T.serial(G):
-                                s_loc[g] = T.float32(0)
-                                for d in T.serial(D):
-                                    s_loc[g] += q_sh[g, d] * kd[d]
-                                s_loc[g] = T.if_then_else(
-                                    i < n1, s_loc[g] * T.Cast("float32", t1_ks[layer, page, hk, slot]) * sm_scale * T.float32(LOG2E),
-                                    T.float32(NEG))
-                                if i < n1:
-                                    scores[b, hk * G + g, i] = s_loc[g]
-                            online_update(tx, s_loc, red, m_loc, l_loc, p_sh, acc, tmp)
-                            for j in T.serial(T.min(NT, n1 - c * NT)):
-                                r: T.let[T.int32] = row_sh[j]
-                                v: T.let[T.float32] = _fp8_to_f32(t1_v[layer, r // PS1, hk, r % PS1, tx]) * \
-                                    T.Cast("float32", t1_vs[layer, r // PS1, hk, r % PS1])
+                            mg[g] = T.float32(NEG)
+                            for s in T.serial(S):
+                                mg[g] = T.max(mg[g], part_ml[b, hk * G + g, s, 0])
+                            lg[0] = T.float32(0)
+                            for j in T.unroll(D // NT2):
+                                o[j] = T.float32(0)
+                            for s in T.serial(S):
+                                lg[0] = lg[0] + part_ml[b, hk * G + g, s, 1] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+                                for j in T.unroll(D // NT2):
+                                    o[j] = o[j] + part_acc[b, hk * G + g, s, j * NT2 + tx] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+                            linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
+                            for j in T.unroll(D // NT2):
+                                out[b, hk * G + g, j * NT2 + tx] = o[j] * linv[g]
+                        for c in T.serial(T.ceildiv(n1m, NT2)):
+                            if c * NT2 + tx < n1m:
+                                mtot[0] = T.float32(0)
                                 for g in T.serial(G):
-                                    acc[g] += p_sh[g, j] * v
-                            T.tvm_storage_sync("shared")
-
-                        # ---- tier 2: full 2-bit pages, chunks of NT tokens
-                        for pi in T.serial(t2_np[b]):
-                            page2: T.let[T.int32] = t2_table[b, pi]
-                            kmu_sh[tx] = T.Cast("float32", t2_kmu[layer, page2, hk, tx])
-                            ksig_sh[tx] = T.Cast("float32", t2_ksig[layer, page2, hk, tx])
-                            T.tvm_storage_sync("shared")
-                            for sc in T.serial(PS2 // NT):
-                                j2: T.let[T.int32] = sc * NT + tx
-                                for d in T.serial(D):
-                                    kd[d] = kmu_sh[d] + ksig_sh[d] * _nf2_level(t2_k[layer, page2, hk, j2, d // 4], d)
-                                for g in T.serial(G):
-                                    s_loc[g] = T.float32(0)
-                                    for d in T.serial(D):
-                                        s_loc[g] += q_sh[g, d] * kd[d]
-                                    s_loc[g] = s_loc[g] * sm_scale * T.float32(LOG2E)
-                                vmu_sh[tx] = T.Cast("float32", t2_vmu[layer, page2, hk, j2])
-                                vsig_sh[tx] = T.Cast("float32", t2_vsig[layer, page2, hk, j2])
-                                online_update(tx, s_loc, red, m_loc, l_loc, p_sh, acc, tmp)
-                                for j in T.serial(NT):
-                                    v2: T.let[T.float32] = vmu_sh[j] + vsig_sh[j] * _nf2_level(t2_v[layer, page2, hk, sc * NT + j, tx // 4], tx)
-                                    for g in T.serial(G):
-                                        acc[g] += p_sh[g, j] * v2
-                                T.tvm_storage_sync("shared")
-
-                        for g in T.serial(G):
-                            out[b, hk * G + g, tx] = T.if_then_else(l_loc[g] > T.float32(0), acc[g] / l_loc[g], T.float32(0))
-                        # ---- importance of the tier-1 tokens, summed over this KV head's query heads
-                        for c2 in T.serial(T.ceildiv(n1, NT)):
-                            i2: T.let[T.int32] = T.min(c2 * NT + tx, n1 - 1)
-                            mtot[0] = T.float32(0)
-                            for g in T.serial(G):
-                                mtot[0] += T.exp2(scores[b, hk * G + g, i2] - m_loc[g]) / l_loc[g]
-                            if c2 * NT + tx < n1:
-                                t1_mass[layer, t1_table[b, i2 // PS1], hk, i2 % PS1] += mtot[0]
+                                    mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, c * NT2 + tx] - mg[g]) * linv[g]
+                                t1_mass[layer, t1_table[b, (c * NT2 + tx) // PS1], hk, (c * NT2 + tx) % PS1] += mtot[0]
 
     return tiered_decode
-

@@ -6,7 +6,7 @@ import tvm
 from moec.runtime import kv_quant as q
 from moec.runtime.kv_cache import TieredPageTables
 from moec.schedules.kernels.tiered_append import make_tiered_append
-from moec.schedules.kernels.tiered_decode import make_tiered_decode
+from moec.schedules.kernels.tiered_decode import decode_workspaces, make_tiered_decode
 from moec.schedules.kernels.tiered_rerank import make_tiered_rerank
 
 H, HKV, D, PS1, PS2, SINK, RECENT = 4, 2, 32, 16, 32, 2, 8
@@ -72,12 +72,13 @@ def test_append_decode_rerank_cycle():
         tab = pt.tables(seqs)
         qv = rng.standard_normal((2, H, D)).astype(np.float32)
         out = np.zeros((2, H, D), np.float32)
-        ws = np.zeros((2, H, tab["t1_table"].shape[1] * PS1), np.float32)
+        ws = [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in
+              decode_workspaces(2, H, HKV, tab["t1_table"].shape[1], PS1, tab["t2_table"].shape[1], PS2, D)]
         targs = [tvm.runtime.tensor(a, dev) for a in (tab["t1_table"], tab["t1_len"], tab["t2_table"], tab["t2_np"])]
         o = tvm.runtime.tensor(out, dev)
         decode(tvm.runtime.tensor(qv, dev), *[dp[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu",
                                                                "t2_ksig", "t2_vmu", "t2_vsig")],
-               *targs, o, dp["t1_mass"], tvm.runtime.tensor(ws, dev), 0, D**-0.5)
+               *targs, o, dp["t1_mass"], *ws, 0, D**-0.5)
         host = {k: v.numpy()[0] for k, v in dp.items()}
         for b in range(2):  # the output is attention over exactly what the pools hold
             for h in range(HKV):

@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_decode import make_tiered_decode
+from moec.schedules.kernels.tiered_decode import decode_workspaces, make_tiered_decode
 
 H, HKV, D, PS1, PS2 = 4, 2, 32, 16, 32
 P1, P2 = 20, 10
@@ -35,15 +35,15 @@ def test_against_numpy_over_dequantized_values(kernel, seed, t1_lens, t2_pages):
     scale = D**-0.5
     dev = tvm.cpu()
     mass0 = np.random.default_rng(9).random((P1, HKV, PS1)).astype(np.float32)
-    m1 = tables["t1_table"].shape[1]
+    m1, m2 = tables["t1_table"].shape[1], tables["t2_table"].shape[1]
     lp = {k: ref.layered(pools[k]) for k in ref.POOL_ORDER}
     args = [qv] + [lp[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
     out = np.zeros((len(t1_lens), H, D), np.float32)
-    scores = np.zeros((len(t1_lens), H, m1 * PS1), np.float32)
+    ws = [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(len(t1_lens), H, HKV, m1, PS1, m2, PS2, D)]
     lmass = ref.layered(mass0)
-    tv = [tvm.runtime.tensor(a, dev) for a in args + [out, lmass.copy(), scores]]
+    tv = [tvm.runtime.tensor(a, dev) for a in args + [out, lmass.copy()] + ws]
     kernel["tiered_decode"](*tv, ref.LAYER, scale)
-    got_out, got_mass = tv[-3].numpy(), tv[-2].numpy()
+    got_out, got_mass = tv[15].numpy(), tv[16].numpy()
     np.testing.assert_array_equal(got_mass[0], lmass[0])  # other layers untouched
     got_mass = got_mass[ref.LAYER]
     for s, ((k, v), (kd, vd)) in enumerate(zip(kv, deq)):
@@ -77,12 +77,13 @@ def test_fp8_decode_matches_ml_dtypes(kernel):
                 np.zeros((P2, HKV, D), np.float16), np.ones((P2, HKV, D), np.float16),
                 np.zeros((P2, HKV, PS2), np.float16), np.ones((P2, HKV, PS2), np.float16),
                 np.arange(m, dtype=np.int32)[:, None], np.ones(m, np.int32), np.zeros((m, 1), np.int32), np.zeros(m, np.int32),
-                np.zeros((m, H, D), np.float32), np.zeros((P1, HKV, PS1), np.float32), np.zeros((m, H, PS1), np.float32)]
+                np.zeros((m, H, D), np.float32), np.zeros((P1, HKV, PS1), np.float32)]
+        args += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(m, H, HKV, 1, PS1, 1, PS2, D)]
         args[1:11] = [a[None] for a in args[1:11]]  # one layer
-        args[-2] = args[-2][None]
+        args[16] = args[16][None]
         tv = [tvm.runtime.tensor(a, tvm.cpu()) for a in args]
         kernel["tiered_decode"](*tv, 0, 1.0)
-        got.append(tv[-3].numpy()[:, 0, 0])  # one token: the output is its value
+        got.append(tv[15].numpy()[:, 0, 0])  # one token: the output is its value
     np.testing.assert_array_equal(np.concatenate(got), want)
 
 
@@ -93,4 +94,17 @@ def test_cuda_form_compiles(shape):
 
     ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape)}), target=make_target("cuda"))
     src = ex.mod.imports[0].inspect_source()
-    assert "__syncthreads" in src and "tiered_decode" in src
+    # the split kernel (warp shuffles, vector loads) and the merge / importance kernel
+    assert "__shfl_xor_sync" in src and "uint4" in src and "tiered_decode_kernel_1" in src
+
+
+def test_workspaces_and_splits():
+    from moec.schedules.kernels.tiered_decode import decode_splits
+
+    ws = decode_workspaces(3, 16, 16, 40, 16, 27, 128)
+    assert [dt for _, dt in ws] == ["float32"] * 3
+    s = decode_splits(3, 16, 40, 16, 27)
+    assert ws == [((3, 16, 640), "float32"), ((3, 16, s, 128), "float32"), ((3, 16, s, 2), "float32")]
+    assert s > 1  # few sequences: the sequence is split over several blocks
+    assert decode_splits(128, 16, 40, 16, 27) == 1
+    assert decode_splits(1, 2, 1, 16, 0) == 1  # never more splits than tiles of work
