@@ -119,7 +119,11 @@ def compile(  # noqa: A001 - the public name users call
     from ..passes.paged_kv_attention import _bind_batch_to_one
     from .moe_structure import analyze
 
-    analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs, imported.source_name)
+    structure = analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs, imported.source_name)
+    if tiered is not None:
+        from ..passes.tiered_kv_attention import check_supported
+
+        check_supported(structure, tiered)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered)
     t1 = time.perf_counter()
     try:
@@ -178,8 +182,8 @@ def _entry_doc(tiered) -> dict:
         }
     cache = "q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B+1], t1_table[B,M1], t2_table[B,M2], t2_np[B], *pools"
     doc = {
-        "prefill": f"prefill(input_ids[1,N], logit_pos[b] int32, {cache}, *weights) -> logits[1,b,V]",
-        "decode": f"decode(input_ids[1,N], {cache}, *weights) -> logits[1,N,V]",
+        "prefill": f"prefill(input_ids[1,N], logit_pos[b] int32, {cache}, *weights) -> (logits[1,b,V], *pools)",
+        "decode": f"decode(input_ids[1,N], {cache}, *weights) -> (logits[1,N,V], *pools)",
     }
     if tiered.mode == "tiered":
         doc["rerank"] = "rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools"

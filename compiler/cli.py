@@ -26,8 +26,14 @@ def cmd_compile(args) -> int:
     from .build import compile as moec_compile
 
     _print_args(args)
+    tiered = None
+    if args.kv_cache in ("fp8", "tiered"):
+        from ..passes.tiered_kv_attention import TieredOptions
+
+        tiered = TieredOptions(mode=args.kv_cache, t1_page=args.t1_page, t2_page=args.t2_page, sink=args.sink, recent=args.recent,
+                               tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance)
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
-                 kv_cache_dtype=args.kv_cache_dtype)
+                 kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered)
     return 0
 
 
@@ -135,8 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
     p.add_argument("--arch", default=None, help="CUDA architecture, e.g. sm_90 (default for --target cuda)")
     p.add_argument("--debug-dump", default=None, help="write the IR after each pipeline phase into this directory")
+    p.add_argument("--kv-cache", choices=["paged", "bf16", "fp8", "tiered"], default="paged",
+                   help="paged: paged cache of --kv-cache-dtype elements; bf16: paged bfloat16; tiered: FP8 pages for "
+                        "the important tokens, 2-bit pages for the rest, re-ranked every --rerank-every steps; fp8: "
+                        "the tiered cache with every token in FP8")
     p.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="element type of the paged KV cache (default: the model's dtype)")
+    g = p.add_argument_group("tiered KV cache (--kv-cache tiered|fp8)")
+    g.add_argument("--tier1-fraction", type=float, default=0.15, help="share of each sequence's tokens kept in FP8")
+    g.add_argument("--rerank-every", type=int, default=16, help="decode steps between re-ranks")
+    g.add_argument("--sink", type=int, default=4, help="first tokens always kept in FP8 (attention sinks)")
+    g.add_argument("--recent", type=int, default=64, help="newest tokens always kept in FP8")
+    g.add_argument("--t1-page", type=int, default=16, help="tokens per FP8 page")
+    g.add_argument("--t2-page", type=int, default=128, help="tokens per 2-bit page (a multiple of the head dimension)")
+    g.add_argument("--importance", choices=["mass", "random"], default="mass",
+                   help="re-rank score: attention mass over the uniform share, or random (a baseline for comparison)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")

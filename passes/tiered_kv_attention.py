@@ -3,8 +3,8 @@
 Expects what ``InsertPagedKVAttention`` expects (``main(input_ids[B,S], [attention_mask], *weights)``
 whose MoE structure ``compiler.moe_structure.analyze`` recognises) and replaces it with:
 
-  * ``prefill(input_ids[1,N], logit_pos[b], <cache arguments>, *weights) -> logits[1,b,V]``
-  * ``decode(input_ids[1,N], <cache arguments>, *weights) -> logits[1,N,V]``
+  * ``prefill(input_ids[1,N], logit_pos[b], <cache arguments>, *weights) -> (logits[1,b,V], *pools)``
+  * ``decode(input_ids[1,N], <cache arguments>, *weights) -> (logits[1,N,V], *pools)``
   * ``rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools``
     (mode "tiered" only)
 
@@ -12,7 +12,8 @@ with ``<cache arguments>`` = ``q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B
 t2_table[B,M2], t2_np[B], *pools``: the N tokens of a forward (ragged over B sequences, ``q_row``
 giving each token's table row) with their absolute positions and tier-1 slots, the page tables of
 the B sequences and the 13 pool tensors of ``moec.runtime.kv_cache.POOLS`` (leading layer axis),
-which the entries update in place. The runtime (``moec.runtime.engine``) owns pools and tables.
+which the entries update in place (and return, so that no update is dead code). The runtime
+(``moec.runtime.engine``) owns pools and tables.
 
 Each recognised attention ``softmax(Q K^T * s + mask) V`` of layer l becomes:
   1. ``tiered_append``: the new K and V are quantized to FP8 into their tier-1 slots of layer l;
@@ -52,12 +53,15 @@ class TieredOptions:
     recent: int = 64
     tier1_fraction: float = 0.15
     rerank_every: int = 16
+    importance: str = "mass"  # "mass": attention received over the uniform share; "random": the baseline
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fp8"):
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
-        if not 0 < self.tier1_fraction <= 1:
-            raise MoecError("tier-1 fraction must be in (0, 1]")
+        if not 0 <= self.tier1_fraction <= 1:
+            raise MoecError("tier-1 fraction must be in [0, 1]")
+        if self.importance not in ("mass", "random"):
+            raise MoecError(f"unknown importance {self.importance!r}: expected 'mass' or 'random'")
         if self.rerank_every < 1 or self.t1_page < 1 or self.t2_page < 1 or self.sink < 0 or self.recent < 0:
             raise MoecError("tiered KV cache: pages and re-rank interval must be positive, sink and recent window >= 0")
 
@@ -69,6 +73,19 @@ def _i32(x: int):
     return relax.prim_value(tirx.IntImm("int32", int(x)))
 
 
+def check_supported(structure: MoEStructure, opts: TieredOptions) -> tuple[int, int, int]:
+    """``(heads, kv heads, head dim)`` if the tiered cache can serve this model, else a ``MoecError``."""
+    heads = {(la.attention.num_heads, la.attention.num_kv_heads, la.attention.head_dim) for la in structure.layers}
+    if len(heads) != 1:
+        raise MoecError(f"layers differ in attention heads {sorted(heads)}: one KV cache shape per model is supported")
+    (h, hkv, d), = heads
+    if d % 4:
+        raise MoecError(f"tiered KV cache needs a head dimension divisible by 4 (2-bit packing), got {d}")
+    if opts.mode == "tiered" and opts.t2_page % d:
+        raise MoecError(f"tiered KV cache: the tier-2 page ({opts.t2_page} tokens) must be a multiple of the head dimension ({d})")
+    return h, hkv, d
+
+
 class _Kernels:
     """The tiered kernels of one head configuration, added to the module being built."""
 
@@ -77,23 +94,16 @@ class _Kernels:
         from ..schedules.kernels.tiered_attention import make_tiered_attention, make_tiered_mass
         from ..schedules.kernels.tiered_rerank import make_tiered_rerank
 
-        heads = {(la.attention.num_heads, la.attention.num_kv_heads, la.attention.head_dim) for la in structure.layers}
-        if len(heads) != 1:
-            raise MoecError(f"layers differ in attention heads {sorted(heads)}: one KV cache shape per model is supported")
-        (self.h, self.hkv, self.d), = heads
-        if self.d % 4 or self.d < 4:
-            raise MoecError(f"tiered KV cache needs a head dimension divisible by 4 (2-bit packing), got {self.d}")
+        self.h, self.hkv, self.d = check_supported(structure, opts)
         kind = "cuda" if target.kind.name == "cuda" else "llvm"
-        if opts.t2_page % self.d:
-            raise MoecError(f"tiered KV cache: the tier-2 page ({opts.t2_page} tokens) must be a multiple of the head dimension ({self.d})")
         h, hkv, d = self.h, self.hkv, self.d
         self.append = bb.add_func(make_tiered_append(hkv, d, opts.t1_page, target=kind), "tiered_append")
         self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind), "tiered_attention")
         self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
         self.rerank = None
         if opts.mode == "tiered":
-            self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind),
-                                      "tiered_rerank")
+            self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
+                                                         importance=opts.importance), "tiered_rerank")
 
 
 class _Sig:
@@ -220,7 +230,8 @@ def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, 
             result = inner.emit(relax.TupleGetItem(result, 0))
         if logit_pos is not None:
             result = inner.emit(relax.op.take(result, logit_pos, axis=1))
-        inner.emit_func_output(result)
+        # the updated pools (aliases of the arguments) are outputs too, so no in-place update is dead code
+        inner.emit_func_output(relax.Tuple([result] + [rewriter.pools[x] for x in POOLS]))
     bb.add_func(relax.utils.copy_with_new_vars(inner.get()[fname]), fname)
 
 

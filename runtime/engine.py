@@ -363,7 +363,7 @@ class _TieredState:
         if logit_pos is not None:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))
         args += [self._tensor(a) for a in cache] + self.pools
-        out = fn(*args, *self.e.weights)
+        out = fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place)
         return out.numpy()[0]
 
     def after_decode_step(self) -> None:

@@ -23,9 +23,17 @@ def zoo(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
-    """`moec train-reference --size tiny` once per run, on the running interpreter's stdlib corpus."""
+    """`moec train-reference --size tiny` once per run, on the running interpreter's stdlib corpus.
+
+    ``MOEC_TEST_TRAINED_TINY=DIR`` reuses a model trained that way (local runs; CI trains its own).
+    """
+    import os
+
     from moec.models.corpus import build_corpus
     from moec.models.train import train_reference
+
+    if os.environ.get("MOEC_TEST_TRAINED_TINY"):
+        return Path(os.environ["MOEC_TEST_TRAINED_TINY"])
 
     root = tmp_path_factory.mktemp("trained")
     build_corpus(root / "corpus", "bytes")

@@ -57,9 +57,24 @@ def _nf2_code(z):
     return T.Cast("uint32", T.if_then_else(z < T.float32(t0), 0, T.if_then_else(z < T.float32(t1), 1, T.if_then_else(z < T.float32(t2), 2, 3))))
 
 
+def _hash_score(p, layer, h):
+    """A pseudo-random score in [0, 1) from (position, layer, head): the "random" importance baseline."""
+    x = T.Cast("uint32", p) * T.uint32(2654435761) + T.Cast("uint32", layer) * T.uint32(40503) + T.Cast("uint32", h) * T.uint32(9973)
+    x = (x ^ (x >> T.uint32(15))) * T.uint32(2246822519)
+    x = x ^ (x >> T.uint32(13))
+    return T.Cast("float32", x >> T.uint32(8)) * T.float32(2.0**-24)
+
+
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
-                       recent: int = 64, target: str = "llvm"):
-    """The re-rank PrimFunc for ``target`` "llvm" or "cuda"."""
+                       recent: int = 64, target: str = "llvm", importance: str = "mass"):
+    """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
+
+    ``importance`` "mass" is the score above; "random" replaces it by a hash of (position, layer,
+    head), the same-budget random-choice baseline the quality table compares against.
+    """
+    if importance not in ("mass", "random"):
+        raise ValueError(f"unknown importance {importance!r}: expected 'mass' or 'random'")
+    rand = importance == "random"
     HKV, D, PS1, PS2, D4 = num_kv_heads, head_dim, t1_page, t2_page, head_dim // 4
     NT = D
     gpu = target == "cuda"
@@ -121,6 +136,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
                                 score[b, h, i] = T.if_then_else(
                                     (p < sink) | (p >= length[b] - recent), T.float32(INF),
+                                    _hash_score(p, layer, h) if rand else
                                     t1_mass[layer, pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
                                                                     T.float32(1.0) / T.Cast("float32", p + 1), T.float32(1e-12)))
                     if gpu:

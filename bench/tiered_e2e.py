@@ -1,0 +1,195 @@
+"""Models compiled with the tiered KV cache, on the GPU: correctness against the reference and quality at 4096.
+
+  python bench/tiered_e2e.py prepare DIR --tiny TINY_MODEL_DIR --small SMALL.onnx --corpus BPE_CORPUS_DIR
+        # here: compile CUDA (sm_90) artifacts; the small model's weights travel as float16 chunks
+  python3 bench/tiered_e2e.py run DIR --json OUT --commit SHA      # GPU machine, runtime-only TVM
+
+Part 1 (correctness): the trained tiny reference model compiled with ``--kv-cache fp8`` and
+``--kv-cache tiered`` decodes two held-out windows (prefill 300 tokens, 100 teacher-forced steps with
+re-ranks) on CUDA; its logits are compared with ``moec.models.kv_reference.TieredDecoder`` (same
+policy, same formats) on the same tokens.
+
+Part 2 (quality at 4096): the small reference model (BPE, trained on the GPU; its weights rounded to
+float16 values so that they travel in half the bytes, the same weights for every row) compiled with
+each cache: paged bf16, fp8, 2-bit (tiered with no FP8 budget, sink or window), tiered by importance
+and tiered by random choice at the same budget. Each decodes the same held-out windows (prefill
+``context - stride`` tokens, then ``stride`` teacher-forced decode steps) through the runtime engine;
+the JSON holds each cache's perplexity and its change against bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TINY_MODES = ("fp8", "tiered")
+TINY_POLICY = dict(sink=4, recent=32, rerank_every=8)
+# name: (kv_cache, TieredOptions overrides)
+SMALL_MODES = {
+    "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),
+    "2bit": ("tiered", dict(tier1_fraction=0.0, sink=0, recent=0)),
+    "tiered": ("tiered", {}),
+    "tiered-random": ("tiered", dict(importance="random")),
+}
+CHUNK = 48 << 20
+
+
+def _round_onnx(src: Path, dst: Path) -> None:
+    """A copy of the ONNX model with every float32 initializer rounded to a float16 value."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(src))
+    for init in m.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT:
+            a = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array(a.astype(np.float16).astype(np.float32), init.name))
+    onnx.save(m, str(dst))
+
+
+def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> None:
+    import moec
+    from moec.passes.tiered_kv_attention import TieredOptions
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tiny-model").mkdir(exist_ok=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny / f, out / "tiny-model" / f)
+    from moec.models.train import corpus_of, load_trained
+
+    toks = np.asarray(corpus_of(load_trained(tiny)[1]).tokens("heldout"))
+    np.save(out / "tiny-windows.npy", np.stack([toks[1000:1401], toks[5000:5401]]))  # two held-out windows
+    for mode in TINY_MODES:
+        moec.compile(tiny / "model.onnx", out / f"tiny-{mode}", target="cuda", arch="sm_90", progress=True,
+                     kv_cache=mode, tiered_options=TieredOptions(**TINY_POLICY))
+    if small is None:
+        return
+    rounded = out / "small-f16.onnx"
+    _round_onnx(small, rounded)
+    for name, (kv, over) in SMALL_MODES.items():
+        opts = TieredOptions(**over) if kv in ("fp8", "tiered") else None
+        moec.compile(rounded, out / f"small-{name}", target="cuda", arch="sm_90", progress=True, kv_cache=kv, tiered_options=opts)
+    rounded.unlink()
+    # one float16 copy of the (identical) weights, in chunks; the artifacts keep their manifests only
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(out / "small-bf16" / "weights.safetensors"))
+    blob = out / "small-weights.f16.safetensors"
+    save_file({k: v.astype(np.float16) for k, v in weights.items()}, str(blob))
+    data = blob.read_bytes()
+    blob.unlink()
+    for i in range(0, len(data), CHUNK):
+        part = out.parent / f"{out.name}-w{i // CHUNK}"
+        part.mkdir(exist_ok=True)
+        (part / "part").write_bytes(data[i:i + CHUNK])
+    for name in SMALL_MODES:
+        (out / f"small-{name}" / "weights.safetensors").unlink()
+    if corpus is not None:
+        shutil.copytree(corpus, out / "corpus", ignore=shutil.ignore_patterns("train.bin"), dirs_exist_ok=True)
+    print(f"[bench] prepared {out}; weight chunks: {sorted(p.name for p in out.parent.glob(out.name + '-w*'))}")
+
+
+def _restore_weights(root: Path, parts: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    blob = Path("/tmp/small-weights.f16.safetensors")
+    blob.write_bytes(b"".join(p.read_bytes() for p in sorted(parts.glob("part*"), key=lambda p: int(p.name[4:] or 0))))
+    w = {k: v.astype(np.float32) for k, v in load_file(str(blob)).items()}
+    first = None
+    for name in SMALL_MODES:
+        dst = root / f"small-{name}" / "weights.safetensors"
+        if first is None:
+            save_file(w, str(dst))
+            first = dst
+        else:
+            shutil.copy(first, dst)
+
+
+def _tiny_check(root: Path) -> dict:
+    from moec.models.kv_reference import TieredDecoder, TierPolicy
+    from moec.models.train import load_trained
+    from moec.runtime.engine import load
+
+    model, _ = load_trained(root / "tiny-model")
+    w = np.load(root / "tiny-windows.npy")
+    n0, length = 300, w.shape[1]
+    out = {}
+    for mode in TINY_MODES:
+        want = TieredDecoder(model, TierPolicy.named(mode, page_tokens=128, **TINY_POLICY)).run(w.copy(), n0)
+        engine = load(root / f"tiny-{mode}", device="cuda", max_batch=4, max_total_tokens=2048)
+        t = time.perf_counter()
+        seqs, first = engine.prefill([list(w[0, :n0]), list(w[1, :n0])])
+        got = np.stack([first] + [engine.decode(seqs, list(w[:, i])) for i in range(n0, length - 1)], 1)
+        out[mode] = {"max_abs_logit_error": float(np.abs(got - want).max()),
+                     "argmax_agreement": float((got.argmax(-1) == want.argmax(-1)).mean()),
+                     "reranks": engine.tiered.reranks, "seconds": round(time.perf_counter() - t, 2)}
+        print(f"[bench] tiny {mode}: {out[mode]}", flush=True)
+    return out
+
+
+def run(root: Path, parts: Path | None, json_out: Path, commit: str, context: int, stride: int, max_tokens: int) -> int:
+    import torch
+
+    from moec.models.corpus import load_corpus
+    from moec.models.evaluate import ArtifactSubject, evaluate
+
+    result = {"benchmark": "tiered_e2e", "command": " ".join(["python3"] + sys.argv), "git_commit": commit,
+              "device": torch.cuda.get_device_name(0), "host": platform.node(), "python": platform.python_version()}
+    result["tiny_vs_reference"] = _tiny_check(root)
+    if parts is not None:
+        _restore_weights(root, parts)
+        corpus = load_corpus(root / "corpus")
+        rows = {}
+        for name in SMALL_MODES:
+            subject = ArtifactSubject(root / f"small-{name}", device="cuda", mode="decode", batch_size=16)
+            t = time.perf_counter()
+            rep = evaluate(subject, corpus, "heldout", context=context, stride=stride, max_tokens=max_tokens)
+            rows[name] = {"perplexity": rep["subject"]["perplexity"], "seconds": round(time.perf_counter() - t, 1),
+                          "tier1_share": getattr(subject, "tier1_share", None)}
+            print(f"[bench] small {name}: {rows[name]}", flush=True)
+        base = rows["bf16"]["perplexity"]
+        for r in rows.values():
+            r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
+        result["quality"] = {"model": "small reference (BPE 4096), weights rounded to float16 values", "context": context,
+                             "stride": stride, "tokens_scored": max_tokens, "rows": rows}
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("out", type=Path)
+    p.add_argument("--tiny", type=Path, required=True)
+    p.add_argument("--small", type=Path, default=None)
+    p.add_argument("--corpus", type=Path, default=None)
+    p = sub.add_parser("run")
+    p.add_argument("root", type=Path)
+    p.add_argument("--parts", type=Path, default=None, help="directory holding the weight chunks part0, part1, ...")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--stride", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    if args.cmd == "prepare":
+        prepare(args.out, args.tiny, args.small, args.corpus)
+        return 0
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return run(args.root, args.parts, args.json, commit, args.context, args.stride, args.max_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""InsertTieredKVAttention: IR before/after, and the compiled model against the PyTorch tiered-KV reference."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from moec.compiler.importers import import_model
+from moec.passes.tiered_kv_attention import CACHE_ARGS, InsertTieredKVAttention, TieredOptions
+from moec.runtime.kv_cache import POOLS
+
+
+def _calls_to(func, name):
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir_inplace":
+            if e.args[0].name_hint == name:
+                found.append(e)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
+def _softmaxes(func):
+    n = []
+    relax.analysis.post_order_visit(func.body, lambda e: n.append(1) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == "relax.nn.softmax" else None)
+    return len(n)
+
+
+@pytest.fixture(scope="module")
+def rewritten(zoo):
+    imported = import_model(zoo.source("tiny", "pt2"))
+    target = tvm.target.Target({"kind": "llvm"})
+    out = {}
+    for mode in ("tiered", "fp8"):
+        insert = InsertTieredKVAttention(imported.num_inputs, target, TieredOptions(mode=mode), "tiny")
+        entries = ["prefill", "decode"] + (["rerank"] if mode == "tiered" else [])
+        out[mode] = relax.transform.DeadCodeElimination(entries)(insert(imported.mod)), insert.structure
+    return imported, out
+
+
+def test_ir_before_after(rewritten):
+    imported, out = rewritten
+    assert _softmaxes(imported.mod["main"]) == 4  # 2 attention + 2 router softmaxes
+    after, structure = out["tiered"]
+    names = {gv.name_hint for gv in after.get_global_vars()}
+    assert {"prefill", "decode", "rerank", "tiered_append", "tiered_attention", "tiered_mass", "tiered_rerank"} <= names
+    assert "main" not in names
+    layers = structure.num_layers
+    for name in ("prefill", "decode"):
+        f = after[name]
+        assert _softmaxes(f) == 2  # only the routers' remain
+        for kernel in ("tiered_append", "tiered_attention", "tiered_mass"):
+            calls = _calls_to(f, kernel)
+            assert len(calls) == layers, (name, kernel)
+            assert sorted(int(c.args[1][-2 if kernel != "tiered_append" else -1].value) for c in calls) == list(range(layers))
+        params = [p.name for p in f.params]
+        start = 2 if name == "prefill" else 1
+        assert params[start:start + len(CACHE_ARGS) + len(POOLS)] == list(CACHE_ARGS) + list(POOLS)
+        assert "attention_mask" not in params and int(f.params[0].ty.shape[0]) == 1
+        # logits, then every pool: the in-place updates are outputs
+        assert len(f.ret_ty.fields) == 1 + len(POOLS)
+    assert len(_calls_to(after["rerank"], "tiered_rerank")) == layers
+    fp8, _ = out["fp8"]
+    assert "rerank" not in {gv.name_hint for gv in fp8.get_global_vars()}
+
+
+def test_bad_options_are_refused(zoo, tmp_path):
+    import moec
+    from moec.compiler.errors import MoecError
+
+    with pytest.raises(MoecError, match="multiple of the head dimension"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "a", kv_cache="tiered", tiered_options=TieredOptions(t2_page=40))
+    with pytest.raises(MoecError, match="paged cache"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "b", kv_cache="fp8", kv_cache_dtype="float16")
+    with pytest.raises(MoecError, match="tier-1 fraction"):
+        TieredOptions(tier1_fraction=1.5)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def compiled(trained_tiny, tmp_path_factory):
+    import moec
+
+    root = tmp_path_factory.mktemp("tiered")
+    opts = TieredOptions(sink=4, recent=32, rerank_every=8)
+    return {mode: moec.compile(trained_tiny / "model.onnx", root / mode, kv_cache=mode, tiered_options=opts)
+            for mode in ("fp8", "tiered")}
+
+
+@pytest.mark.parametrize("mode", ["fp8", "tiered"])
+def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, mode):
+    """Prefill 300 tokens then 100 teacher-forced decode steps with re-ranks, two sequences: the compiled
+    model holds the same tiers, formats and importance as ``moec.models.kv_reference``."""
+    from moec.models.kv_reference import TieredDecoder, TierPolicy
+    from moec.models.train import corpus_of, load_trained
+    from moec.runtime.engine import load
+
+    model, meta = load_trained(trained_tiny)
+    toks = np.asarray(corpus_of(meta).tokens("heldout"))
+    n0, length = 300, 401
+    w = np.stack([toks[1000:1000 + length], toks[5000:5000 + length]])
+    policy = TierPolicy.named(mode, page_tokens=128, sink=4, recent=32, rerank_every=8)
+    want = TieredDecoder(model, policy).run(w.copy(), n0)
+    engine = load(compiled[mode], max_batch=4, max_total_tokens=2048)
+    seqs, first = engine.prefill([list(w[0, :n0]), list(w[1, :n0])])
+    got = [first] + [engine.decode(seqs, list(w[:, i])) for i in range(n0, length - 1)]
+    got = np.stack(got, 1)
+    err = np.abs(got - want)
+    # fp8: the same bytes, float32 rounding only. tiered: also the same tiers, but a 2-bit code whose
+    # value lies within rounding of a decision threshold may flip (statistics summed in float32)
+    assert err.max() < (5e-3 if mode == "fp8" else 0.1) and err.mean() < (2e-5 if mode == "fp8" else 1e-3)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.99
+    if mode == "tiered":
+        st = engine.tiered
+        assert st.reranks >= 2  # after the prefill and once more during decode
+        for s in seqs:
+            seq = st.tables.seqs[st.slot[s]]
+            assert len(seq.t2_pages) >= 1 and seq.t1_len <= st.tables.budget(seq.length) + 128
+        st.tables.check()
+    for s in seqs:
+        engine.release(s)
+    assert engine.tiered.tables.t1.free == engine.tiered.tables.t1.num_pages
+
+
+def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
+    from moec.runtime.engine import CacheExhausted, load
+
+    engine = load(compiled["tiered"], max_batch=2, max_total_tokens=1024, t1_pages=12)  # 192 FP8 slots
+    seqs, _ = engine.prefill([list(range(100))])
+    before = dict(engine.lengths)
+    with pytest.raises(CacheExhausted, match="tier-1"):
+        engine.prefill([list(range(100))], seq_ids=seqs)  # 200 FP8 tokens before the re-rank
+    assert engine.lengths == before
+    engine.tiered.tables.check()
+    assert engine.decode(seqs, [5]).shape == (1, engine.vocab_size)  # still usable
