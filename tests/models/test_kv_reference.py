@@ -54,7 +54,7 @@ def test_importance_and_random_choose_differently(setup):
 
 
 def test_rerank_demotes_the_least_important():
-    policy = TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8)
+    policy = TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8, score="uniform")
     c = _LayerCache(1, 1, 64, 8, policy)
     rng = np.random.default_rng(0)
     c.append(rng.standard_normal((1, 1, 64, 8)).astype(np.float32), rng.standard_normal((1, 1, 64, 8)).astype(np.float32))
@@ -80,3 +80,49 @@ def test_2bit_mode_quantizes_nearly_everything(setup):
     assert tier_fraction(dec.caches) < 0.2
     with pytest.raises(ValueError, match="unknown KV policy"):
         TierPolicy(mode="int3")
+
+
+def test_keynorm_score_keeps_the_largest_keys():
+    policy = TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8)
+    assert policy.score == "keynorm"  # the tiered default
+    c = _LayerCache(1, 1, 64, 8, policy)
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((1, 1, 64, 8)).astype(np.float32)
+    k *= rng.uniform(0.2, 3.0, (1, 1, 64, 1)).astype(np.float32)  # spread of key norms
+    c.append(k, rng.standard_normal((1, 1, 64, 8)).astype(np.float32))
+    c.mass[0, 0] = np.linalg.norm(k[0, 0], axis=-1)[::-1]  # attention mass would choose otherwise
+    c.rerank(np.ones(64), rng)
+    tier, others = c.tier[0, 0], np.arange(2, 60)
+    kept = others[tier[others] == 1]
+    norms = np.linalg.norm(k[0, 0], axis=-1)
+    assert set(kept) == set(others[np.argsort(-norms[others])[:10]])
+
+
+def test_attention_state_accumulates_per_query():
+    policy = TierPolicy("tiered", decay=0.5, score="ema")
+    c = _LayerCache(1, 1, 8, 4, policy)
+    c.len = 3
+    ps = np.zeros((1, 1, 2, 3))
+    ps[0, 0, 0] = [1.0, 0.0, 0.0]  # first query: all on token 0
+    ps[0, 0, 1] = [0.25, 0.25, 0.5]
+    c.accumulate(ps)
+    np.testing.assert_allclose(c.mass[0, 0, :3], [1.25, 0.25, 0.5])
+    np.testing.assert_allclose(c.ema[0, 0, :3], [0.5 + 0.25, 0.25, 0.5])  # the older query halved
+    np.testing.assert_allclose(c.maxp[0, 0, :3], [1.0, 0.25, 0.5])
+    np.testing.assert_allclose(c.importance(np.ones(8))[0, 0], [0.75, 0.25, 0.5])
+    steps = TierPolicy("tiered", score="steps*mass")
+    c.policy = steps
+    np.testing.assert_allclose(c.importance(np.ones(8))[0, 0], [1.25 / 3 * 1.25, 0.25 / 2 * 0.25, 0.5 * 0.5])
+    c.rerank(np.ones(8), np.random.default_rng(0))
+    assert (c.since == 0).all() and c.mass[0, 0, 0] == 1.25  # "since" restarts at a re-rank
+    with pytest.raises(ValueError, match="unknown importance score"):
+        TierPolicy(score="mass*bogus")
+
+
+def test_prefill_reads_the_cached_values(setup):
+    model, w = setup
+    full = TieredDecoder(model, TierPolicy(mode="full")).run(w, 120)
+    fp8 = TieredDecoder(model, TierPolicy(mode="fp8")).run(w, 120)
+    # the first prediction comes from the prefill: it sees FP8 K/V, so it differs from float32
+    assert not np.allclose(fp8[:, 0], full[:, 0], atol=1e-5)
+    np.testing.assert_allclose(fp8[:, 0], full[:, 0], atol=0.2)
