@@ -1,13 +1,18 @@
 """Perplexity of KV-cache policies on the reference model trained on real text (decode path).
 
-  python bench/kv_quality.py MODEL_DIR --json OUT.json [--context 1024] [--max-tokens 8192]
-        [--page-tokens 32] [--recent 32] [--sink 4] [--tier1-fraction 0.15] [--rerank-every 16] [--device cpu]
+  python bench/kv_quality.py MODEL_DIR --json OUT.json [--context 1024] [--max-tokens 32768]
+        [--page-tokens 32] [--recent 32] [--sink 4] [--tier1-fraction 0.15] [--rerank-every 16]
+        [--score keynorm] [--random-seeds 0,1,2]
 
 Each policy decodes the same held-out windows (prefill ``context - stride`` tokens, then one token a
 step) with the PyTorch tiered-KV reference decoder (``moec.models.kv_reference``): full float32,
 bf16, FP8-only, 2-bit-only, tiered by importance and tiered by random choice at the same budget.
 The JSON holds each policy's perplexity, its relative change against bf16, the measured tier-1 share
-and the bytes per element its formats cost; a markdown table is printed.
+and the bytes per element its formats cost; a markdown table is printed. ``tiered-random`` is run once
+per seed of ``--random-seeds`` (rows ``tiered-random`` for the first seed, ``tiered-random:SEED`` for
+the others); ``paired`` compares ``tiered`` and ``2bit`` with the mean over the random seeds token for
+token: the relative perplexity change and its standard error over the windows (the per-window mean
+NLL differences).
 """
 
 from __future__ import annotations
@@ -31,17 +36,23 @@ def main() -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--stride", type=int, default=None)
-    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--page-tokens", type=int, default=32)
     ap.add_argument("--recent", type=int, default=32)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--tier1-fraction", type=float, default=0.15)
     ap.add_argument("--rerank-every", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--score", default="keynorm", help="importance score of the tiered policy (TierPolicy.score)")
+    ap.add_argument("--random-seeds", default="0,1,2", help="seeds of the tiered-random policy")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated policies (bf16 is always run: the baseline)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
 
+    import torch
+
+    torch.set_num_threads(args.threads)
     from moec.models.evaluate import evaluate
     from moec.models.kv_reference import KVPolicySubject, TierPolicy
     from moec.models.train import corpus_of, load_trained
@@ -51,12 +62,18 @@ def main() -> int:
     corpus = corpus_of(meta)
     kw = dict(tier1_fraction=args.tier1_fraction, sink=args.sink, recent=args.recent,
               rerank_every=args.rerank_every, page_tokens=args.page_tokens)
+    seeds = [int(x) for x in args.random_seeds.split(",")]
     dh = model.config.dim_head
-    rows = {}
-    modes = [m for m in MODES if m in set(args.modes.split(",")) | {"bf16"}]
-    for mode in modes:
+    rows, nll = {}, {}
+    runs = []
+    for mode in [m for m in MODES if m in set(args.modes.split(",")) | {"bf16"}]:
+        if mode == "tiered-random":
+            runs += [(mode if i == 0 else f"{mode}:{s}", mode, {"seed": s}) for i, s in enumerate(seeds)]
+        else:
+            runs.append((mode, mode, {"score": args.score} if mode == "tiered" else {}))
+    for row, mode, extra in runs:
         t = time.perf_counter()
-        subject = KVPolicySubject(model, TierPolicy.named(mode, **kw), batch_size=args.batch_size)
+        subject = KVPolicySubject(model, TierPolicy.named(mode, **kw, **extra), batch_size=args.batch_size)
         report = evaluate(subject, corpus, context=args.context, stride=args.stride, max_tokens=args.max_tokens)
         share = float(np.mean(subject.tier1_share))
         if mode in ("full", "bf16"):
@@ -65,12 +82,26 @@ def main() -> int:
             nbytes = bytes_per_element(1.0, dh, args.page_tokens)["tier1"]
         else:
             nbytes = bytes_per_element(share, dh, args.page_tokens)["blend"]
-        rows[mode] = {"perplexity": report["perplexity"], "tier1_share": share, "bytes_per_element": nbytes,
-                      "top1_accuracy": report["top1_accuracy"], "seconds": round(time.perf_counter() - t, 1)}
-        print(mode, json.dumps(rows[mode]), flush=True)
+        rows[row] = {"perplexity": report["perplexity"], "tier1_share": share, "bytes_per_element": nbytes,
+                     "top1_accuracy": report["top1_accuracy"], "seconds": round(time.perf_counter() - t, 1), **extra}
+        nll[row] = subject.nll
+        print(row, json.dumps(rows[row]), flush=True)
     base = rows["bf16"]["perplexity"]
     for r in rows.values():
         r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
+    stride = args.stride or args.context // 2
+    paired = {}
+    rand = [nll[r] for r, m, _ in runs if m == "tiered-random"]
+    if rand:
+        ref = np.mean(rand, 0)
+        rp = [rows[r]["perplexity"] for r, m, _ in runs if m == "tiered-random"]
+        paired["tiered-random_seeds"] = {"seeds": seeds, "perplexity_min": min(rp), "perplexity_max": max(rp),
+                                         "perplexity_mean": float(np.mean(rp))}
+        for row in ("tiered", "2bit", "bf16"):
+            if row in nll:
+                d = (nll[row] - ref).reshape(-1, stride).mean(1)  # per window
+                paired[f"{row}_vs_random_mean"] = {"perplexity_delta": float(np.expm1(d.mean())),
+                                                   "standard_error": float(d.std(ddof=1) / np.sqrt(d.size))}
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {
         "benchmark": "kv_quality", "command": " ".join(["python"] + sys.argv), "git_commit": commit,
@@ -78,13 +109,15 @@ def main() -> int:
         "model": {"dir": str(args.model), "size": meta["size"], "config": meta["config"]},
         "data": {"corpus": corpus.id, "split": "heldout", "context": args.context, "stride": args.stride or args.context // 2,
                  "tokens_scored": report["tokens_scored"]},
-        "policy": kw, "results": rows,
+        "policy": {**kw, "score": args.score, "random_seeds": seeds}, "results": rows, "paired": paired,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2))
     print("| policy | perplexity | vs bf16 | tier-1 share | bytes/element |\n|---|---|---|---|---|")
     for mode, r in rows.items():
         print(f"| {mode} | {r['perplexity']:.4f} | {r['perplexity_delta_vs_bf16'] * 100:+.2f}% | {r['tier1_share']:.3f} | {r['bytes_per_element']:.3f} |")
+    for k, v in paired.items():
+        print(k, json.dumps(v))
     return 0
 
 
