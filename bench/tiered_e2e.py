@@ -124,7 +124,7 @@ def _tiny_check(root: Path) -> dict:
     n0, length = 300, w.shape[1]
     out = {}
     for mode in TINY_MODES:
-        want = TieredDecoder(model, TierPolicy.named(mode, page_tokens=128, **TINY_POLICY)).run(w.copy(), n0)
+        want = TieredDecoder(model, TierPolicy.named(mode, page_tokens=128, score="uniform", **TINY_POLICY)).run(w.copy(), n0)
         engine = load(root / f"tiny-{mode}", device="cuda", max_batch=4, max_total_tokens=2048)
         t = time.perf_counter()
         seqs, first = engine.prefill([list(w[0, :n0]), list(w[1, :n0])])

@@ -102,7 +102,7 @@ def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, m
     toks = np.asarray(corpus_of(meta).tokens("heldout"))
     n0, length = 300, 401
     w = np.stack([toks[1000:1000 + length], toks[5000:5000 + length]])
-    policy = TierPolicy.named(mode, page_tokens=128, sink=4, recent=32, rerank_every=8)
+    policy = TierPolicy.named(mode, page_tokens=128, sink=4, recent=32, rerank_every=8, score="uniform")
     want = TieredDecoder(model, policy).run(w.copy(), n0)
     engine = load(compiled[mode], max_batch=4, max_total_tokens=2048)
     seqs, first = engine.prefill([list(w[0, :n0]), list(w[1, :n0])])
