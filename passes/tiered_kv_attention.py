@@ -17,10 +17,12 @@ which the entries update in place (and return, so that no update is dead code). 
 
 Each recognised attention ``softmax(Q K^T * s + mask) V`` of layer l becomes:
   1. ``tiered_append``: the new K and V are quantized to FP8 into their tier-1 slots of layer l;
-  2. ``tiered_attention``: each query attends over its sequence's tier-2 pages and its visible tier-1
-     prefix ``q_t1`` (new tokens go to the end of tier 1 in order, so the prefix is the causal mask);
-  3. ``tiered_mass``: the tier-1 tokens' attention probabilities (column sums over the queries and the
-     query heads of each KV head) are added to the importance ``t1_mass``.
+  2. prefill: ``tiered_attention``: each query attends over its sequence's tier-2 pages and its
+     visible tier-1 prefix ``q_t1`` (new tokens go to the end of tier 1 in order, so the prefix is the
+     causal mask), then ``tiered_mass``: the tier-1 tokens' attention probabilities (column sums over
+     the queries and the query heads of each KV head) are added to the importance ``t1_mass``;
+     decode (one token per row, rows = tokens, ``q_t1`` = each row's tier-1 length): the split
+     decode kernel ``tiered_decode``, which does both.
 Every rotary position source becomes ``q_pos``. ``rerank`` runs ``tiered_rerank`` on every layer.
 Mode "fp8" is the same cache with a 100% tier-1 budget and no ``rerank`` (the comparison point).
 """
@@ -100,6 +102,11 @@ class _Kernels:
         self.append = bb.add_func(make_tiered_append(hkv, d, opts.t1_page, target=kind), "tiered_append")
         self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind), "tiered_attention")
         self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
+        from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_cuda
+
+        decode = make_tiered_decode_cuda(h, hkv, d, opts.t1_page, opts.t2_page) if kind == "cuda" else \
+            make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
+        self.decode = bb.add_func(decode, "tiered_decode")
         self.rerank = None
         if opts.mode == "tiered":
             self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
@@ -125,8 +132,9 @@ class _Sig:
 
 @relax.expr_functor.mutator
 class _TieredRewriter(relax.PyExprMutator):
-    def __init__(self, mod, structure: MoEStructure, kernels: _Kernels, sig: _Sig, extra_inputs) -> None:
+    def __init__(self, mod, structure: MoEStructure, kernels: _Kernels, sig: _Sig, extra_inputs, decode: bool) -> None:
         super().__init__(mod)
+        self.decode = decode
         self.s, self.k, self.sig = structure, kernels, sig
         self.extra_inputs = extra_inputs
         self.attn = {layer.attention.out: (i, layer.attention) for i, layer in enumerate(structure.layers)}
@@ -167,6 +175,34 @@ class _TieredRewriter(relax.PyExprMutator):
         n, h, d = sig.n, a.num_heads, a.head_dim
         scale = relax.prim_value(tirx.FloatImm("float32", float(a.sm_scale)))
         out0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, d]), "float32"))
+        if self.decode:
+            out = self._decode_attention(layer_id, q, out0, scale, n, h, d)
+        else:
+            out = self._prefill_attention(layer_id, q, out0, scale, n, h, d)
+        model_dtype = dtype_of(var)
+        if model_dtype != "float32":
+            out = self._emit(relax.op.astype(out, model_dtype))
+        out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
+        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+
+    def _decode_attention(self, layer_id, q, out0, scale, n, h, d):
+        """One token per row (``q_t1`` is each row's tier-1 length): ``tiered_decode``, which also
+        accumulates the importance."""
+        sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
+        ps1 = sig.pool_types["t1_k"].shape[3]
+        splits = tirx.max(1, tirx.min(8, tirx.floordiv(2048 + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
+        ws = [self._emit(relax.op.zeros(relax.ShapeExpr(shape), "float32"))
+              for shape in ([n, h, sig.m1 * ps1], [n, h, splits, d], [n, h, splits, 2])]
+        pools_read = [p[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")]
+        res = self._emit(relax.call_tir_inplace(
+            k.decode, [q] + pools_read + [c["t1_table"], c["q_t1"], c["t2_table"], c["t2_np"], out0, p["t1_mass"]] + ws +
+            [_i32(layer_id), scale],
+            inplace_indices=[15, 16], out_ty=[relax.TensorType((n, h, d), "float32"), sig.pool_types["t1_mass"]]))
+        p["t1_mass"] = self._emit(relax.TupleGetItem(res, 1))
+        return self._emit(relax.TupleGetItem(res, 0))
+
+    def _prefill_attention(self, layer_id, q, out0, scale, n, h, d):
+        sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
         stats0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, 2]), "float32"))
         pools_read = [p[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")]
         res = self._emit(relax.call_tir_inplace(
@@ -178,11 +214,7 @@ class _TieredRewriter(relax.PyExprMutator):
         p["t1_mass"] = self._emit(relax.call_tir_inplace(
             k.mass, [q, p["t1_k"], p["t1_ks"], c["t1_table"], c["q_t1"], c["q_indptr"], stats, p["t1_mass"], _i32(layer_id), scale],
             inplace_indices=[7], out_ty=sig.pool_types["t1_mass"]))
-        model_dtype = dtype_of(var)
-        if model_dtype != "float32":
-            out = self._emit(relax.op.astype(out, model_dtype))
-        out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
-        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+        return out
 
     def visit_var_binding_(self, binding) -> None:
         if not self._prologue_done:
@@ -214,7 +246,7 @@ def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, 
     fresh = {p: relax.Var(p.name, p.ty) for p in [ids] + weights}
     for old, new in fresh.items():
         extra[old] = (lambda new=new: new)
-    rewriter = _TieredRewriter(tvm.IRModule({"main": func}), structure, kernels, sig, extra)
+    rewriter = _TieredRewriter(tvm.IRModule({"main": func}), structure, kernels, sig, extra, decode=not with_logit_pos)
     body = rewriter.visit_expr(func.body)
     logit_pos = None
     new_params = [fresh[ids]]

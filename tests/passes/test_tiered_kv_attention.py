@@ -46,13 +46,14 @@ def test_ir_before_after(rewritten):
     assert _softmaxes(imported.mod["main"]) == 4  # 2 attention + 2 router softmaxes
     after, structure = out["tiered"]
     names = {gv.name_hint for gv in after.get_global_vars()}
-    assert {"prefill", "decode", "rerank", "tiered_append", "tiered_attention", "tiered_mass", "tiered_rerank"} <= names
+    assert {"prefill", "decode", "rerank", "tiered_append", "tiered_attention", "tiered_mass", "tiered_decode",
+            "tiered_rerank"} <= names
     assert "main" not in names
     layers = structure.num_layers
     for name in ("prefill", "decode"):
         f = after[name]
         assert _softmaxes(f) == 2  # only the routers' remain
-        for kernel in ("tiered_append", "tiered_attention", "tiered_mass"):
+        for kernel in ("tiered_append",) + (("tiered_attention", "tiered_mass") if name == "prefill" else ("tiered_decode",)):
             calls = _calls_to(f, kernel)
             assert len(calls) == layers, (name, kernel)
             assert sorted(int(c.args[1][-2 if kernel != "tiered_append" else -1].value) for c in calls) == list(range(layers))
@@ -136,3 +137,18 @@ def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
     assert engine.lengths == before
     engine.tiered.tables.check()
     assert engine.decode(seqs, [5]).shape == (1, engine.vocab_size)  # still usable
+
+
+def test_cuda_pipeline_builds(zoo):
+    """The whole model through the "moec" pipeline for CUDA: every tiered kernel is in the device code."""
+    from moec.compiler.build import _cuda_modules
+    from moec.compiler.targets import make_target
+    from moec.passes.pipeline import moec_pipeline
+
+    imported = import_model(zoo.source("tiny", "pt2"))
+    target = make_target("cuda", "sm_90")
+    pipeline, _ = moec_pipeline(imported.num_inputs, target, "tiny", tiered=TieredOptions(t2_page=128))
+    ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipeline)
+    src = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
+    for kernel in ("tiered_append", "tiered_attention", "tiered_mass", "tiered_decode", "tiered_rerank"):
+        assert kernel in src, kernel
