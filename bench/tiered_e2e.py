@@ -79,18 +79,22 @@ def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> N
         opts = TieredOptions(**over) if kv in ("fp8", "tiered") else None
         moec.compile(rounded, out / f"small-{name}", target="cuda", arch="sm_90", progress=True, kv_cache=kv, tiered_options=opts)
     rounded.unlink()
-    # one float16 copy of the (identical) weights, in chunks; the artifacts keep their manifests only
-    from safetensors.numpy import load_file, save_file
-
-    weights = load_file(str(out / "small-bf16" / "weights.safetensors"))
-    blob = out / "small-weights.f16.safetensors"
-    save_file({k: v.astype(np.float16) for k, v in weights.items()}, str(blob))
-    data = blob.read_bytes()
-    blob.unlink()
-    for i in range(0, len(data), CHUNK):
-        part = out.parent / f"{out.name}-w{i // CHUNK}"
-        part.mkdir(exist_ok=True)
-        (part / "part").write_bytes(data[i:i + CHUNK])
+    # one float16 copy of the (identical) weights, in chunks: the safetensors header, then each tensor's
+    # values as float16 in file order (exact: they are float16 values), rebuilt byte for byte there
+    raw = (out / "small-bf16" / "weights.safetensors").read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+    (out / "small-weights.header").write_bytes(raw[:8 + hlen])
+    blob = bytearray()
+    for name, meta in sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
+        if meta["dtype"] != "F32":
+            raise SystemExit(f"{name}: expected float32 weights, got {meta['dtype']}")
+        a, b = meta["data_offsets"]
+        x = np.frombuffer(raw, np.float32, (b - a) // 4, 8 + hlen + a)
+        if not np.array_equal(x.astype(np.float16).astype(np.float32), x):
+            raise SystemExit(f"{name}: not float16 values")
+        blob += x.astype(np.float16).tobytes()
+    data = bytes(blob)
     for name in SMALL_MODES:
         (out / f"small-{name}" / "weights.safetensors").unlink()
     if corpus is not None:
@@ -99,19 +103,21 @@ def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> N
 
 
 def _restore_weights(root: Path, parts: Path) -> None:
-    from safetensors.numpy import load_file, save_file
-
-    blob = Path("/tmp/small-weights.f16.safetensors")
-    blob.write_bytes(b"".join(p.read_bytes() for p in sorted(parts.glob("part*"), key=lambda p: int(p.name[4:] or 0))))
-    w = {k: v.astype(np.float32) for k, v in load_file(str(blob)).items()}
-    first = None
+    head = (root / "small-weights.header").read_bytes()
+    header = json.loads(head[8:])
+    blob = b"".join(p.read_bytes() for p in sorted(parts.glob("part*"), key=lambda p: int(p.name[4:] or 0)))
+    half = np.frombuffer(blob, np.float16)
+    # the float16 stream holds the tensors back to back in file order: walk it alongside the offsets
+    out = bytearray(head)
+    pos = 0
+    for _, meta in sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
+        a, b = meta["data_offsets"]
+        out += b"\0" * (len(head) + a - len(out))
+        n = (b - a) // 4
+        out += half[pos:pos + n].astype(np.float32).tobytes()
+        pos += n
     for name in SMALL_MODES:
-        dst = root / f"small-{name}" / "weights.safetensors"
-        if first is None:
-            save_file(w, str(dst))
-            first = dst
-        else:
-            shutil.copy(first, dst)
+        (root / f"small-{name}" / "weights.safetensors").write_bytes(bytes(out))
 
 
 def _tiny_check(root: Path) -> dict:
