@@ -87,9 +87,10 @@ def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> N
     (out / "small-weights.header").write_bytes(raw[:8 + hlen])
     blob = bytearray()
     for name, meta in sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
-        if meta["dtype"] != "F32":
-            raise SystemExit(f"{name}: expected float32 weights, got {meta['dtype']}")
         a, b = meta["data_offsets"]
+        if meta["dtype"] != "F32":  # integer constants travel as they are
+            blob += raw[8 + hlen + a:8 + hlen + b]
+            continue
         x = np.frombuffer(raw, np.float32, (b - a) // 4, 8 + hlen + a)
         if not np.array_equal(x.astype(np.float16).astype(np.float32), x):
             raise SystemExit(f"{name}: not float16 values")
@@ -106,16 +107,19 @@ def _restore_weights(root: Path, parts: Path) -> None:
     head = (root / "small-weights.header").read_bytes()
     header = json.loads(head[8:])
     blob = b"".join(p.read_bytes() for p in sorted(parts.glob("part*"), key=lambda p: int(p.name[4:] or 0)))
-    half = np.frombuffer(blob, np.float16)
-    # the float16 stream holds the tensors back to back in file order: walk it alongside the offsets
+    # the stream holds the tensors back to back in file order (float32 ones as float16): walk it
     out = bytearray(head)
     pos = 0
     for _, meta in sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
         a, b = meta["data_offsets"]
         out += b"\0" * (len(head) + a - len(out))
+        if meta["dtype"] != "F32":
+            out += blob[pos:pos + b - a]
+            pos += b - a
+            continue
         n = (b - a) // 4
-        out += half[pos:pos + n].astype(np.float32).tobytes()
-        pos += n
+        out += np.frombuffer(blob, np.float16, n, pos).astype(np.float32).tobytes()
+        pos += 2 * n
     for name in SMALL_MODES:
         (root / f"small-{name}" / "weights.safetensors").write_bytes(bytes(out))
 
