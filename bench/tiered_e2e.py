@@ -96,6 +96,10 @@ def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> N
             raise SystemExit(f"{name}: not float16 values")
         blob += x.astype(np.float16).tobytes()
     data = bytes(blob)
+    for i in range(0, len(data), CHUNK):
+        part = out.parent / f"{out.name}-w{i // CHUNK}"
+        part.mkdir(exist_ok=True)
+        (part / "part").write_bytes(data[i:i + CHUNK])
     for name in SMALL_MODES:
         (out / f"small-{name}" / "weights.safetensors").unlink()
     if corpus is not None:
