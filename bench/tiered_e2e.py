@@ -12,7 +12,8 @@ policy, same formats) on the same tokens.
 Part 2 (quality at 4096): the small reference model (BPE, trained on the GPU; its weights rounded to
 float16 values so that they travel in half the bytes, the same weights for every row) compiled with
 each cache: paged bf16, fp8, 2-bit (tiered with no FP8 budget, sink or window), tiered by importance
-and tiered by random choice at the same budget. Each decodes the same held-out windows (prefill
+(attention mass over the uniform share, or the cached key's norm) and tiered by random choice at the
+same budget. Each decodes the same held-out windows (prefill
 ``context - stride`` tokens, then ``stride`` teacher-forced decode steps) through the runtime engine;
 the JSON holds each cache's perplexity and its change against bf16.
 """
@@ -37,7 +38,8 @@ SMALL_MODES = {
     "bf16": ("bf16", {}),
     "fp8": ("fp8", {}),
     "2bit": ("tiered", dict(tier1_fraction=0.0, sink=0, recent=0)),
-    "tiered": ("tiered", {}),
+    "tiered-mass": ("tiered", dict(importance="mass")),
+    "tiered-keynorm": ("tiered", dict(importance="keynorm")),
     "tiered-random": ("tiered", dict(importance="random")),
 }
 CHUNK = 48 << 20

@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recent", type=int, default=64, help="newest tokens always kept in FP8")
     g.add_argument("--t1-page", type=int, default=16, help="tokens per FP8 page")
     g.add_argument("--t2-page", type=int, default=128, help="tokens per 2-bit page (a multiple of the head dimension)")
-    g.add_argument("--importance", choices=["mass", "random"], default="mass",
-                   help="re-rank score: attention mass over the uniform share, or random (a baseline for comparison)")
+    g.add_argument("--importance", choices=["mass", "keynorm", "random"], default="mass",
+                   help="re-rank score: attention mass over the uniform share, the cached key's norm, or random "
+                        "(a baseline for comparison)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")

@@ -55,15 +55,15 @@ class TieredOptions:
     recent: int = 64
     tier1_fraction: float = 0.15
     rerank_every: int = 16
-    importance: str = "mass"  # "mass": attention received over the uniform share; "random": the baseline
+    importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fp8"):
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
-        if self.importance not in ("mass", "random"):
-            raise MoecError(f"unknown importance {self.importance!r}: expected 'mass' or 'random'")
+        if self.importance not in ("mass", "keynorm", "random"):
+            raise MoecError(f"unknown importance {self.importance!r}: expected mass, keynorm or random")
         if self.rerank_every < 1 or self.t1_page < 1 or self.t2_page < 1 or self.sink < 0 or self.recent < 0:
             raise MoecError("tiered KV cache: pages and re-rank interval must be positive, sink and recent window >= 0")
 

@@ -106,7 +106,7 @@ def expected_mass(mass0: np.ndarray, qv: np.ndarray, deq, slots_all, scale: floa
 
 
 def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.ndarray, new_t2: np.ndarray,
-                     sink: int, recent: int) -> dict:
+                     sink: int, recent: int, importance: str = "mass") -> dict:
     """What ``tiered_rerank`` does, in NumPy (float32 scores, slot-order ties): returns new pools."""
     from .tiered_rerank import harmonic_np
 
@@ -123,6 +123,9 @@ def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.n
             mass = np.array([pools["t1_mass"][pg, h, sl] for pg, sl in loc], np.float32)
             uniform = harmonic_np(np.float32(length[b])) - harmonic_np(pos + 1) + (np.float32(1) / (pos + 1)).astype(np.float32)
             score = mass / np.maximum(uniform, np.float32(1e-12))
+            if importance == "keynorm":
+                score = np.array([(q.fp8_dequantize(pools["t1_k"][pg, h, sl], pools["t1_ks"][pg, h, sl]) ** 2).sum()
+                                  for pg, sl in loc], np.float32)
             score[(pos < sink) | (pos >= length[b] - recent)] = np.float32(3.0e38)
             order = np.lexsort((np.arange(n1), score))  # by score, then slot
             dem = np.sort(order[:nd])

@@ -57,6 +57,9 @@ def _nf2_code(z):
     return T.Cast("uint32", T.if_then_else(z < T.float32(t0), 0, T.if_then_else(z < T.float32(t1), 1, T.if_then_else(z < T.float32(t2), 2, 3))))
 
 
+IMPORTANCE = ("mass", "keynorm", "random")
+
+
 def _hash_score(p, layer, h):
     """A pseudo-random score in [0, 1) from (position, layer, head): the "random" importance baseline."""
     x = T.Cast("uint32", p) * T.uint32(2654435761) + T.Cast("uint32", layer) * T.uint32(40503) + T.Cast("uint32", h) * T.uint32(9973)
@@ -69,12 +72,14 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                        recent: int = 64, target: str = "llvm", importance: str = "mass"):
     """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
 
-    ``importance`` "mass" is the score above; "random" replaces it by a hash of (position, layer,
-    head), the same-budget random-choice baseline the quality table compares against.
+    ``importance`` "mass" is the score above; "keynorm" is the squared L2 norm of the token's key as
+    cached (FP8 code times scale): large keys dominate the logits of every query, and their 2-bit
+    error with them; "random" is a hash of (position, layer, head), the same-budget random-choice
+    baseline the quality table compares against.
     """
-    if importance not in ("mass", "random"):
-        raise ValueError(f"unknown importance {importance!r}: expected 'mass' or 'random'")
-    rand = importance == "random"
+    if importance not in IMPORTANCE:
+        raise ValueError(f"unknown importance {importance!r}: expected one of {', '.join(IMPORTANCE)}")
+    rand, keynorm = importance == "random", importance == "keynorm"
     HKV, D, PS1, PS2, D4 = num_kv_heads, head_dim, t1_page, t2_page, head_dim // 4
     NT = D
     gpu = target == "cuda"
@@ -134,9 +139,16 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             if i < n1:
                                 pg: T.let[T.int32] = t1_table[b, i // PS1]
                                 p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
+                                if keynorm:
+                                    acc[0] = T.float32(0)
+                                    for d in T.serial(D):
+                                        acc[1] = _fp8_to_f32(t1_k[layer, pg, h, i % PS1, d])
+                                        acc[0] += acc[1] * acc[1]
                                 score[b, h, i] = T.if_then_else(
                                     (p < sink) | (p >= length[b] - recent), T.float32(INF),
                                     _hash_score(p, layer, h) if rand else
+                                    acc[0] * T.Cast("float32", t1_ks[layer, pg, h, i % PS1]) * T.Cast(
+                                        "float32", t1_ks[layer, pg, h, i % PS1]) if keynorm else
                                     t1_mass[layer, pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
                                                                     T.float32(1.0) / T.Cast("float32", p + 1), T.float32(1e-12)))
                     if gpu:

@@ -86,13 +86,15 @@ def compiled(trained_tiny, tmp_path_factory):
     import moec
 
     root = tmp_path_factory.mktemp("tiered")
-    opts = TieredOptions(sink=4, recent=32, rerank_every=8)
-    return {mode: moec.compile(trained_tiny / "model.onnx", root / mode, kv_cache=mode, tiered_options=opts)
-            for mode in ("fp8", "tiered")}
+    out = {}
+    for name, mode, importance in (("fp8", "fp8", "mass"), ("tiered", "tiered", "mass"), ("tiered-keynorm", "tiered", "keynorm")):
+        opts = TieredOptions(sink=4, recent=32, rerank_every=8, importance=importance)
+        out[name] = moec.compile(trained_tiny / "model.onnx", root / name, kv_cache=mode, tiered_options=opts)
+    return out
 
 
-@pytest.mark.parametrize("mode", ["fp8", "tiered"])
-def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, mode):
+@pytest.mark.parametrize("name", ["fp8", "tiered", "tiered-keynorm"])
+def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, name):
     """Prefill 300 tokens then 100 teacher-forced decode steps with re-ranks, two sequences: the compiled
     model holds the same tiers, formats and importance as ``moec.models.kv_reference``."""
     from moec.models.kv_reference import TieredDecoder, TierPolicy
@@ -103,9 +105,11 @@ def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, m
     toks = np.asarray(corpus_of(meta).tokens("heldout"))
     n0, length = 300, 401
     w = np.stack([toks[1000:1000 + length], toks[5000:5000 + length]])
-    policy = TierPolicy.named(mode, page_tokens=128, sink=4, recent=32, rerank_every=8, score="uniform")
+    mode = name.split("-")[0]
+    score = "keynorm" if name.endswith("keynorm") else "uniform"  # the compiled "mass" is the reference's "uniform"
+    policy = TierPolicy.named(mode, page_tokens=128, sink=4, recent=32, rerank_every=8, score=score)
     want = TieredDecoder(model, policy).run(w.copy(), n0)
-    engine = load(compiled[mode], max_batch=4, max_total_tokens=2048)
+    engine = load(compiled[name], max_batch=4, max_total_tokens=2048)
     seqs, first = engine.prefill([list(w[0, :n0]), list(w[1, :n0])])
     got = [first] + [engine.decode(seqs, list(w[:, i])) for i in range(n0, length - 1)]
     got = np.stack(got, 1)

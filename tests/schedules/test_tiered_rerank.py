@@ -33,9 +33,10 @@ def _case(seed):
     return pools, tables, length, demote, new_t2
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    return tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT)}), target="llvm")
+@pytest.fixture(scope="module", params=["mass", "keynorm"])
+def kernel(request):
+    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=request.param)
+    return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param
 
 
 ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")
@@ -44,7 +45,8 @@ ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rerank_matches_reference(kernel, seed):
     pools, tables, length, demote, new_t2 = _case(seed)
-    want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT)
+    kernel, importance = kernel
+    want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance)
     dev = tvm.cpu()
     m1 = tables["t1_table"].shape[1]
     host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
