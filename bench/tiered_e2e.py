@@ -169,8 +169,8 @@ def run(root: Path, parts: Path | None, json_out: Path, commit: str, context: in
             subject = ArtifactSubject(root / f"small-{name}", device="cuda", mode="decode", batch_size=16)
             t = time.perf_counter()
             rep = evaluate(subject, corpus, "heldout", context=context, stride=stride, max_tokens=max_tokens)
-            rows[name] = {"perplexity": rep["subject"]["perplexity"], "seconds": round(time.perf_counter() - t, 1),
-                          "tier1_share": getattr(subject, "tier1_share", None)}
+            rows[name] = {"perplexity": rep["perplexity"], "seconds": round(time.perf_counter() - t, 1),
+                          "tier1_share": float(np.mean(subject.tier1_share)) if subject.tier1_share else None}
             print(f"[bench] small {name}: {rows[name]}", flush=True)
         base = rows["bf16"]["perplexity"]
         for r in rows.values():

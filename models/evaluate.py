@@ -139,6 +139,7 @@ class ArtifactSubject:
         self.path, self.device, self.mode = Path(path), device, mode
         self.batch_size, self.prefill_chunk = batch_size, prefill_chunk
         self.name = f"artifact:{self.path.name}"
+        self.tier1_share: list[float] = []  # tiered caches: FP8 share of each batch's tokens at its end
 
     def score(self, tokens: np.ndarray, starts: list[int], context: int, stride: int) -> Scores:
         from ..runtime.engine import load
@@ -161,6 +162,10 @@ class ArtifactSubject:
                 for j in range(context - stride, context - 1):
                     steps.append(engine.decode(seqs, w[:, j]))
                 logits = np.stack(steps, axis=1)  # B, stride, V
+            if engine.tiered is not None:  # share of (layer, head, token) entries in FP8 at the end
+                st = engine.tiered
+                seqs_pages = [st.tables.seqs[st.slot[s]] for s in seqs]
+                self.tier1_share.append(sum(q.t1_len for q in seqs_pages) / max(1, sum(q.length for q in seqs_pages)))
             for s in seqs:
                 engine.release(s)
             a, b = _nll_and_argmax(logits, w[:, context - stride:])
