@@ -156,3 +156,30 @@ def test_cuda_pipeline_builds(zoo):
     src = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
     for kernel in ("tiered_append", "tiered_attention", "tiered_mass", "tiered_decode", "tiered_rerank"):
         assert kernel in src, kernel
+
+
+@pytest.mark.parametrize("name", ["hf-olmoe", "hf-mixtral", "hf-qwen2_moe"])
+def test_hf_exports_compile_with_the_tiered_cache(zoo, tmp_path, name):
+    """Other families' ONNX exports: fp8 and tiered artifacts decode, close to torch (FP8 / 2-bit error only)."""
+    import torch
+
+    import moec
+    from moec.runtime.engine import load
+
+    model, vocab = zoo.model(name)
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, vocab, 150)]
+    ids = prompt + [int(t) for t in rng.integers(0, vocab, 20)]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0].numpy()
+    spread = want.std()
+    for mode in ("fp8", "tiered"):
+        opts = TieredOptions(t2_page=64, sink=2, recent=16, rerank_every=4)
+        art = moec.compile(zoo.source(name, "onnx"), tmp_path / mode, kv_cache=mode, tiered_options=opts)
+        engine = load(art, max_batch=2, max_total_tokens=512)
+        seqs, first = engine.prefill([prompt])
+        got = [first[0]] + [engine.decode(seqs, [ids[i]])[0] for i in range(len(prompt), len(ids) - 1)]
+        err = np.abs(np.stack(got) - want[len(prompt) - 1:len(ids) - 1]).max() / spread
+        assert err < (0.1 if mode == "fp8" else 0.5), (mode, err)
+        if mode == "tiered":
+            assert engine.tiered.reranks >= 1 and engine.tiered.tables.seqs[engine.tiered.slot[seqs[0]]].t2_pages
