@@ -56,12 +56,15 @@ class TieredOptions:
     tier1_fraction: float = 0.15
     rerank_every: int = 16
     importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
+    decode_kernel: str = "split"  # "split": tiered_decode (flash-decoding splits); "ragged": the prefill kernels
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fp8"):
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
+        if self.decode_kernel not in ("split", "ragged"):
+            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split or ragged")
         if self.importance not in ("mass", "keynorm", "random"):
             raise MoecError(f"unknown importance {self.importance!r}: expected mass, keynorm or random")
         if self.rerank_every < 1 or self.t1_page < 1 or self.t2_page < 1 or self.sink < 0 or self.recent < 0:
@@ -106,7 +109,9 @@ class _Kernels:
 
         decode = make_tiered_decode_cuda(h, hkv, d, opts.t1_page, opts.t2_page) if kind == "cuda" else \
             make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
-        self.decode = bb.add_func(decode, "tiered_decode")
+        self.split_decode = opts.decode_kernel == "split"
+        if self.split_decode:
+            self.decode = bb.add_func(decode, "tiered_decode")
         self.rerank = None
         if opts.mode == "tiered":
             self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
@@ -135,6 +140,7 @@ class _TieredRewriter(relax.PyExprMutator):
     def __init__(self, mod, structure: MoEStructure, kernels: _Kernels, sig: _Sig, extra_inputs, decode: bool) -> None:
         super().__init__(mod)
         self.decode = decode
+        self.split_decode = kernels.split_decode
         self.s, self.k, self.sig = structure, kernels, sig
         self.extra_inputs = extra_inputs
         self.attn = {layer.attention.out: (i, layer.attention) for i, layer in enumerate(structure.layers)}
@@ -175,7 +181,7 @@ class _TieredRewriter(relax.PyExprMutator):
         n, h, d = sig.n, a.num_heads, a.head_dim
         scale = relax.prim_value(tirx.FloatImm("float32", float(a.sm_scale)))
         out0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, d]), "float32"))
-        if self.decode:
+        if self.decode and self.split_decode:
             out = self._decode_attention(layer_id, q, out0, scale, n, h, d)
         else:
             out = self._prefill_attention(layer_id, q, out0, scale, n, h, d)

@@ -87,13 +87,15 @@ def compiled(trained_tiny, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiered")
     out = {}
-    for name, mode, importance in (("fp8", "fp8", "mass"), ("tiered", "tiered", "mass"), ("tiered-keynorm", "tiered", "keynorm")):
-        opts = TieredOptions(sink=4, recent=32, rerank_every=8, importance=importance)
+    for name, mode, importance, kernel in (("fp8", "fp8", "mass", "split"), ("tiered", "tiered", "mass", "split"),
+                                           ("tiered-keynorm", "tiered", "keynorm", "split"),
+                                           ("tiered-ragged", "tiered", "mass", "ragged")):
+        opts = TieredOptions(sink=4, recent=32, rerank_every=8, importance=importance, decode_kernel=kernel)
         out[name] = moec.compile(trained_tiny / "model.onnx", root / name, kv_cache=mode, tiered_options=opts)
     return out
 
 
-@pytest.mark.parametrize("name", ["fp8", "tiered", "tiered-keynorm"])
+@pytest.mark.parametrize("name", ["fp8", "tiered", "tiered-keynorm", "tiered-ragged"])
 def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, name):
     """Prefill 300 tokens then 100 teacher-forced decode steps with re-ranks, two sequences: the compiled
     model holds the same tiers, formats and importance as ``moec.models.kv_reference``."""
