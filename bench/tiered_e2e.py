@@ -187,13 +187,19 @@ def run(root: Path, parts: Path | None, json_out: Path, commit: str, context: in
             art = root / (f"small-{name}" if split_ok or name == "bf16" else f"small-{name}-ragged")
             subject = ArtifactSubject(art, device="cuda", mode="decode", batch_size=16)
             t = time.perf_counter()
-            rep = evaluate(subject, corpus, "heldout", context=context, stride=stride, max_tokens=max_tokens)
-            rows[name] = {"perplexity": rep["perplexity"], "seconds": round(time.perf_counter() - t, 1),
+            try:
+                rep = evaluate(subject, corpus, "heldout", context=context, stride=stride, max_tokens=max_tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other rows still run
+                rows[name] = {"error": repr(exc)[:2000]}
+                print(f"[bench] small {name}: {rows[name]}", flush=True)
+                continue
+            rows[name] = {"perplexity": rep["perplexity"], "artifact": art.name, "seconds": round(time.perf_counter() - t, 1),
                           "tier1_share": float(np.mean(subject.tier1_share)) if subject.tier1_share else None}
             print(f"[bench] small {name}: {rows[name]}", flush=True)
-        base = rows["bf16"]["perplexity"]
+        base = rows["bf16"].get("perplexity")
         for r in rows.values():
-            r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
+            if base and "perplexity" in r:
+                r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
         result["quality"] = {"model": "small reference (BPE 4096), weights rounded to float16 values", "context": context,
                              "stride": stride, "tokens_scored": max_tokens, "rows": rows}
     json_out.parent.mkdir(parents=True, exist_ok=True)
