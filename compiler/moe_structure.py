@@ -12,7 +12,6 @@ followed by top-k over its scores.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from tvm import relax
@@ -306,7 +305,6 @@ class _Analyzer:
         return True  # keys reach the matmul transposed ([.., Dh, S]); handled by _key_tensor
 
     def _key_tensor(self, kb, head_dim, seq, sm):
-        g = self.g
         best = None
         for var, scale in self.walk_scaled(kb):
             shp = shape_of(var)

@@ -257,7 +257,6 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     if KSTEP < 1 or PS1 % KSTEP or PS2 % (TPS * KSTEP):
         raise ValueError(f"CUDA tiered decode: pages ({PS1}, {PS2}) do not fit tiles of {TPS} x {KSTEP} tokens")
     TILE = TPS * KSTEP
-    W1 = D // 4  # uint32 words of a tier-1 row
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     NEG = -1e30
