@@ -65,6 +65,8 @@ def compile(  # noqa: A001 - the public name users call
     kv_cache_dtype: str | None = None,
     kv_cache: str = "paged",
     tiered_options=None,
+    cascade_groups: int | None = None,
+    cascade_keep: int | None = None,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -87,6 +89,13 @@ def compile(  # noqa: A001 - the public name users call
         cache with every token in FP8 (no re-rank).
     tiered_options : moec.passes.tiered_kv_attention.TieredOptions, optional
         Pages, sink, recent window, tier-1 fraction and re-rank interval of the tiered cache.
+    cascade_groups : int, optional
+        Cascade gating (``moec.passes.cascade_gating``): split each MoE layer's experts into this many
+        equal groups (data-free grouping of the router rows), route each token to its best groups with a
+        coarse router, then score only those groups' experts. Off when not given.
+    cascade_keep : int, optional
+        Groups kept per token, 1..cascade_groups (default: half of them, at least 1); equal to
+        ``cascade_groups`` it reproduces the original routing.
 
     Returns
     -------
@@ -102,6 +111,10 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"bad KV cache dtype {kv_cache_dtype!r}: expected float32, float16 or bfloat16")
     if kv_cache not in ("paged", "bf16", "fp8", "tiered"):
         raise MoecError(f"unknown KV cache {kv_cache!r}: expected paged, bf16, fp8 or tiered")
+    if cascade_groups is None and cascade_keep is not None:
+        raise MoecError("cascade keep needs cascade groups (--cascade-groups G)")
+    if cascade_groups is not None and cascade_keep is None and isinstance(cascade_groups, int):
+        cascade_keep = max(1, cascade_groups // 2)
     tiered = None
     if kv_cache == "bf16":
         kv_cache_dtype = "bfloat16"
@@ -124,7 +137,15 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.tiered_kv_attention import check_supported
 
         check_supported(structure, tiered)
-    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered)
+    cascade = None
+    if cascade_groups is not None:
+        from ..passes.cascade_gating import CascadeGating, check_cascade
+
+        check_cascade(structure, cascade_groups, cascade_keep, imported.source_name)
+        cascade = CascadeGating(imported.num_inputs, cascade_groups, cascade_keep, source=imported.source_name,
+                                weights=dict(zip(imported.weight_names(), imported.weights)))
+    pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
+                                     cascade)
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -135,7 +156,8 @@ def compile(  # noqa: A001 - the public name users call
         if isinstance(cause, MoecError):
             raise cause from None
         raise
-    structure = insert.structure
+    # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
+    structure = insert.structure if cascade is None else cascade.structure
     _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
     weight_names = imported.weight_names()
     attn = structure.layers[0].attention
@@ -157,11 +179,13 @@ def compile(  # noqa: A001 - the public name users call
                 "dtype": structure.dtype, "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else kv_cache,
             },
             "structure": structure.to_dict(),
-            "passes": ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention", "LegalizeOps", "FuseOps",
-                       "FuseTIR", "schedules.rules"],
+            "passes": ["CascadeGating"] * (cascade is not None)
+            + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention", "LegalizeOps", "FuseOps",
+               "FuseTIR", "schedules.rules"],
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
                         "tiered": tiered.to_dict() if tiered is not None else None,
+                        "cascade": cascade.manifest() if cascade is not None else None,
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "entry_functions": _entry_doc(tiered),
             "cuda_kernels": cuda_kernels,

@@ -33,7 +33,8 @@ def cmd_compile(args) -> int:
         tiered = TieredOptions(mode=args.kv_cache, t1_page=args.t1_page, t2_page=args.t2_page, sink=args.sink, recent=args.recent,
                                tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance)
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
-                 kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered)
+                 kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
+                 cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep)
     return 0
 
 
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--importance", choices=["mass", "keynorm", "random"], default="mass",
                    help="re-rank score: attention mass over the uniform share, the cached key's norm, or random "
                         "(a baseline for comparison)")
+    g = p.add_argument_group("cascade gating (off unless --cascade-groups is given)")
+    g.add_argument("--cascade-groups", type=int, default=None, metavar="G",
+                   help="split each MoE layer's experts into G equal groups (data-free: balanced clustering of the "
+                        "router rows); a coarse router picks each token's best groups and only their experts are "
+                        "scored. G must divide the expert count")
+    g.add_argument("--cascade-keep", type=int, default=None, metavar="g",
+                   help="groups kept per token, 1..G (default G/2); g = G reproduces the original routing")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")

@@ -14,6 +14,7 @@ import tvm
 from tvm import relax
 
 from ..schedules.rules import schedule_pass
+from .cascade_gating import CascadeGating
 from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_power import SimplifyPower
@@ -32,11 +33,12 @@ def _dump(directory: Path | None, name: str):
 
 
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
-                  kv_dtype: str | None = None, tiered: TieredOptions | None = None):
+                  kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
-    cache of ``kv_dtype`` elements (``InsertPagedKVAttention``).
+    cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
+    configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
     """
     dump = Path(debug_dump) if debug_dump else None
     if tiered is not None:
@@ -46,7 +48,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
         entries = ["prefill", "decode", "create_kv_cache"]
     passes = [
-        # Phase 1. Decode-ready entry points (attention -> paged KV cache).
+        # Phase 1. Decode-ready entry points (attention -> paged KV cache); optional cascade routers first.
+        *([cascade] if cascade is not None else []),
         insert,
         SimplifyPower(),
         relax.transform.DeadCodeElimination(entries),
