@@ -254,3 +254,13 @@ def test_cli_help_documents_cascade():
     res = subprocess.run([sys.executable, "-m", "moec.compiler.cli", "compile", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and "--cascade-groups" in res.stdout and "--cascade-keep" in res.stdout
+
+
+def test_compile_with_tiered_cache(zoo, tmp_path):
+    out = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "art", target="llvm", kv_cache="tiered", cascade_groups=G,
+                       cascade_keep=2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["passes"][:2] == ["CascadeGating", "InsertTieredKVAttention"]
+    assert manifest["options"]["cascade"]["keep"] == 2 and manifest["options"]["kv_cache"] == "tiered"
+    generated = moec.load(out).generate([[5, 6, 7, 8], [1, 2]], 3)
+    assert [len(g) for g in generated] == [3, 3]
