@@ -192,10 +192,14 @@ def emit_cascade(bb: relax.BlockBuilder, x: relax.Expr, rows: relax.Expr, spec: 
     g = spec.keep
     c = g * n
     emit = bb.emit
-    cr = relax.const(np.ascontiguousarray(spec.coarse.astype(dtype)), dtype)  # G, D
+    def const(arr):  # float32 constants cast in Relax (numpy has no bfloat16); FoldConstant folds the cast
+        c = relax.const(np.ascontiguousarray(arr, dtype=np.float32), "float32")
+        return c if dtype == "float32" else emit(relax.op.astype(c, dtype))
+
+    cr = const(spec.coarse)  # G, D
     coarse = emit(relax.op.matmul(x, emit(relax.op.permute_dims(cr, [1, 0])), out_dtype=dtype))  # T, G
     if np.any(spec.bias):
-        coarse = emit(relax.op.add(coarse, relax.const(spec.bias.astype(dtype), dtype)))  # T, G
+        coarse = emit(relax.op.add(coarse, const(spec.bias)))  # T, G
     need_dropped = score == "softmax" and g < big_g
     ranked = emit(relax.op.topk(coarse, k=big_g if need_dropped else g, axis=-1, ret_type="both", largest=True, dtype="int64"))
     chosen = emit(relax.TupleGetItem(ranked, 1))  # T, g (or G, best first)
