@@ -281,7 +281,7 @@ class _Analyzer:
                         continue
                     seen.add(u)
                     if g.op(u) == "relax.matmul" and g.call(u).args[0] in seen | {v}:
-                        out = out or u
+                        out = u if out is None else out
                     nxt.append(u)
             frontier = nxt
             if out is not None:
