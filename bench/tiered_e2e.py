@@ -111,7 +111,7 @@ def prepare(out: Path, tiny: Path, small: Path | None, corpus: Path | None) -> N
         if (d / "weights.safetensors").exists():
             (d / "weights.safetensors").unlink()
     if corpus is not None:
-        shutil.copytree(corpus, out / "corpus", ignore=shutil.ignore_patterns("train.bin"), dirs_exist_ok=True)
+        shutil.copytree(corpus, out / "corpus", dirs_exist_ok=True)  # load_corpus checks every file
     print(f"[bench] prepared {out}; weight chunks: {sorted(p.name for p in out.parent.glob(out.name + '-w*'))}")
 
 
