@@ -32,7 +32,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ..compiler.errors import MoecError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 POOLS = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass",
