@@ -20,6 +20,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
+from ..compiler.errors import MoecError
 from ..compiler.graph import dtype_of, shape_of
 from ..compiler.moe_structure import MoEStructure, analyze
 
@@ -27,21 +28,23 @@ ATTN_FUNC = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 POS_FUNC = "vm.builtin.attention_kv_cache_get_query_positions"
 
 
-@relax.expr_functor.mutator
-class _PagedKVAttentionRewriter(relax.PyExprMutator):
-    def __init__(self, mod, structure: MoEStructure, cache: relax.Var, n_tokens, extra_inputs, kv_dtype: str | None = None) -> None:
-        super().__init__(mod)
-        self.kv_dtype = kv_dtype
+class EntryRewriter:
+    """What the KV-cache passes share when they rewrite ``main`` into an entry function (a mixin of a
+    ``relax.PyExprMutator``): extra inputs replaced on the first binding, Q/K/V in ragged [N, H, Dh]
+    form, and dispatch of each recognised attention and position source to ``_attention`` and
+    ``_positions``, which the cache's rewriter provides (its ``visit_var_binding_`` calls
+    ``_entry_binding``; the mutator base must come first for ``relax.expr_functor.mutator``)."""
+
+    def _init_entry(self, structure: MoEStructure, n_tokens, extra_inputs) -> None:
         self.s = structure
-        self.cache = cache
         self.n = n_tokens
         self.extra_inputs = extra_inputs  # original non-token inputs -> replacement builder
         self.attn = {layer.attention.out: (i, layer.attention) for i, layer in enumerate(structure.layers)}
         self.pos = set(structure.position_sources)
         self._prologue_done = False
 
-    def _emit(self, expr, name: str = ""):
-        return self.builder_.emit(expr, name) if name else self.builder_.emit(expr)
+    def _emit(self, expr):
+        return self.builder_.emit(expr)
 
     def _prologue(self) -> None:
         for var, make in self.extra_inputs.items():
@@ -49,48 +52,69 @@ class _PagedKVAttentionRewriter(relax.PyExprMutator):
             self.set_var_remap(var, value if isinstance(value, relax.Var) else self._emit(value))
         self._prologue_done = True
 
-    def _heads(self, var, layout: str, heads: int, head_dim: int):
-        x = self.get_var_remap(var.vid) if False else self.visit_expr(var)
+    def _heads(self, var, layout: str, heads: int, head_dim: int, dtype: str | None = None):
+        x = self.visit_expr(var)
         if layout == "bhsd":
             x = self._emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
-        return self._emit(relax.op.reshape(x, [self.n, heads, head_dim]))  # N, H, Dh
+        x = self._emit(relax.op.reshape(x, [self.n, heads, head_dim]))  # N, H, Dh
+        if dtype is not None and dtype_of(x) != dtype:
+            x = self._emit(relax.op.astype(x, dtype))
+        return x
 
-    def visit_var_binding_(self, binding) -> None:
+    def _heads_out(self, out, var):
+        """``out[N, H, Dh]`` back to the shape and dtype of the attention output ``var``."""
+        if dtype_of(out) != dtype_of(var):
+            out = self._emit(relax.op.astype(out, dtype_of(var)))
+        out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
+        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+
+    def _entry_binding(self, binding) -> bool:
+        """Rewrite ``binding`` if it is an attention output or a position source (True if it was)."""
         if not self._prologue_done:
             self._prologue()
         var = binding.var
         if var in self.attn:
             layer_id, a = self.attn[var]
-            q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
-            k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
-            v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
-            qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
-            model_dtype = dtype_of(var)
-            dtype = self.kv_dtype or model_dtype
-            if dtype != model_dtype:
-                qkv = self._emit(relax.op.astype(qkv, dtype))
-            out = self._emit(
-                relax.call_dps_packed(
-                    ATTN_FUNC,
-                    [self.cache, relax.prim_value(layer_id), relax.prim_value(float(a.sm_scale)), qkv],
-                    out_ty=relax.TensorType((self.n, a.num_heads, a.head_dim), dtype),
-                )
-            )  # N, H, Dh
-            if dtype != model_dtype:
-                out = self._emit(relax.op.astype(out, model_dtype))
-            out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
-            out = self._emit(relax.op.reshape(out, list(shape_of(var))))
-            self.set_var_remap(var, out)
-            return
+            self.set_var_remap(var, self._attention(layer_id, a, var))
+            return True
         if var in self.pos:
-            pos = self._emit(
-                relax.call_pure_packed(POS_FUNC, self.cache, ty_args=relax.TensorType((self.n,), "int32"))
+            pos = self._emit(relax.op.astype(self._positions(), dtype_of(var)))
+            self.set_var_remap(var, self._emit(relax.op.reshape(pos, list(shape_of(var)))))
+            return True
+        return False
+
+
+@relax.expr_functor.mutator
+class _PagedKVAttentionRewriter(relax.PyExprMutator, EntryRewriter):
+    def __init__(self, mod, structure: MoEStructure, cache: relax.Var, n_tokens, extra_inputs, kv_dtype: str | None = None) -> None:
+        super().__init__(mod)
+        self._init_entry(structure, n_tokens, extra_inputs)
+        self.kv_dtype = kv_dtype
+        self.cache = cache
+
+    def _attention(self, layer_id: int, a, var) -> relax.Expr:
+        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
+        k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
+        v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
+        qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
+        dtype = self.kv_dtype or dtype_of(var)
+        if dtype != dtype_of(var):
+            qkv = self._emit(relax.op.astype(qkv, dtype))
+        out = self._emit(
+            relax.call_dps_packed(
+                ATTN_FUNC,
+                [self.cache, relax.prim_value(layer_id), relax.prim_value(float(a.sm_scale)), qkv],
+                out_ty=relax.TensorType((self.n, a.num_heads, a.head_dim), dtype),
             )
-            pos = self._emit(relax.op.astype(pos, dtype_of(var)))
-            pos = self._emit(relax.op.reshape(pos, list(shape_of(var))))
-            self.set_var_remap(var, pos)
-            return
-        super().visit_var_binding_(binding)
+        )  # N, H, Dh
+        return self._heads_out(out, var)
+
+    def _positions(self) -> relax.Expr:
+        return self._emit(relax.call_pure_packed(POS_FUNC, self.cache, ty_args=relax.TensorType((self.n,), "int32")))
+
+    def visit_var_binding_(self, binding) -> None:
+        if not self._entry_binding(binding):
+            super().visit_var_binding_(binding)
 
 
 def _bind_batch_to_one(func: relax.Function, num_inputs: int) -> relax.Function:
@@ -100,22 +124,29 @@ def _bind_batch_to_one(func: relax.Function, num_inputs: int) -> relax.Function:
     return func
 
 
-def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, with_logit_pos: bool, kv_dtype: str | None = None) -> relax.Function:
-    """One entry function (prefill or decode) from the batch-1 forward ``func``."""
+def entry_inputs(func: relax.Function, num_inputs: int):
+    """``(ids, weights, n, extra, fresh)`` of the batch-1 forward ``func``: the token input and the
+    weights, the token count N, the replacement of every other input (an attention mask becomes ones:
+    every cached token is visible) and the fresh parameter vars each entry function defines."""
     params = list(func.params)
     ids, inputs, weights = params[0], params[1:num_inputs], params[num_inputs:]
     n = shape_of(ids)[1]
-    cache = relax.Var("kv_cache", relax.ObjectType())
     extra = {}
     for inp in inputs:
         shp, dt = shape_of(inp), dtype_of(inp)
         if shp is None or len(shp) != 2:
-            raise ValueError(f"unsupported extra model input {inp.name} of shape {shp}: only an attention mask [B,S] is supported")
-        extra[inp] = (lambda dt=dt: relax.op.ones(relax.ShapeExpr([1, n]), dt))  # every cached token is visible
-    # fresh parameter vars: each entry function must define its own
+            raise MoecError(f"unsupported extra model input {inp.name} of shape {shp}: only an attention mask [B,S] is supported")
+        extra[inp] = (lambda dt=dt: relax.op.ones(relax.ShapeExpr([1, n]), dt))
     fresh = {p: relax.Var(p.name, p.ty) for p in [ids] + weights}
     for old, new in fresh.items():
         extra[old] = (lambda new=new: new)
+    return ids, weights, n, extra, fresh
+
+
+def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, with_logit_pos: bool, kv_dtype: str | None = None) -> relax.Function:
+    """One entry function (prefill or decode) from the batch-1 forward ``func``."""
+    ids, weights, n, extra, fresh = entry_inputs(func, num_inputs)
+    cache = relax.Var("kv_cache", relax.ObjectType())
     rewriter = _PagedKVAttentionRewriter(tvm.IRModule({"main": func}), structure, cache, n, extra, kv_dtype)
     body = rewriter.visit_expr(func.body)
     ids, weights = fresh[ids], [fresh[w] for w in weights]

@@ -35,10 +35,9 @@ import tvm
 from tvm import relax, tirx
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import dtype_of, shape_of
 from ..compiler.moe_structure import MoEStructure, analyze
 from ..runtime.kv_cache import POOLS, pool_specs
-from .paged_kv_attention import _bind_batch_to_one
+from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs
 
 CACHE_ARGS = ("q_pos", "slots", "q_row", "q_t1", "q_indptr", "t1_table", "t2_table", "t2_np")
 RERANK_ARGS = ("t1_table", "t1_len", "length", "demote", "new_t2")
@@ -136,42 +135,28 @@ class _Sig:
 
 
 @relax.expr_functor.mutator
-class _TieredRewriter(relax.PyExprMutator):
+class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
     def __init__(self, mod, structure: MoEStructure, kernels: _Kernels, sig: _Sig, extra_inputs, decode: bool) -> None:
         super().__init__(mod)
+        self._init_entry(structure, sig.n, extra_inputs)
         self.decode = decode
         self.split_decode = kernels.split_decode
-        self.s, self.k, self.sig = structure, kernels, sig
-        self.extra_inputs = extra_inputs
-        self.attn = {layer.attention.out: (i, layer.attention) for i, layer in enumerate(structure.layers)}
-        self.pos = set(structure.position_sources)
+        self.k, self.sig = kernels, sig
         self.pools = dict(sig.pools)  # current value of each pool (threaded through the in-place calls)
-        self._prologue_done = False
 
-    def _emit(self, expr):
-        return self.builder_.emit(expr)
+    def _positions(self) -> relax.Expr:
+        return self.sig.cache["q_pos"]
 
-    def _prologue(self) -> None:
-        for var, make in self.extra_inputs.items():
-            value = make()
-            self.set_var_remap(var, value if isinstance(value, relax.Var) else self._emit(value))
-        self._prologue_done = True
-
-    def _heads(self, var, layout: str, heads: int, head_dim: int):
-        x = self.visit_expr(var)
-        if layout == "bhsd":
-            x = self._emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
-        x = self._emit(relax.op.reshape(x, [self.sig.n, heads, head_dim]))  # N, H, Dh
-        if dtype_of(x) != "float32":
-            x = self._emit(relax.op.astype(x, "float32"))
-        return x
+    def visit_var_binding_(self, binding) -> None:
+        if not self._entry_binding(binding):
+            super().visit_var_binding_(binding)
 
     def _attention(self, layer_id: int, a, var) -> relax.Expr:
         sig, k, p = self.sig, self.k, self.pools
         c = sig.cache
-        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
-        kk = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
-        vv = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
+        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim, "float32")
+        kk = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim, "float32")
+        vv = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim, "float32")
         t1 = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass")
         appended = self._emit(relax.call_tir_inplace(
             k.append, [kk, vv, c["slots"], c["q_pos"]] + [p[x] for x in t1] + [_i32(layer_id)],
@@ -185,11 +170,7 @@ class _TieredRewriter(relax.PyExprMutator):
             out = self._decode_attention(layer_id, q, out0, scale, n, h, d)
         else:
             out = self._prefill_attention(layer_id, q, out0, scale, n, h, d)
-        model_dtype = dtype_of(var)
-        if model_dtype != "float32":
-            out = self._emit(relax.op.astype(out, model_dtype))
-        out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
-        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+        return self._heads_out(out, var)
 
     def _decode_attention(self, layer_id, q, out0, scale, n, h, d):
         """One token per row (``q_t1`` is each row's tier-1 length): ``tiered_decode``, which also
@@ -222,36 +203,11 @@ class _TieredRewriter(relax.PyExprMutator):
             inplace_indices=[7], out_ty=sig.pool_types["t1_mass"]))
         return out
 
-    def visit_var_binding_(self, binding) -> None:
-        if not self._prologue_done:
-            self._prologue()
-        var = binding.var
-        if var in self.attn:
-            layer_id, a = self.attn[var]
-            self.set_var_remap(var, self._attention(layer_id, a, var))
-            return
-        if var in self.pos:
-            pos = self._emit(relax.op.astype(self.sig.cache["q_pos"], dtype_of(var)))
-            self.set_var_remap(var, self._emit(relax.op.reshape(pos, list(shape_of(var)))))
-            return
-        super().visit_var_binding_(binding)
-
 
 def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, kernels: _Kernels, opts: TieredOptions,
                 with_logit_pos: bool, bb: relax.BlockBuilder) -> None:
-    params = list(func.params)
-    ids, inputs, weights = params[0], params[1:num_inputs], params[num_inputs:]
-    n = shape_of(ids)[1]
+    ids, weights, n, extra, fresh = entry_inputs(func, num_inputs)
     sig = _Sig(structure, kernels, opts, n)
-    extra = {}
-    for inp in inputs:
-        shp, dt = shape_of(inp), dtype_of(inp)
-        if shp is None or len(shp) != 2:
-            raise MoecError(f"unsupported extra model input {inp.name} of shape {shp}: only an attention mask [B,S] is supported")
-        extra[inp] = (lambda dt=dt: relax.op.ones(relax.ShapeExpr([1, n]), dt))
-    fresh = {p: relax.Var(p.name, p.ty) for p in [ids] + weights}
-    for old, new in fresh.items():
-        extra[old] = (lambda new=new: new)
     rewriter = _TieredRewriter(tvm.IRModule({"main": func}), structure, kernels, sig, extra, decode=not with_logit_pos)
     body = rewriter.visit_expr(func.body)
     logit_pos = None
