@@ -2,11 +2,18 @@
 
   python bench/kv_quality.py MODEL_DIR --json OUT.json [--context 1024] [--max-tokens 32768]
         [--page-tokens 32] [--recent 32] [--sink 4] [--tier1-fraction 0.15] [--rerank-every 16]
-        [--score keynorm] [--random-seeds 0,1,2]
+        [--score keynorm[,uniform...]] [--random-seeds 0,1,2] [--device cpu|cuda] [--train small --corpus DIR]
+
+On the GPU (4096-token context): ``--device cuda``; ``--train small --corpus DIR`` first trains the
+reference model into MODEL_DIR there (``moec.models.train.train_reference``), so one command trains
+and measures.
 
 Each policy decodes the same held-out windows (prefill ``context - stride`` tokens, then one token a
 step) with the PyTorch tiered-KV reference decoder (``moec.models.kv_reference``): full float32,
 bf16, FP8-only, 2-bit-only, tiered by importance and tiered by random choice at the same budget.
+Each score of ``--score`` gives a tiered row (``tiered`` for the first, ``tiered@SCORE`` for the
+others; the compiled cache's ``mass`` importance is the reference's ``uniform``). The JSON is rewritten
+after every row, so a run stopped early keeps what it measured.
 The JSON holds each policy's perplexity, its relative change against bf16, the measured tier-1 share
 and the bytes per element its formats cost; a markdown table is printed. ``tiered-random`` is run once
 per seed of ``--random-seeds`` (rows ``tiered-random`` for the first seed, ``tiered-random:SEED`` for
@@ -46,6 +53,11 @@ def main() -> int:
     ap.add_argument("--score", default="keynorm", help="importance score of the tiered policy (TierPolicy.score)")
     ap.add_argument("--random-seeds", default="0,1,2", help="seeds of the tiered-random policy")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="torch device of the reference decoder (cpu, cuda)")
+    ap.add_argument("--train", choices=["tiny", "small"], default=None,
+                    help="first train the reference model of this size into MODEL (on --device)")
+    ap.add_argument("--corpus", type=Path, default=None, help="corpus directory for --train")
+    ap.add_argument("--train-steps", type=int, default=None, help="override the training steps (dry runs)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated policies (bf16 is always run: the baseline)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
@@ -58,22 +70,77 @@ def main() -> int:
     from moec.models.train import corpus_of, load_trained
     from moec.runtime.kv_quant import bytes_per_element
 
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if args.device.startswith("cuda"):
+        device_name = torch.cuda.get_device_name(0)
+    else:
+        device_name = platform.processor() or platform.machine()
+    training = None
+    if args.train:
+        from moec.models.train import train_reference
+
+        t = time.perf_counter()
+        train_reference(args.train, args.model, device=args.device, steps=args.train_steps,
+                        corpus_dir=args.corpus, export=())
+        training = {"size": args.train, "seconds": round(time.perf_counter() - t, 1)}
     model, meta = load_trained(args.model)
+    if training:
+        training.update({k: meta["training"].get(k) for k in ("steps", "tokens", "final_loss")})
+        training["heldout"] = meta.get("heldout")
     corpus = corpus_of(meta)
     kw = dict(tier1_fraction=args.tier1_fraction, sink=args.sink, recent=args.recent,
               rerank_every=args.rerank_every, page_tokens=args.page_tokens)
     seeds = [int(x) for x in args.random_seeds.split(",")]
+    scores = args.score.split(",")
     dh = model.config.dim_head
     rows, nll = {}, {}
     runs = []
     for mode in [m for m in MODES if m in set(args.modes.split(",")) | {"bf16"}]:
         if mode == "tiered-random":
             runs += [(mode if i == 0 else f"{mode}:{s}", mode, {"seed": s}) for i, s in enumerate(seeds)]
+        elif mode == "tiered":
+            runs += [("tiered" if i == 0 else f"tiered@{sc}", mode, {"score": sc}) for i, sc in enumerate(scores)]
         else:
-            runs.append((mode, mode, {"score": args.score} if mode == "tiered" else {}))
+            runs.append((mode, mode, {}))
+    stride = args.stride or args.context // 2
+    doc = {
+        "benchmark": "kv_quality", "command": " ".join(["python"] + sys.argv), "git_commit": commit,
+        "device": device_name, "decoder": "PyTorch tiered-KV reference (moec.models.kv_reference)",
+        "model": {"dir": str(args.model), "size": meta["size"], "config": meta["config"]},
+        "training": training,
+        "policy": {**kw, "score": scores, "random_seeds": seeds}, "results": rows,
+    }
+
+    def save(report) -> None:
+        """Deltas against bf16, paired comparisons with the random seeds; the JSON rewritten."""
+        base = rows["bf16"]["perplexity"]
+        for r in rows.values():
+            r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
+        paired = {}
+        rand = [r for r, m, _ in runs if m == "tiered-random" and r in nll]
+        if rand:
+            ref = np.mean([nll[r] for r in rand], 0)
+            rp = [rows[r]["perplexity"] for r in rand]
+            paired["tiered-random_seeds"] = {"seeds": seeds[:len(rand)], "perplexity_min": min(rp),
+                                             "perplexity_max": max(rp), "perplexity_mean": float(np.mean(rp))}
+            for row in [r for r, m, _ in runs if m in ("tiered", "2bit", "bf16") and r in nll]:
+                d = (nll[row] - ref).reshape(-1, stride).mean(1)  # per window
+                paired[f"{row}_vs_random_mean"] = {"perplexity_delta": float(np.expm1(d.mean())),
+                                                   "standard_error": float(d.std(ddof=1) / np.sqrt(d.size))}
+        doc["paired"] = paired
+        doc["data"] = {"corpus": corpus.id, "split": "heldout", "context": args.context, "stride": stride,
+                       "tokens_scored": report["tokens_scored"]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2))
+
+    # bf16 (the baseline) first, so every saved JSON has its deltas; then the comparison the cache
+    # stands on (tiered against random tiering), so a run stopped early still holds it
+    first = ["bf16", "tiered", "tiered-random", "2bit", "fp8", "full"]
+    runs.sort(key=lambda r: first.index(r[0]) if r[0] in first else len(first))
     for row, mode, extra in runs:
         t = time.perf_counter()
-        subject = KVPolicySubject(model, TierPolicy.named(mode, **kw, **extra), batch_size=args.batch_size)
+        subject = KVPolicySubject(model, TierPolicy.named(mode, **kw, **extra), batch_size=args.batch_size,
+                                  device=args.device)
         report = evaluate(subject, corpus, context=args.context, stride=args.stride, max_tokens=args.max_tokens)
         share = float(np.mean(subject.tier1_share))
         if mode in ("full", "bf16"):
@@ -86,37 +153,11 @@ def main() -> int:
                      "top1_accuracy": report["top1_accuracy"], "seconds": round(time.perf_counter() - t, 1), **extra}
         nll[row] = subject.nll
         print(row, json.dumps(rows[row]), flush=True)
-    base = rows["bf16"]["perplexity"]
-    for r in rows.values():
-        r["perplexity_delta_vs_bf16"] = r["perplexity"] / base - 1
-    stride = args.stride or args.context // 2
-    paired = {}
-    rand = [nll[r] for r, m, _ in runs if m == "tiered-random"]
-    if rand:
-        ref = np.mean(rand, 0)
-        rp = [rows[r]["perplexity"] for r, m, _ in runs if m == "tiered-random"]
-        paired["tiered-random_seeds"] = {"seeds": seeds, "perplexity_min": min(rp), "perplexity_max": max(rp),
-                                         "perplexity_mean": float(np.mean(rp))}
-        for row in ("tiered", "2bit", "bf16"):
-            if row in nll:
-                d = (nll[row] - ref).reshape(-1, stride).mean(1)  # per window
-                paired[f"{row}_vs_random_mean"] = {"perplexity_delta": float(np.expm1(d.mean())),
-                                                   "standard_error": float(d.std(ddof=1) / np.sqrt(d.size))}
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = {
-        "benchmark": "kv_quality", "command": " ".join(["python"] + sys.argv), "git_commit": commit,
-        "device": platform.processor() or platform.machine(), "decoder": "PyTorch tiered-KV reference (moec.models.kv_reference)",
-        "model": {"dir": str(args.model), "size": meta["size"], "config": meta["config"]},
-        "data": {"corpus": corpus.id, "split": "heldout", "context": args.context, "stride": args.stride or args.context // 2,
-                 "tokens_scored": report["tokens_scored"]},
-        "policy": {**kw, "score": args.score, "random_seeds": seeds}, "results": rows, "paired": paired,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2))
+        save(report)
     print("| policy | perplexity | vs bf16 | tier-1 share | bytes/element |\n|---|---|---|---|---|")
     for mode, r in rows.items():
         print(f"| {mode} | {r['perplexity']:.4f} | {r['perplexity_delta_vs_bf16'] * 100:+.2f}% | {r['tier1_share']:.3f} | {r['bytes_per_element']:.3f} |")
-    for k, v in paired.items():
+    for k, v in doc["paired"].items():
         print(k, json.dumps(v))
     return 0
 

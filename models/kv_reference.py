@@ -90,30 +90,43 @@ class TierPolicy:
 
 
 class _LayerCache:
-    """One layer's cache for B sequences: true and dequantized K/V, tiers and importance."""
+    """One layer's cache for B sequences: true and dequantized K/V, tiers and importance.
 
-    def __init__(self, b: int, hkv: int, cap: int, dh: int, policy: TierPolicy) -> None:
+    K/V and the importance state are torch tensors on ``device`` (the model's), so decoding at long
+    contexts runs on the GPU; the tiers (read only at re-ranks) are a NumPy array. Quantization goes
+    through ``moec.runtime.kv_quant`` (NumPy), on the few entries appended or demoted at a time.
+    """
+
+    def __init__(self, b: int, hkv: int, cap: int, dh: int, policy: TierPolicy, device="cpu") -> None:
         self.policy = policy
-        self.k = np.zeros((b, hkv, cap, dh), np.float32)  # true values (after RoPE)
-        self.v = np.zeros((b, hkv, cap, dh), np.float32)
-        self.kd = np.zeros_like(self.k)  # what attention reads
-        self.vd = np.zeros_like(self.v)
+        self.device = torch.device(device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        f64 = dict(dtype=torch.float64, device=self.device)
+        self.k = torch.zeros((b, hkv, cap, dh), **f32)  # true values (after RoPE)
+        self.v = torch.zeros((b, hkv, cap, dh), **f32)
+        self.kd = torch.zeros_like(self.k)  # what attention reads
+        self.vd = torch.zeros_like(self.v)
         self.tier = np.zeros((b, hkv, cap), np.int8)  # 1 or 2 (0: empty)
-        self.mass = np.zeros((b, hkv, cap), np.float64)  # attention mass received
-        self.ema = np.zeros((b, hkv, cap), np.float64)  # mass decayed by ``decay`` per query
-        self.maxp = np.zeros((b, hkv, cap), np.float64)  # largest probability of one query
-        self.since = np.zeros((b, hkv, cap), np.float64)  # mass since the last re-rank
+        self.mass = torch.zeros((b, hkv, cap), **f64)  # attention mass received
+        self.ema = torch.zeros((b, hkv, cap), **f64)  # mass decayed by ``decay`` per query
+        self.maxp = torch.zeros((b, hkv, cap), **f64)  # largest probability of one query
+        self.since = torch.zeros((b, hkv, cap), **f64)  # mass since the last re-rank
         self.len = 0
 
-    def accumulate(self, ps: np.ndarray) -> None:
+    def _t(self, a) -> torch.Tensor:
+        return torch.as_tensor(a, device=self.device)
+
+    def accumulate(self, ps: torch.Tensor) -> None:
         """Per-query attention probabilities ``[B, Hkv, S, n]`` (summed over query heads)."""
+        ps = self._t(ps).double()
         n, s = ps.shape[-1], ps.shape[2]
         d = self.policy.decay
-        w = d ** np.arange(s - 1, -1, -1, dtype=np.float64)  # the last query weighs 1
-        self.mass[:, :, :n] += ps.sum(2)
-        self.since[:, :, :n] += ps.sum(2)
-        self.ema[:, :, :n] = self.ema[:, :, :n] * d**s + np.einsum("bhsn,s->bhn", ps, w)
-        np.maximum(self.maxp[:, :, :n], ps.max(2), out=self.maxp[:, :, :n])
+        w = d ** torch.arange(s - 1, -1, -1, dtype=torch.float64, device=self.device)  # the last query weighs 1
+        total = ps.sum(2)
+        self.mass[:, :, :n] += total
+        self.since[:, :, :n] += total
+        self.ema[:, :, :n] = self.ema[:, :, :n] * d**s + torch.einsum("bhsn,s->bhn", ps, w)
+        torch.maximum(self.maxp[:, :, :n], ps.amax(2), out=self.maxp[:, :, :n])
 
     def importance(self, visible: np.ndarray) -> np.ndarray:
         """``[B, Hkv, n]`` importance of every cached token, from the accumulated state."""
@@ -121,39 +134,39 @@ class _LayerCache:
         for kind in self.policy.score.split("*"):
             f = self._factor(kind, visible)
             out = f if out is None else out * f
-        return out
+        return out.cpu().numpy()
 
-    def _factor(self, kind: str, visible: np.ndarray) -> np.ndarray:
+    def _factor(self, kind: str, visible: np.ndarray) -> torch.Tensor:
         n = self.len
         if kind == "uniform":
-            return self.mass[:, :, :n] / np.maximum(visible[None, None, :n], 1e-12)
+            return self.mass[:, :, :n] / self._t(np.maximum(visible[:n], 1e-12))
         if kind == "steps":  # queries that could see the token: n - position
-            return self.mass[:, :, :n] / (n - np.arange(n, dtype=np.float64))
+            return self.mass[:, :, :n] / (n - torch.arange(n, dtype=torch.float64, device=self.device))
         if kind == "keynorm":
-            return np.linalg.norm(self.kd[:, :, :n], axis=-1).astype(np.float64)
-        if kind == "keyz":  # squared distance from the per-channel mean, in channel standard deviations
-            k = self.kd[:, :, :n].astype(np.float64)
-            z = (k - k.mean(2, keepdims=True)) / np.maximum(k.std(2, keepdims=True), 1e-12)
-            return (z**2).sum(-1)
-        if kind == "keyerr":  # 2-bit key error with per-channel statistics over all cached tokens
-            k = self.kd[:, :, :n].astype(np.float64)
-            mu, sd = k.mean(2, keepdims=True), np.maximum(k.std(2, keepdims=True), 1e-12)
+            return torch.linalg.vector_norm(self.kd[:, :, :n], dim=-1).double()
+        if kind in ("keyz", "keyerr"):  # per-channel statistics over all cached tokens
+            k = self.kd[:, :, :n].double()
+            mu, sd = k.mean(2, keepdim=True), k.std(2, keepdim=True, correction=0).clamp_min(1e-12)
             z = (k - mu) / sd
-            zq = q.NF2_LEVELS[np.searchsorted(q.NF2_THRESHOLDS, z, side="right")]
+            if kind == "keyz":  # squared distance from the per-channel mean, in channel standard deviations
+                return (z**2).sum(-1)
+            th = self._t(q.NF2_THRESHOLDS.astype(np.float64))  # 2-bit key error
+            zq = self._t(q.NF2_LEVELS.astype(np.float64))[torch.searchsorted(th, z.contiguous(), right=True)]
             return (((z - zq) * sd) ** 2).sum(-1)
-        return {"mass": self.mass, "ema": self.ema, "max": self.maxp, "since": self.since}[kind][:, :, :n].copy()
+        return {"mass": self.mass, "ema": self.ema, "max": self.maxp, "since": self.since}[kind][:, :, :n].clone()
 
-    def _entry(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _entry(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mode = self.policy.mode
         if mode == "full":
             return k, v
         if mode == "bf16":
-            rnd = lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy()  # noqa: E731
-            return rnd(k), rnd(v)
-        return q.fp8_dequantize(*q.fp8_quantize(k)), q.fp8_dequantize(*q.fp8_quantize(v))
+            return k.bfloat16().float(), v.bfloat16().float()
+        deq = lambda a: self._t(q.fp8_dequantize(*q.fp8_quantize(a.cpu().numpy())))  # noqa: E731
+        return deq(k), deq(v)
 
-    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+    def append(self, k, v) -> None:
         """Append ``[B, Hkv, S, Dh]`` new entries (tier 1 until the next re-rank)."""
+        k, v = self._t(k).float(), self._t(v).float()
         s = k.shape[2]
         sl = slice(self.len, self.len + s)
         self.k[:, :, sl], self.v[:, :, sl] = k, v
@@ -175,7 +188,7 @@ class _LayerCache:
             score = rng.random(self.tier[:, :, :n].shape)
         else:
             score = self.importance(visible)
-        self.since[:] = 0
+        self.since.zero_()
         b, hkv = self.tier.shape[:2]
         for i in range(b):
             for h in range(hkv):
@@ -190,17 +203,20 @@ class _LayerCache:
                 self._demote(i, h, np.sort(order[: pages * p.page_tokens]))
 
     def _demote(self, i: int, h: int, idx: np.ndarray) -> None:
-        for start in range(0, idx.size, self.policy.page_tokens):
-            page = idx[start:start + self.policy.page_tokens]
-            kq = q.quantize_keys_2bit(self.kd[i, h, page][None])  # from the FP8 values the cache holds
-            vq = q.quantize_values_2bit(self.vd[i, h, page][None])
-            self.kd[i, h, page] = q.nf2_dequantize(*kq, axis=-2)[0]
-            self.vd[i, h, page] = q.nf2_dequantize(*vq, axis=-1)[0]
-            self.tier[i, h, page] = 2
+        """Quantize the tokens ``idx`` (whole pages, position order) of sequence i, head h to 2-bit."""
+        pages = torch.as_tensor(idx.reshape(-1, self.policy.page_tokens), device=self.device)
+        kd = self.kd[i, h][pages].cpu().numpy()  # P, T, Dh: from the FP8 values the cache holds
+        vd = self.vd[i, h][pages].cpu().numpy()
+        self.kd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_keys_2bit(kd), axis=-2))
+        self.vd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_values_2bit(vd), axis=-1))
+        self.tier[i, h, idx] = 2
 
 
 class TieredDecoder:
-    """Prefill then teacher-forced decode of ``MoEForCausalLM`` over a policy-quantized KV cache."""
+    """Prefill then teacher-forced decode of ``MoEForCausalLM`` over a policy-quantized KV cache.
+
+    Runs on the device the model's parameters are on (CPU, or CUDA for 4096-token contexts).
+    """
 
     def __init__(self, model, policy: TierPolicy) -> None:
         self.model = model.eval()
@@ -215,39 +231,39 @@ class TieredDecoder:
     def run(self, windows: np.ndarray, n_prefill: int) -> np.ndarray:
         """Logits predicting tokens ``n_prefill .. L-1`` of each window: ``[B, L - n_prefill, V]``."""
         cfg, p = self.cfg, self.policy
+        dev = next(self.model.parameters()).device
         b, length = windows.shape
         h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.dim_head
         rep = h // hkv
         scale = dh**-0.5
         rng = np.random.default_rng(p.seed)
-        caches = [_LayerCache(b, hkv, length, dh, p) for _ in self.model.layers]
+        caches = [_LayerCache(b, hkv, length, dh, p, dev) for _ in self.model.layers]
         visible = np.zeros(length, np.float64)
-        ids = torch.from_numpy(windows)
+        ids = torch.from_numpy(windows).to(dev)
         out_logits = []
 
         def attend(layer_i, qv, causal):
             c = caches[layer_i]
-            n = c.len
-            kd = torch.from_numpy(c.kd[:, :, :n]).repeat_interleave(rep, 1)  # B, H, n, Dh
-            vd = torch.from_numpy(c.vd[:, :, :n]).repeat_interleave(rep, 1)
-            scores = qv @ kd.transpose(2, 3) * scale  # B, H, S, n
+            n, s = c.len, qv.shape[2]
+            qg = qv.view(b, hkv, rep, s, dh)  # query heads grouped by their KV head
+            scores = qg @ c.kd[:, :, None, :n].transpose(-1, -2) * scale  # B, Hkv, rep, S, n
             if causal is not None:
                 scores = scores + causal
             probs = torch.softmax(scores, -1)
-            c.accumulate(probs.view(b, hkv, rep, -1, n).sum(2).double().numpy())
-            return probs @ vd  # B, H, S, Dh
+            c.accumulate(probs.sum(2))
+            return (probs @ c.vd[:, :, None, :n]).view(b, h, s, dh)  # B, H, S, Dh
 
         def forward(tokens, start):
             s = tokens.shape[1]
-            pos = torch.arange(start, start + s)
+            pos = torch.arange(start, start + s, device=dev)
             causal = None
             if s > 1:
-                causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
+                causal = torch.full((s, s), float("-inf"), device=dev).triu(1)
             x = self.model.embed_tokens(tokens)
             for li, layer in enumerate(self.model.layers):
                 hn = layer.input_norm(x)
                 qv, kv, vv = self._qkv(layer, hn, pos)
-                caches[li].append(kv.numpy(), vv.numpy())
+                caches[li].append(kv, vv)
                 # prefill too attends over the values as cached (FP8, or bf16-rounded), as the
                 # compiled prefill does
                 o = attend(li, qv, causal)
@@ -269,7 +285,7 @@ class TieredDecoder:
                 for c in caches:
                     c.rerank(visible, rng)
         self.caches, self.visible = caches, visible
-        return torch.cat(out_logits, 1).float().numpy()
+        return torch.cat(out_logits, 1).float().cpu().numpy()
 
 
 def tier_fraction(caches) -> float:
@@ -285,8 +301,9 @@ class KVPolicySubject:
     kind = "torch-kv-reference"
     mode = "decode"
 
-    def __init__(self, model, policy: TierPolicy, batch_size: int = 8) -> None:
+    def __init__(self, model, policy: TierPolicy, batch_size: int = 8, device: str = "cpu") -> None:
         self.model, self.policy, self.batch_size = model, policy, batch_size
+        self.device = torch.device(device)
         self.name = f"kv:{policy.mode}"
         self.tier1_share: list[float] = []
 
@@ -295,16 +312,26 @@ class KVPolicySubject:
 
         from .evaluate import Scores, _nll_and_argmax
 
+        from .reference import Experts
+
         nll, arg = [], []
+        model = self.model.to(self.device)
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        for m in experts:  # the same function, without materialising gathered expert weights (prefill)
+            m.grouped = True
         t0 = time.perf_counter()
-        for i in range(0, len(starts), self.batch_size):
-            w = np.stack([tokens[s:s + context] for s in starts[i:i + self.batch_size]])  # B, L
-            dec = TieredDecoder(self.model, self.policy)
-            logits = dec.run(w, context - stride)  # B, stride, V
-            self.tier1_share.append(tier_fraction(dec.caches))
-            a, b = _nll_and_argmax(logits, w[:, context - stride:])
-            nll.append(a.reshape(-1))
-            arg.append(b.reshape(-1))
+        try:
+            for i in range(0, len(starts), self.batch_size):
+                w = np.stack([tokens[s:s + context] for s in starts[i:i + self.batch_size]])  # B, L
+                dec = TieredDecoder(model, self.policy)
+                logits = dec.run(w, context - stride)  # B, stride, V
+                self.tier1_share.append(tier_fraction(dec.caches))
+                a, b = _nll_and_argmax(logits, w[:, context - stride:])
+                nll.append(a.reshape(-1))
+                arg.append(b.reshape(-1))
+        finally:
+            for m in experts:
+                m.grouped = False
         self.nll = np.concatenate(nll)  # per scored target, for paired comparisons of policies
         return Scores(self.nll, np.concatenate(arg), None, None, time.perf_counter() - t0,
                       "routing is not recorded by the KV reference decoder")

@@ -60,7 +60,7 @@ def test_rerank_demotes_the_least_important():
     c.append(rng.standard_normal((1, 1, 64, 8)).astype(np.float32), rng.standard_normal((1, 1, 64, 8)).astype(np.float32))
     visible = np.linspace(0.05, 0.9, 64)  # uniform-attention shares are mostly below 1
     score = rng.random(64)
-    c.mass[0, 0] = score * visible
+    c.mass[0, 0] = torch.from_numpy(score * visible)
     c.rerank(visible, rng)
     tier = c.tier[0, 0]
     # budget 16: sinks 0-1 and window 60-63 stay; of the 58 others, 48 (6 whole pages) are demoted
@@ -69,8 +69,9 @@ def test_rerank_demotes_the_least_important():
     kept = others[tier[others] == 1]
     assert set(kept) == set(others[np.argsort(-score[others])[:10]])
     # demoted values are 2-bit reconstructions, kept ones FP8
-    assert not np.allclose(c.kd[0, 0, tier == 2], c.k[0, 0, tier == 2], atol=1e-2)
-    assert np.allclose(c.kd[0, 0, tier == 1], c.k[0, 0, tier == 1], rtol=0.07, atol=1e-2)
+    kd, k = c.kd.numpy(), c.k.numpy()
+    assert not np.allclose(kd[0, 0, tier == 2], k[0, 0, tier == 2], atol=1e-2)
+    assert np.allclose(kd[0, 0, tier == 1], k[0, 0, tier == 1], rtol=0.07, atol=1e-2)
 
 
 def test_2bit_mode_quantizes_nearly_everything(setup):
@@ -90,7 +91,7 @@ def test_keynorm_score_keeps_the_largest_keys():
     k = rng.standard_normal((1, 1, 64, 8)).astype(np.float32)
     k *= rng.uniform(0.2, 3.0, (1, 1, 64, 1)).astype(np.float32)  # spread of key norms
     c.append(k, rng.standard_normal((1, 1, 64, 8)).astype(np.float32))
-    c.mass[0, 0] = np.linalg.norm(k[0, 0], axis=-1)[::-1]  # attention mass would choose otherwise
+    c.mass[0, 0] = torch.from_numpy(np.linalg.norm(k[0, 0], axis=-1)[::-1].copy())  # attention mass would choose otherwise
     c.rerank(np.ones(64), rng)
     tier, others = c.tier[0, 0], np.arange(2, 60)
     kept = others[tier[others] == 1]
