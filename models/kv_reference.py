@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from ..runtime import kv_quant as q
+from .reference import Experts
 
 MODES = ("full", "bf16", "fp8", "2bit", "tiered", "tiered-random")
 SCORES = ("uniform", "steps", "mass", "ema", "max", "since", "keynorm", "keyz", "keyerr")
@@ -87,6 +88,17 @@ class TierPolicy:
         if mode == "2bit":
             return replace(base, tier1_fraction=0.0, sink=0, recent=0)
         return base
+
+
+def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """``kv_quant.fp8_dequantize(*kv_quant.fp8_quantize(x))`` on ``x``'s device, bit for bit.
+
+    (The per-vector scale is rounded to float16, so ``x / scale`` may exceed 448 by a float16 ulp;
+    both casts round that to 448, far from the 464 where they would disagree.)
+    """
+    x = x.float()
+    scale = torch.clamp_min(x.abs().amax(-1) / q.E4M3_MAX, float(q._MIN_SCALE)).half().float()[..., None]
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
 class _LayerCache:
@@ -161,8 +173,7 @@ class _LayerCache:
             return k, v
         if mode == "bf16":
             return k.bfloat16().float(), v.bfloat16().float()
-        deq = lambda a: self._t(q.fp8_dequantize(*q.fp8_quantize(a.cpu().numpy())))  # noqa: E731
-        return deq(k), deq(v)
+        return fp8_roundtrip(k), fp8_roundtrip(v)
 
     def append(self, k, v) -> None:
         """Append ``[B, Hkv, S, Dh]`` new entries (tier 1 until the next re-rank)."""
@@ -240,7 +251,6 @@ class TieredDecoder:
         caches = [_LayerCache(b, hkv, length, dh, p, dev) for _ in self.model.layers]
         visible = np.zeros(length, np.float64)
         ids = torch.from_numpy(windows).to(dev)
-        out_logits = []
 
         def attend(layer_i, qv, causal):
             c = caches[layer_i]
@@ -255,6 +265,8 @@ class TieredDecoder:
 
         def forward(tokens, start):
             s = tokens.shape[1]
+            for m in experts:  # prefill: grouped by expert (the same function, no gathered weights)
+                m.grouped = s > 1
             pos = torch.arange(start, start + s, device=dev)
             causal = None
             if s > 1:
@@ -272,6 +284,17 @@ class TieredDecoder:
                 x = x + layer.moe(layer.post_attention_norm(x))
             return self.model.lm_head(self.model.norm(x[:, -1:]))  # B, 1, V
 
+        experts = [m for m in self.model.modules() if isinstance(m, Experts)]
+        grouped = [m.grouped for m in experts]
+        try:
+            return self._decode(forward, ids, n_prefill, caches, visible, rng)
+        finally:
+            for m, g in zip(experts, grouped):
+                m.grouped = g
+
+    def _decode(self, forward, ids, n_prefill, caches, visible, rng) -> np.ndarray:
+        p, length = self.policy, ids.shape[1]
+        out_logits = []
         first = forward(ids[:, :n_prefill], 0)
         # uniform-attention share: prefill query i spreads 1/(i+1) over each token it sees
         visible[:n_prefill] = np.cumsum((1.0 / np.arange(1, n_prefill + 1))[::-1])[::-1]
@@ -312,26 +335,17 @@ class KVPolicySubject:
 
         from .evaluate import Scores, _nll_and_argmax
 
-        from .reference import Experts
-
         nll, arg = [], []
         model = self.model.to(self.device)
-        experts = [m for m in model.modules() if isinstance(m, Experts)]
-        for m in experts:  # the same function, without materialising gathered expert weights (prefill)
-            m.grouped = True
         t0 = time.perf_counter()
-        try:
-            for i in range(0, len(starts), self.batch_size):
-                w = np.stack([tokens[s:s + context] for s in starts[i:i + self.batch_size]])  # B, L
-                dec = TieredDecoder(model, self.policy)
-                logits = dec.run(w, context - stride)  # B, stride, V
-                self.tier1_share.append(tier_fraction(dec.caches))
-                a, b = _nll_and_argmax(logits, w[:, context - stride:])
-                nll.append(a.reshape(-1))
-                arg.append(b.reshape(-1))
-        finally:
-            for m in experts:
-                m.grouped = False
+        for i in range(0, len(starts), self.batch_size):
+            w = np.stack([tokens[s:s + context] for s in starts[i:i + self.batch_size]])  # B, L
+            dec = TieredDecoder(model, self.policy)
+            logits = dec.run(w, context - stride)  # B, stride, V
+            self.tier1_share.append(tier_fraction(dec.caches))
+            a, b = _nll_and_argmax(logits, w[:, context - stride:])
+            nll.append(a.reshape(-1))
+            arg.append(b.reshape(-1))
         self.nll = np.concatenate(nll)  # per scored target, for paired comparisons of policies
         return Scores(self.nll, np.concatenate(arg), None, None, time.perf_counter() - t0,
                       "routing is not recorded by the KV reference decoder")

@@ -127,3 +127,15 @@ def test_prefill_reads_the_cached_values(setup):
     # the first prediction comes from the prefill: it sees FP8 K/V, so it differs from float32
     assert not np.allclose(fp8[:, 0], full[:, 0], atol=1e-5)
     np.testing.assert_allclose(fp8[:, 0], full[:, 0], atol=0.2)
+
+
+def test_fp8_roundtrip_matches_kv_quant_bit_for_bit():
+    from moec.models.kv_reference import fp8_roundtrip
+    from moec.runtime import kv_quant as q
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4000, 64)) * rng.uniform(1e-3, 300, (4000, 1))).astype(np.float32)
+    x[:10] = 0  # the minimum scale
+    want = q.fp8_dequantize(*q.fp8_quantize(x))
+    got = fp8_roundtrip(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, want)
