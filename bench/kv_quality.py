@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--score", default="keynorm", help="importance score of the tiered policy (TierPolicy.score)")
     ap.add_argument("--random-seeds", default="0,1,2", help="seeds of the tiered-random policy")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--demote", choices=["kv", "k", "v"], default="kv",
+                    help="ablation: quantize only keys (k) or only values (v) to 2-bit at a demotion")
     ap.add_argument("--device", default="cpu", help="torch device of the reference decoder (cpu, cuda)")
     ap.add_argument("--train", choices=["tiny", "small"], default=None,
                     help="first train the reference model of this size into MODEL (on --device)")
@@ -89,7 +91,7 @@ def main() -> int:
         training["heldout"] = meta.get("heldout")
     corpus = corpus_of(meta)
     kw = dict(tier1_fraction=args.tier1_fraction, sink=args.sink, recent=args.recent,
-              rerank_every=args.rerank_every, page_tokens=args.page_tokens)
+              rerank_every=args.rerank_every, page_tokens=args.page_tokens, demote=args.demote)
     seeds = [int(x) for x in args.random_seeds.split(",")]
     scores = args.score.split(",")
     dh = model.config.dim_head

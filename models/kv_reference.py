@@ -73,12 +73,15 @@ class TierPolicy:
     seed: int = 0
     score: str = "keynorm"  # importance of the tiered mode: one of SCORES, or a product "a*b"
     decay: float = 0.97  # per-query decay of the "ema" score
+    demote: str = "kv"  # what a demotion quantizes to 2-bit: "kv", or "k" / "v" alone (an ablation; the other stays FP8)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown KV policy mode {self.mode!r}; known: {', '.join(MODES)}")
         if not 0 <= self.tier1_fraction <= 1:
             raise ValueError("tier1_fraction must be in [0, 1]")
+        if self.demote not in ("kv", "k", "v"):
+            raise ValueError(f"demote must be 'kv', 'k' or 'v', got {self.demote!r}")
         if not set(self.score.split("*")) <= set(SCORES):
             raise ValueError(f"unknown importance score {self.score!r}; known: {', '.join(SCORES)}")
 
@@ -218,8 +221,10 @@ class _LayerCache:
         pages = torch.as_tensor(idx.reshape(-1, self.policy.page_tokens), device=self.device)
         kd = self.kd[i, h][pages].cpu().numpy()  # P, T, Dh: from the FP8 values the cache holds
         vd = self.vd[i, h][pages].cpu().numpy()
-        self.kd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_keys_2bit(kd), axis=-2))
-        self.vd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_values_2bit(vd), axis=-1))
+        if "k" in self.policy.demote:
+            self.kd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_keys_2bit(kd), axis=-2))
+        if "v" in self.policy.demote:
+            self.vd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_values_2bit(vd), axis=-1))
         self.tier[i, h, idx] = 2
 
 

@@ -139,3 +139,24 @@ def test_fp8_roundtrip_matches_kv_quant_bit_for_bit():
     want = q.fp8_dequantize(*q.fp8_quantize(x))
     got = fp8_roundtrip(torch.from_numpy(x)).numpy()
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("demote", ["k", "v"])
+def test_demotion_ablation_quantizes_one_side_only(demote):
+    from moec.models.kv_reference import fp8_roundtrip
+
+    policy = TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8, demote=demote)
+    c = _LayerCache(1, 1, 64, 8, policy)
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((1, 1, 64, 8)).astype(np.float32) for _ in range(2))
+    c.append(k, v)
+    c.rerank(np.ones(64), rng)
+    two = c.tier[0, 0] == 2
+    assert two.sum() == 48
+    fp8k, fp8v = fp8_roundtrip(torch.from_numpy(k)).numpy(), fp8_roundtrip(torch.from_numpy(v)).numpy()
+    kept, changed = (fp8v, fp8k) if demote == "k" else (fp8k, fp8v)
+    now_kept, now_changed = (c.vd, c.kd) if demote == "k" else (c.kd, c.vd)
+    assert np.array_equal(now_kept.numpy()[0, 0, two], kept[0, 0, two])
+    assert not np.allclose(now_changed.numpy()[0, 0, two], changed[0, 0, two], atol=1e-2)
+    with pytest.raises(ValueError, match="demote"):
+        TierPolicy(demote="q")
