@@ -1,0 +1,271 @@
+"""RMSNorm and the router matmul in one kernel (TIR): ``y = w * (x * rsqrt(mean(x^2) + eps))``, ``logits = y @ R^T (+ b)``.
+
+For each of T token rows (legend: T tokens, D hidden, E router outputs: experts, or groups of the
+cascade's coarse router)::
+
+    r      = rsqrt(sum_d x[t, d]^2 / D + eps)                 # float32
+    y[t]   = cast(y_dtype, w * (x[t] * r))                    # T, D   the normalised hidden state
+    logits = cast(l_dtype, f32(y[t]) @ f32(R)^T + f32(b))     # T, E   R [E, D] (or R^T [D, E]), b [E]
+
+Everything is computed in float32; the router reads the normalised row *as stored* (rounded to
+``y_dtype``), so the logits are those of the unfused graph's matmul over the same hidden state, up to
+float rounding (summation order; the unfused graph may also accumulate in a lower precision).
+
+Buffers: x [T, D] (x_dtype), w [D], rows [E, D] ("ed") or [D, E] ("de"), bias [E] (optional), then the
+outputs y [T, D] (y_dtype) and logits [T, E] (l_dtype). T is dynamic.
+
+Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda", one launch for the whole
+norm + router: a grid of T x NB blocks of NW warps. Every block of row t loads the row once into
+registers (VEC-wide loads of 16 bytes), reduces the sum of squares (warp shuffles, then one value per
+warp through shared memory), normalises its elements into shared memory (as ``y_dtype``) and writes
+its share (1/NB) of ``y``; then each warp computes one logit ``e = block * NW + warp``: lanes read the
+router row with 16-byte loads, dot it with the shared row and reduce by shuffles. NB = ceil(E / NW), so
+a single token still spreads its E dot products over NB thread blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    from tvm.script import tirx as T
+except ImportError:  # runtime-only TVM (the GPU bench): launch_config still works
+    T = None
+
+from ...compiler.errors import MoecError
+
+DTYPES = ("float32", "float16", "bfloat16")
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_SHARED = 48 * 1024  # static shared memory of one block
+
+
+@dataclass(frozen=True)
+class NormRouterSpec:
+    """What one ``norm_router`` kernel computes (one kernel per distinct spec)."""
+
+    hidden: int  # D
+    outputs: int  # E (router logits)
+    eps: float
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
+    rows_dtype: str = "float32"
+    y_dtype: str = "float32"
+    logits_dtype: str = "float32"
+    bias_dtype: str | None = None  # None: no bias
+    rows_layout: str = "ed"  # "ed": rows [E, D]; "de": rows given transposed, [D, E]
+
+    def check(self) -> None:
+        if not isinstance(self.hidden, int) or not isinstance(self.outputs, int) or self.hidden < 1 or self.outputs < 1:
+            raise MoecError(f"norm_router: hidden size and outputs must be positive integers, got {self.hidden}, {self.outputs}")
+        for what in ("x_dtype", "weight_dtype", "rows_dtype", "y_dtype", "logits_dtype", "bias_dtype"):
+            dt = getattr(self, what)
+            if (dt is not None or what != "bias_dtype") and dt not in DTYPES:
+                raise MoecError(f"norm_router: {what} must be one of {', '.join(DTYPES)}, got {dt!r}")
+        if self.rows_layout not in ("ed", "de"):
+            raise MoecError(f"norm_router: rows layout must be 'ed' ([E, D]) or 'de' ([D, E]), got {self.rows_layout!r}")
+        if not self.eps >= 0:
+            raise MoecError(f"norm_router: eps must be >= 0, got {self.eps}")
+
+
+def _vec(d: int, *dtypes: str) -> int:
+    """Elements per 16-byte access (of the widest dtype), reduced until it divides D."""
+    v = 16 // max(_BYTES[dt] for dt in dtypes)
+    while d % v:
+        v //= 2
+    return v
+
+
+def launch_config(spec: NormRouterSpec) -> dict:
+    """The CUDA form's launch shape: threads per block, warps, logit blocks per row, vector width."""
+    vec = _vec(spec.hidden, spec.x_dtype, spec.weight_dtype, spec.y_dtype)
+    chunks = -(-spec.hidden // vec)  # 16-byte chunks of a row
+    threads = min(256, max(32, 32 * -(-chunks // 32)))
+    warps = threads // 32
+    rvec = _vec(spec.hidden, spec.rows_dtype, spec.y_dtype) if spec.rows_layout == "ed" else 1
+    return {"threads": threads, "warps": warps, "blocks_per_row": -(-spec.outputs // warps), "vec": vec, "rows_vec": rvec,
+            "iters": -(-chunks // threads), "rows_iters": -(-spec.hidden // (32 * rvec)),
+            "shared_bytes": spec.hidden * _BYTES[spec.y_dtype] + warps * 4}
+
+
+def make_norm_router(spec: NormRouterSpec, target: str = "llvm"):
+    """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
+    spec.check()
+    if target not in ("llvm", "cuda"):
+        raise MoecError(f"norm_router: target must be 'llvm' or 'cuda', got {target!r}")
+    if target == "cuda" and launch_config(spec).get("shared_bytes") > MAX_SHARED:
+        raise MoecError(f"norm_router: a normalised row of {spec.hidden} {spec.y_dtype} needs "
+                        f"{launch_config(spec)['shared_bytes']} bytes of shared memory, more than {MAX_SHARED}")
+    return (_make_cuda if target == "cuda" else _make_llvm)(spec)
+
+
+def _f32(v):
+    return T.Cast("float32", v)
+
+
+def _make_llvm(spec: NormRouterSpec):
+    D, E, eps = spec.hidden, spec.outputs, float(spec.eps)
+    has_bias, ed = spec.bias_dtype is not None, spec.rows_layout == "ed"
+
+    def row(rows, e, d):
+        return rows[e, d] if ed else rows[d, e]
+
+    @T.macro
+    def body(x, w, rows, bias, y, logits, N):
+        for t in T.serial(N):
+            with T.sblock("norm_router"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                yv = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                acc[0] = T.float32(0)
+                for d in T.serial(D):
+                    acc[0] = acc[0] + _f32(x[t, d]) * _f32(x[t, d])
+                acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+                for d in T.serial(D):
+                    y[t, d] = T.Cast(spec.y_dtype, _f32(w[d]) * (_f32(x[t, d]) * acc[1]))
+                    yv[d] = _f32(y[t, d])
+                for e in T.serial(E):
+                    acc[0] = T.float32(0)
+                    for d in T.serial(D):
+                        acc[0] = acc[0] + yv[d] * _f32(row(rows, e, d))
+                    if has_bias:
+                        acc[0] = acc[0] + _f32(bias[e])
+                    logits[t, e] = T.Cast(spec.logits_dtype, acc[0])
+
+    return _signature(spec, body)
+
+
+def _make_cuda(spec: NormRouterSpec):
+    D, E, eps = spec.hidden, spec.outputs, float(spec.eps)
+    has_bias, ed = spec.bias_dtype is not None, spec.rows_layout == "ed"
+    cfg = launch_config(spec)
+    NT, NW, NB, VEC, RVEC, IT, RIT = (cfg[k] for k in ("threads", "warps", "blocks_per_row", "vec", "rows_vec", "iters", "rows_iters"))
+    full = D % (NT * VEC) == 0  # every thread has IT whole chunks (no bounds checks)
+    rfull = D % (32 * RVEC) == 0
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    @T.macro
+    def warp_sum(buf, idx):
+        for r in T.unroll(5):
+            buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
+
+    @T.macro
+    def body(x, w, rows, bias, y, logits, N):
+        for t in T.thread_binding(N, thread="blockIdx.x"):
+            for b in T.thread_binding(NB, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.sblock("norm_router"):
+                        T.reads()
+                        T.writes()
+                        ys = T.sblock_alloc_buffer((D,), spec.y_dtype, scope="shared")
+                        red = T.sblock_alloc_buffer((NW,), "float32", scope="shared")
+                        xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+                        wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+                        yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
+                        rl = T.sblock_alloc_buffer((RVEC,), spec.rows_dtype, scope="local")
+                        sl = T.sblock_alloc_buffer((RVEC,), spec.y_dtype, scope="local")
+                        acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        lane: T.let[T.int32] = tx % 32
+                        warp: T.let[T.int32] = tx // 32
+                        # ---- the row, once, into registers; the sum of squares
+                        acc[0] = T.float32(0)
+                        for i in T.unroll(IT):
+                            if full or (i * NT + tx) * VEC < D:
+                                for v in T.vectorized(VEC):
+                                    xl[i * VEC + v] = x[t, (i * NT + tx) * VEC + v]
+                                for v in T.unroll(VEC):
+                                    acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
+                        warp_sum(acc, 0)
+                        if lane == 0:
+                            red[warp] = acc[0]
+                        T.tvm_storage_sync("shared")
+                        acc[0] = T.float32(0)
+                        for k in T.unroll(NW):
+                            acc[0] = acc[0] + red[k]
+                        acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+                        # ---- normalise: the row to shared memory (as stored), this block's share to y
+                        for i in T.unroll(IT):
+                            if full or (i * NT + tx) * VEC < D:
+                                for v in T.vectorized(VEC):
+                                    wl[v] = w[(i * NT + tx) * VEC + v]
+                                for v in T.unroll(VEC):
+                                    yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                                for v in T.vectorized(VEC):
+                                    ys[(i * NT + tx) * VEC + v] = yl[v]
+                                if (i * NT + tx) % NB == b:
+                                    for v in T.vectorized(VEC):
+                                        y[t, (i * NT + tx) * VEC + v] = yl[v]
+                        T.tvm_storage_sync("shared")
+                        # ---- one logit per warp
+                        if b * NW + warp < E:
+                            acc[0] = T.float32(0)
+                            for i in T.unroll(RIT):
+                                if rfull or (i * 32 + lane) * RVEC < D:
+                                    if ed:
+                                        for v in T.vectorized(RVEC):
+                                            rl[v] = rows[b * NW + warp, (i * 32 + lane) * RVEC + v]
+                                    else:
+                                        for v in T.unroll(RVEC):
+                                            rl[v] = rows[(i * 32 + lane) * RVEC + v, b * NW + warp]
+                                    for v in T.vectorized(RVEC):
+                                        sl[v] = ys[(i * 32 + lane) * RVEC + v]
+                                    for v in T.unroll(RVEC):
+                                        acc[0] = acc[0] + _f32(sl[v]) * _f32(rl[v])
+                            warp_sum(acc, 0)
+                            if lane == 0:
+                                if has_bias:
+                                    logits[t, b * NW + warp] = T.Cast(spec.logits_dtype, acc[0] + _f32(bias[b * NW + warp]))
+                                else:
+                                    logits[t, b * NW + warp] = T.Cast(spec.logits_dtype, acc[0])
+
+    return _signature(spec, body)
+
+
+def _signature(spec: NormRouterSpec, body):
+    """The PrimFunc around ``body``: (x, w, rows, [bias], y, logits), T dynamic."""
+    D, E = spec.hidden, spec.outputs
+    rows_shape = (E, D) if spec.rows_layout == "ed" else (D, E)
+    attrs = {"tirx.is_scheduled": True, "global_symbol": "norm_router", "tirx.noalias": True}
+    if spec.bias_dtype is not None:
+        @T.prim_func(s_tir=True)
+        def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, bias_h: T.handle, y_h: T.handle, logits_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            bias = T.match_buffer(bias_h, (E,), spec.bias_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
+            body(x, w, rows, bias, y, logits, N)
+    else:
+        @T.prim_func(s_tir=True)
+        def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, y_h: T.handle, logits_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
+            body(x, w, rows, x, y, logits, N)  # no bias: the body never reads it
+    return norm_router
+
+
+def reference(x, w, rows, bias, eps: float, y_dtype=None, logits_dtype=None, rows_layout: str = "ed"):
+    """NumPy reference of the kernel (float32 math, ``y`` rounded to ``y_dtype`` before the router)."""
+    import numpy as np
+
+    xf = np.asarray(x, np.float32)
+    r = 1.0 / np.sqrt((xf * xf).sum(-1, keepdims=True, dtype=np.float32) / np.float32(xf.shape[-1]) + np.float32(eps))
+    y = (np.asarray(w, np.float32) * (xf * r)).astype(y_dtype or x.dtype)
+    rf = np.asarray(rows, np.float32)
+    logits = y.astype(np.float32) @ (rf.T if rows_layout == "ed" else rf)
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float32)
+    return y, logits.astype(logits_dtype or np.float32)
+
+
+__all__ = ["NormRouterSpec", "launch_config", "make_norm_router", "reference"]
