@@ -67,6 +67,7 @@ def compile(  # noqa: A001 - the public name users call
     tiered_options=None,
     cascade_groups: int | None = None,
     cascade_keep: int | None = None,
+    fuse_router_norm: bool = True,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -96,6 +97,10 @@ def compile(  # noqa: A001 - the public name users call
     cascade_keep : int, optional
         Groups kept per token, 1..cascade_groups (default: half of them, at least 1); equal to
         ``cascade_groups`` it reproduces the original routing.
+    fuse_router_norm : bool
+        Compute each router matmul (the coarse group router with cascade gating) in one kernel with the
+        RMSNorm before it (``moec.passes.fuse_router_norm``): one launch instead of the norm's and the
+        matmul's, the same results up to float rounding. On by default.
 
     Returns
     -------
@@ -104,6 +109,8 @@ def compile(  # noqa: A001 - the public name users call
     from ..passes.pipeline import moec_pipeline
 
     tgt = make_target(target, arch)
+    if not isinstance(fuse_router_norm, bool):
+        raise MoecError(f"fuse_router_norm must be True or False, got {fuse_router_norm!r}")
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
@@ -144,8 +151,13 @@ def compile(  # noqa: A001 - the public name users call
         check_cascade(structure, cascade_groups, cascade_keep, imported.source_name)
         cascade = CascadeGating(imported.num_inputs, cascade_groups, cascade_keep, source=imported.source_name,
                                 weights=dict(zip(imported.weight_names(), imported.weights)))
+    fuse = None
+    if fuse_router_norm:
+        from ..passes.fuse_router_norm import FuseRouterIntoNorm
+
+        fuse = FuseRouterIntoNorm(tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
-                                     cascade)
+                                     cascade, fuse_router_norm=fuse)
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -180,12 +192,14 @@ def compile(  # noqa: A001 - the public name users call
             },
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)
-            + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention", "LegalizeOps", "FuseOps",
+            + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
+            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"],
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
                         "tiered": tiered.to_dict() if tiered is not None else None,
                         "cascade": cascade.manifest() if cascade is not None else None,
+                        "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "entry_functions": _entry_doc(tiered),
             "cuda_kernels": cuda_kernels,

@@ -34,7 +34,8 @@ def cmd_compile(args) -> int:
                                tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance)
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
-                 cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep)
+                 cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
+                 fuse_router_norm=args.fuse_router_norm)
     return 0
 
 
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scored. G must divide the expert count")
     g.add_argument("--cascade-keep", type=int, default=None, metavar="g",
                    help="groups kept per token, 1..G (default G/2); g = G reproduces the original routing")
+    p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute each router matmul (the coarse one with cascade gating) in one kernel with the "
+                        "RMSNorm before it (default: on; same results up to float rounding)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")

@@ -15,6 +15,7 @@ from tvm import relax
 
 from ..schedules.rules import schedule_pass
 from .cascade_gating import CascadeGating
+from .fuse_router_norm import FuseRouterIntoNorm
 from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_power import SimplifyPower
@@ -32,28 +33,9 @@ def _dump(directory: Path | None, name: str):
     return _pass
 
 
-def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
-                  kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None):
-    """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
-
-    ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
-    cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
-    configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
-    """
-    dump = Path(debug_dump) if debug_dump else None
-    if tiered is not None:
-        insert = InsertTieredKVAttention(num_inputs, target, tiered, source)
-        entries = ["prefill", "decode"] + (["rerank"] if tiered.mode == "tiered" else [])
-    else:
-        insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
-        entries = ["prefill", "decode", "create_kv_cache"]
-    passes = [
-        # Phase 1. Decode-ready entry points (attention -> paged KV cache); optional cascade routers first.
-        *([cascade] if cascade is not None else []),
-        insert,
-        SimplifyPower(),
-        relax.transform.DeadCodeElimination(entries),
-        _dump(dump, "phase1_entries"),
+def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None) -> list:
+    """Phases 2-4: what every entry function goes through once phase 1 has built it."""
+    return [
         # Phase 2. Lower to TIR and fuse.
         relax.transform.LegalizeOps({"relax.topk": legalize_topk}),
         relax.transform.AnnotateTIROpPattern(),
@@ -78,6 +60,50 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         relax.transform.VMShapeLower(),
         relax.transform.AttachGlobalSymbol(),
         _dump(dump, "phase4_vm"),
+    ]
+
+
+def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.transform.Pass:
+    """Phases 2-4 of the "moec" pipeline alone, for a module whose entry functions are already built
+    (e.g. a kernel benchmark compiling norm + router exactly as a model's entries get compiled)."""
+    seq = tvm.transform.Sequential(_lowering(target, list(entries), None), name="moec-lowering")
+
+    @tvm.transform.module_pass(opt_level=0, name="moec-lowering")
+    def _pipeline(mod, _ctx):
+        with target:
+            return seq(mod)
+
+    return _pipeline
+
+
+def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
+                  kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
+                  fuse_router_norm: FuseRouterIntoNorm | None = None):
+    """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
+
+    ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
+    cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
+    configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
+    ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
+    matmul (the coarse one after cascade gating) with its RMSNorm in the entries.
+    """
+    dump = Path(debug_dump) if debug_dump else None
+    if tiered is not None:
+        insert = InsertTieredKVAttention(num_inputs, target, tiered, source)
+        entries = ["prefill", "decode"] + (["rerank"] if tiered.mode == "tiered" else [])
+    else:
+        insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
+        entries = ["prefill", "decode", "create_kv_cache"]
+    passes = [
+        # Phase 1. Decode-ready entry points (attention -> paged KV cache); optional cascade routers first,
+        # optional norm + router fusion in the entries last.
+        *([cascade] if cascade is not None else []),
+        insert,
+        SimplifyPower(),
+        *([fuse_router_norm] if fuse_router_norm is not None else []),
+        relax.transform.DeadCodeElimination(entries),
+        _dump(dump, "phase1_entries"),
+        *_lowering(target, entries, dump),
     ]
     seq = tvm.transform.Sequential(passes, name="moec")
 

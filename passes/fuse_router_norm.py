@@ -1,0 +1,382 @@
+"""FuseRouterIntoNorm: the RMSNorm before a router and the router matmul become one kernel.
+
+Expects entry functions (attribute ``num_input``: leading non-weight parameters, then the weights),
+as ``InsertPagedKVAttention`` / ``InsertTieredKVAttention`` build them, after ``CascadeGating`` if it
+runs and after ``SimplifyPower``. In each entry it matches, by structure only (legend: T tokens, D
+hidden, E router outputs):
+
+  * an RMSNorm (those ``compiler.moe_structure`` recognises, and any other router input), checked op by op:
+    ``o = w * (x * rsqrt(mean(x*x, -1) + eps))`` (also ``power(x, 2)``, ``1 / sqrt``, ``x / sqrt``, an
+    upcast of x to float32 before the square, a cast between ``x * r`` and ``w *``, and
+    ``nn.rms_norm``), with ``w`` a 1-D weight [D];
+  * a router reading ``o``: ``logits = reshape|astype(o) @ R^T [+ b]`` (R [E, D], or R^T [D, E]; R and b
+    weights or constants, through layout ops) whose logits reach a ``topk`` through softmax, sigmoid,
+    bias adds and layout ops only: the flat router (R the router weight, [E, D]) and, after cascade
+    gating, the coarse group router (R = Cr [G, D], b [G]). The cascade's fine router (a gather of
+    router rows) is not a matmul and stays as it is.
+
+Guarantees after: each match is one ``call_tir`` of ``schedules.kernels.norm_router`` (llvm or CUDA
+form by target) with two outputs, the normalised hidden state [T, D] (``o``'s dtype) and the logits
+[T, E] (the matmul's, or bias add's, dtype); every user of ``o`` reads the first, every user of the
+logits the second. The unfused norm and matmul bindings are left dead for the dead-code elimination
+after phase 1. Nothing else changes; norms and routers that do not match stay unfused (``skipped``
+says why where a norm did reach a router). The kernel computes in float32 and the router reads the
+normalised row as stored, so results equal the unfused graph's up to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import tvm
+from tvm import relax
+from tvm.sym.analyzer import Analyzer
+
+from ..compiler.errors import MoecError
+from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from ..compiler.moe_structure import _Analyzer
+from ..schedules.kernels.norm_router import NormRouterSpec, make_norm_router
+
+_SCORE_OPS = frozenset({"relax.nn.softmax", "relax.sigmoid"})
+_OPAQUE = 8  # relay OpPatternKind kOpaque: FuseOps leaves the hand-written kernel alone
+
+
+@dataclass
+class _Match:
+    norm: relax.Var  # o [.., D], the norm output
+    x: relax.Expr  # the norm input [.., D]
+    weight: relax.Expr  # w [D]
+    logits: relax.Var  # the router logits [.., E] (matmul, or bias add after it)
+    matmul: relax.Var
+    rows: relax.Expr  # R [E, D] ("ed") or R^T [D, E] ("de")
+    bias: relax.Expr | None
+    spec: NormRouterSpec
+
+
+class _Matcher:
+    """Norm + router matches of one function (``DataflowGraph`` over its ``num_input`` split)."""
+
+    def __init__(self, func: relax.Function, num_inputs: int, source: str) -> None:
+        self.analyzer = _Analyzer(func, num_inputs, source)
+        self.g = self.analyzer.g
+        self.skipped: list[str] = []
+
+    def static(self, expr) -> bool:
+        """A weight or constant, maybe through layout ops (and so computable anywhere in the function)."""
+        g = self.g
+        while isinstance(expr, relax.Var) and expr not in g.weight_set:
+            value = g.value.get(expr)
+            if isinstance(value, relax.Var):  # alias binding
+                expr = value
+            elif g.op(expr) in LAYOUT_OPS:
+                expr = value.args[0]
+            else:
+                return False
+        return isinstance(expr, tvm.ir.GenericConst) or expr in g.weight_set
+
+    # ---------------------------------------------------------------- the norm
+    def norm(self, o):
+        """``(x, w, eps)`` if ``o`` is exactly ``w * (x * rsqrt(mean(x^2, -1) + eps))`` (or a form above)."""
+        g = self.g
+        d = (shape_of(o) or (None,))[-1]
+        if not is_static(d):
+            return None
+        if g.op(o) == "relax.nn.rms_norm":
+            call = g.call(o)
+            axes = [int(a) for a in call.attrs.axes]
+            nd = len(shape_of(o))
+            if axes not in ([-1], [nd - 1]) or not self.static(call.args[1]) or shape_of(call.args[1]) != (d,):
+                return None
+            return call.args[0], call.args[1], float(call.attrs.epsilon)
+        if g.op(o) != "relax.multiply":
+            return None
+        a, b = g.call(o).args
+        if self.static(a) and shape_of(a) == (d,):
+            w, n = a, b
+        elif self.static(b) and shape_of(b) == (d,):
+            w, n = b, a
+        else:
+            return None
+        n = self._upcast(n, any_dtype=True)  # x * r, maybe cast to the output dtype
+        op, call = g.op(n), g.call(n)
+        if op == "relax.multiply":
+            p, q = call.args
+            s = self._recip_sqrt(q)
+            xx, s = (p, s) if s is not None else (q, self._recip_sqrt(p))
+        elif op == "relax.divide":
+            xx, den = call.args
+            s = g.call(den).args[0] if g.op(den) == "relax.sqrt" else None
+        else:
+            return None
+        if s is None:
+            return None
+        eps = 0.0
+        if g.op(s) == "relax.add":
+            m, c = g.call(s).args
+            if const_scalar(c) is None:
+                m, c = c, m
+            if const_scalar(c) is None:
+                return None
+            eps = const_scalar(c)
+            s = m
+        if g.op(s) != "relax.mean":
+            return None
+        mc = g.call(s)
+        nd = len(shape_of(s))
+        if [int(a) for a in mc.attrs.axis] not in ([-1], [nd - 1]) or not bool(mc.attrs.keepdims):
+            return None
+        sq = mc.args[0]
+        while isinstance(g.value.get(sq), relax.Var):  # alias bindings
+            sq = g.value[sq]
+        if g.op(sq) == "relax.multiply" and g.call(sq).args[0].same_as(g.call(sq).args[1]):
+            base = g.call(sq).args[0]
+        elif g.op(sq) == "relax.power" and const_scalar(g.call(sq).args[1]) == 2.0:
+            base = g.call(sq).args[0]
+        else:
+            return None
+        if not base.same_as(xx):
+            return None
+        x = self._upcast(xx)
+        if shape_of(x) != shape_of(o) or dtype_of(x) not in ("float32", "float16", "bfloat16"):
+            return None
+        return x, w, float(eps)
+
+    def _upcast(self, expr, any_dtype: bool = False):
+        """Through one ``astype`` (to float32 unless ``any_dtype``): the cast's input."""
+        g = self.g
+        if g.op(expr) == "relax.astype" and (any_dtype or dtype_of(expr) == "float32"):
+            return g.call(expr).args[0]
+        return expr
+
+    def _recip_sqrt(self, r):
+        """``s`` if ``r`` is ``rsqrt(s)`` or ``1 / sqrt(s)``."""
+        g = self.g
+        if g.op(r) == "relax.rsqrt":
+            return g.call(r).args[0]
+        if g.op(r) == "relax.divide" and const_scalar(g.call(r).args[0]) == 1.0 and g.op(g.call(r).args[1]) == "relax.sqrt":
+            return g.call(g.call(r).args[1]).args[0]
+        return None
+
+    # ---------------------------------------------------------------- the router
+    def router_matmul(self, tk):
+        """The matmul whose logits ``tk`` selects over (through scores, bias adds, layout ops), or None."""
+        g = self.g
+        e = g.call(tk).args[0]
+        while isinstance(e, relax.Var):
+            value, op = g.value.get(e), g.op(e)
+            if isinstance(value, relax.Var):
+                e = value
+            elif op in LAYOUT_OPS or op in _SCORE_OPS:
+                e = g.call(e).args[0]
+            elif op == "relax.add":
+                a, b = g.call(e).args
+                e = a if self.static(b) else (b if self.static(a) else None)
+            elif op == "relax.matmul":
+                return e
+            else:
+                return None
+        return None
+
+    def match(self, m, norms: dict):
+        """The ``_Match`` of router matmul ``m`` if it reads a recognised norm, else None."""
+        g = self.g
+        h, rhs = g.call(m).args
+        # the matmul input: the norm output through reshapes (last axis kept) and an upcast to float32
+        o = h
+        while isinstance(o, relax.Var) and o not in norms:
+            value, op = g.value.get(o), g.op(o)
+            if isinstance(value, relax.Var):
+                o = value
+            elif op == "relax.reshape" or (op == "relax.astype" and dtype_of(o) == "float32"):
+                if shape_of(o)[-1:] != shape_of(g.call(o).args[0])[-1:]:
+                    return None
+                o = g.call(o).args[0]
+            else:
+                break
+        if o in norms:
+            where = f"norm {norms[o][0]} -> router matmul {m.name}"
+            parsed = norms[o][1]
+            if parsed is None:
+                self.skipped.append(f"{where}: the norm is not w * (x * rsqrt(mean(x^2) + eps)) over the last axis")
+                return None
+        else:  # a norm the structure analysis does not list (e.g. a cast between x * r and w *): checked here
+            if not isinstance(o, relax.Var) or o not in g.value:
+                return None
+            where, parsed = f"norm {o.name} -> router matmul {m.name}", self.norm(o)
+            if parsed is None:
+                return None
+        x, w, eps = parsed
+        d = shape_of(o)[-1]
+        out = shape_of(m)
+        e = out[-1] if out else None
+        if len(shape_of(rhs) or ()) != 2 or not is_static(e):
+            self.skipped.append(f"{where}: the router weight is not a 2-D [E, D] matrix")
+            return None
+        if g.op(rhs) == "relax.permute_dims" and shape_of(g.call(rhs).args[0]) == (e, d) and self.static(g.call(rhs).args[0]):
+            rows, layout = g.call(rhs).args[0], "ed"
+        elif shape_of(rhs) == (d, e) and self.static(rhs):
+            rows, layout = rhs, "de"
+        else:
+            self.skipped.append(f"{where}: the router weight is not a weight or constant R^T ([E, D] transposed) or [D, E]")
+            return None
+        logits, bias = m, None
+        users = g.users.get(m, [])
+        if len(users) == 1 and g.op(users[0]) == "relax.add":
+            a, b = g.call(users[0]).args
+            other = b if a.same_as(m) else a
+            if self.static(other) and shape_of(other) in ((e,), (1, e)) and dtype_of(other) == dtype_of(m):
+                logits, bias = users[0], other
+        spec = NormRouterSpec(hidden=int(d), outputs=int(e), eps=eps, x_dtype=dtype_of(x), weight_dtype=dtype_of(w),
+                              rows_dtype=dtype_of(rows), y_dtype=dtype_of(o), logits_dtype=dtype_of(logits),
+                              bias_dtype=dtype_of(bias) if bias is not None else None, rows_layout=layout)
+        try:
+            spec.check()
+        except MoecError as exc:
+            self.skipped.append(f"{where}: {exc}")
+            return None
+        return _Match(norm=o, x=x, weight=w, logits=logits, matmul=m, rows=rows, bias=bias, spec=spec)
+
+    def run(self) -> list[_Match]:
+        g = self.g
+        norms = {}
+        for info in self.analyzer.find_norms():
+            if info.out_var not in norms:
+                norms[info.out_var] = (info.weight, self.norm(info.out_var))
+        # router matmuls: the structure analysis' (weight rows, group-limited routers too) and the plain
+        # logits -> [bias] -> scores -> top-k chains (also constant rows: the cascade's coarse router)
+        routers = set()
+        for tk in g.calls_of("relax.topk"):
+            info = self.analyzer.find_router(tk)
+            routers |= {m for m in (info.linear_var if info is not None else None, self.router_matmul(tk)) if m is not None}
+        found = []
+        for m in sorted(routers, key=lambda v: g.order[v]):
+            match = self.match(m, norms)
+            if match is not None and all(not match.norm.same_as(f.norm) for f in found):
+                found.append(match)
+        return found
+
+
+@relax.expr_functor.mutator
+class _FuseRouterNormRewriter(relax.PyExprMutator):
+    def __init__(self, mod, graph: DataflowGraph, matches: list[_Match], kernel) -> None:
+        super().__init__(mod)
+        self.g = graph
+        self.by_norm = {m.norm: m for m in matches}
+        self.replaced = {}  # logits var -> the kernel's logits output
+        self.dropped = {m.matmul for m in matches if not m.matmul.same_as(m.logits)}  # matmul feeding a fused bias add
+        self.kernel = kernel  # spec -> GlobalVar
+        self.position = -1
+
+    def _materialize(self, expr):
+        """``expr`` (static: weights, constants, layout ops) usable at the current binding."""
+        if not isinstance(expr, relax.Var) or expr not in self.g.value or self.g.order[expr] < self.position:
+            return self.visit_expr(expr)
+        value = self.g.value[expr]  # bound later: emit its computation here too
+        if isinstance(value, relax.Var):
+            return self._materialize(value)
+        args = [self._materialize(a) for a in value.args]
+        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.sinfo_args))
+
+    def visit_var_binding_(self, binding) -> None:
+        var = binding.var
+        self.position = self.g.order.get(var, self.position)
+        if var in self.by_norm:
+            self.set_var_remap(var, self._fuse(self.by_norm[var]))
+        elif var in self.replaced:
+            self.set_var_remap(var, self.replaced[var])
+        elif var not in self.dropped:
+            super().visit_var_binding_(binding)
+
+    def _fuse(self, m: _Match):
+        # T tokens, D hidden, E router outputs
+        bb, s = self.builder_, m.spec
+        x = self.visit_expr(m.x)
+        lead = list(shape_of(x)[:-1])
+        t = Analyzer().simplify(_prod(lead))
+        if len(lead) != 1:
+            x = bb.emit(relax.op.reshape(x, [t, s.hidden]))  # T, D
+        w = self._materialize(m.weight)
+        rows = self._materialize(m.rows)
+        args = [x, w, rows]
+        if m.bias is not None:
+            bias = self._materialize(m.bias)
+            args.append(bias if shape_of(m.bias) == (s.outputs,) else bb.emit(relax.op.reshape(bias, [s.outputs])))
+        out = bb.emit(relax.call_tir(self.kernel(s), args, out_ty=[
+            relax.TensorType([t, s.hidden], s.y_dtype), relax.TensorType([t, s.outputs], s.logits_dtype)]))
+        y = bb.emit(relax.TupleGetItem(out, 0))  # T, D
+        logits = bb.emit(relax.TupleGetItem(out, 1))  # T, E
+        if len(shape_of(m.norm)) != 2:
+            y = bb.emit(relax.op.reshape(y, list(shape_of(m.norm))))
+        if len(shape_of(m.logits)) != 2:
+            logits = bb.emit(relax.op.reshape(logits, list(shape_of(m.logits))))
+        self.replaced[m.logits] = logits
+        return y
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseRouterIntoNorm")
+class FuseRouterIntoNorm:
+    """Fuse each router matmul with the RMSNorm it reads into one ``norm_router`` kernel.
+
+    Parameters
+    ----------
+    target : tvm.target.Target
+        Picks the kernel form: CUDA for ``cuda`` targets, the serial llvm form otherwise.
+    source : str
+        Model name for messages.
+    """
+
+    def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
+        if not isinstance(target, tvm.target.Target):
+            raise MoecError(f"FuseRouterIntoNorm needs a tvm.target.Target, got {type(target).__name__}")
+        self.target, self.source = target, source
+        self.fused: dict[str, int] = {}
+        self.skipped: dict[str, list[str]] = {}
+        self.kernels: dict[NormRouterSpec, str] = {}
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        entries = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
+                   and "num_input" in f.attrs]
+        if not entries:
+            raise MoecError(f"{self.source}: FuseRouterIntoNorm rewrites functions with a num_input attribute (model "
+                            "inputs first, then the weights), such as the entries InsertPagedKVAttention / "
+                            "InsertTieredKVAttention build; the module has none")
+        form = "cuda" if self.target.kind.name == "cuda" else "llvm"
+        gvars: dict[NormRouterSpec, relax.GlobalVar] = {}
+        out = mod
+        for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
+            func = relax.analysis.remove_all_unused(func)  # e.g. the routers CascadeGating replaced
+            matcher = _Matcher(func, int(func.attrs["num_input"]), self.source)
+            matches = matcher.run()
+            self.fused[gv.name_hint] = len(matches)
+            self.skipped[gv.name_hint] = matcher.skipped
+            if not matches:
+                continue
+            rewriter = _FuseRouterNormRewriter(out, matcher.g, matches, None)
+
+            def kernel(spec, rewriter=rewriter):
+                if spec not in gvars:
+                    prim = make_norm_router(spec, form).without_attr("global_symbol").with_attr("op_pattern", _OPAQUE)
+                    gvars[spec] = rewriter.builder_.add_func(prim, "norm_router")
+                    self.kernels[spec] = gvars[spec].name_hint
+                return gvars[spec]
+
+            rewriter.kernel = kernel
+            new_func = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gv, new_func)
+            out = rewriter.builder_.get()
+        return out
+
+    def manifest(self) -> dict:
+        """Fused norm + router pairs per entry, the kernels (one per distinct shape/dtype), and what was skipped."""
+        return {"fused": dict(self.fused), "kernels": {name: asdict(spec) for spec, name in self.kernels.items()},
+                "skipped": {k: v for k, v in self.skipped.items() if v}}
+
+
+__all__ = ["FuseRouterIntoNorm"]

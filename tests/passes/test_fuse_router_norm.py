@@ -1,0 +1,383 @@
+"""FuseRouterIntoNorm: the kernel against NumPy, IR before/after, compiled models fused vs unfused (flat and
+cascade), kernel launches of the CUDA build (sm_90, no GPU needed), options and refusals."""
+
+import collections
+import json
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import moec
+from moec.compiler.errors import MoecError
+from moec.compiler.importers import import_model
+from moec.compiler.targets import make_target
+from moec.passes.fuse_router_norm import FuseRouterIntoNorm
+from moec.schedules.kernels.norm_router import NormRouterSpec, launch_config, make_norm_router, reference
+
+from moec_testing import ATOL, torch_last_logits
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+D, E = 64, 8  # tiny: hidden, experts
+
+
+def _calls(func, op):
+    found = []
+    relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == op else None)
+    return found
+
+
+def _tir_calls(func):
+    return [c for c in _calls(func, "relax.call_tir")]
+
+
+# ---------------------------------------------------------------------------- the kernel
+
+
+def _kernel_args(spec, t, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, spec.hidden)) * rng.uniform(0.1, 20, (t, 1))).astype(NP[spec.x_dtype])
+    w = rng.uniform(0.5, 1.5, spec.hidden).astype(NP[spec.weight_dtype])
+    shape = (spec.outputs, spec.hidden) if spec.rows_layout == "ed" else (spec.hidden, spec.outputs)
+    rows = (rng.standard_normal(shape) * 0.1).astype(NP[spec.rows_dtype])
+    bias = rng.standard_normal(spec.outputs).astype(NP[spec.bias_dtype]) if spec.bias_dtype else None
+    return x, w, rows, bias
+
+
+@pytest.mark.parametrize("spec", [
+    NormRouterSpec(64, 8, 1e-5),
+    NormRouterSpec(100, 6, 1e-6, bias_dtype="float32", rows_layout="de"),
+    NormRouterSpec(96, 4, 1e-5, *["bfloat16"] * 4, "float32", bias_dtype="float32"),
+    NormRouterSpec(72, 5, 1e-5, *["float16"] * 5, bias_dtype="float16"),
+], ids=["fp32", "fp32-bias-transposed", "bf16-fp32-logits", "fp16-bias"])
+def test_kernel_matches_numpy(spec):
+    ex = tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "llvm")}), target=LLVM)
+    for t in (1, 7):  # one compiled kernel, any token count
+        x, w, rows, bias = _kernel_args(spec, t, seed=t)
+        y = np.zeros((t, spec.hidden), NP[spec.y_dtype])
+        logits = np.zeros((t, spec.outputs), NP[spec.logits_dtype])
+        args = [tvm.runtime.tensor(a) for a in [x, w, rows] + ([bias] if bias is not None else []) + [y, logits]]
+        ex["norm_router"](*args)
+        want_y, want_l = reference(x, w, rows, bias, spec.eps, NP[spec.y_dtype], NP[spec.logits_dtype], spec.rows_layout)
+        got_y, got_l = args[-2].numpy().astype(np.float32), args[-1].numpy().astype(np.float32)
+        # float32: summation order only; 16-bit outputs: at most one rounding step apart
+        tol = 1e-5 if spec.y_dtype == "float32" else 1e-2
+        np.testing.assert_allclose(got_y, want_y.astype(np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got_l, want_l.astype(np.float32), rtol=tol, atol=tol * 10)
+        xf = x.astype(np.float64)  # and the definition itself, in float64
+        yd = w.astype(np.float64) * xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + spec.eps)
+        np.testing.assert_allclose(got_y, yd, rtol=2e-2 if spec.y_dtype != "float32" else 1e-5, atol=1e-5)
+
+
+def test_cuda_form_one_kernel_and_nvcc():
+    from tvm.support import nvcc
+
+    spec = NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5)
+    cfg = launch_config(spec)
+    assert cfg == {"threads": 256, "warps": 8, "blocks_per_row": 8, "vec": 8, "rows_vec": 8, "iters": 1, "rows_iters": 8,
+                   "shared_bytes": 2048 * 2 + 8 * 4}
+    target = make_target("cuda", "sm_90")
+    ex = tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "cuda")}), target=target)
+    from moec.compiler.build import _cuda_modules
+
+    src = _cuda_modules(ex.mod)[0].inspect_source("cuda")
+    kernels = set(re.findall(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src))
+    assert kernels == {("256", "norm_router_kernel")}
+    assert "__shfl_xor_sync" in src and "__syncthreads" in src and "uint4" in src  # shuffles, shared row, 16-byte loads
+    with target:
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+def test_kernel_refusals():
+    with pytest.raises(MoecError, match="x_dtype must be one of"):
+        make_norm_router(NormRouterSpec(64, 8, 1e-5, x_dtype="int8"))
+    with pytest.raises(MoecError, match="rows layout"):
+        make_norm_router(NormRouterSpec(64, 8, 1e-5, rows_layout="ee"))
+    with pytest.raises(MoecError, match="positive integers"):
+        make_norm_router(NormRouterSpec(0, 8, 1e-5))
+    with pytest.raises(MoecError, match="target must be"):
+        make_norm_router(NormRouterSpec(64, 8, 1e-5), target="rocm")
+    with pytest.raises(MoecError, match="shared memory"):
+        make_norm_router(NormRouterSpec(16384, 8, 1e-5), target="cuda")  # a float32 row of 64 KiB
+
+
+# ---------------------------------------------------------------------------- IR before / after
+
+
+def _entry(x_shape=("n", D), norm="rsqrt", bias=False, rows_layout="ed", mean_axis=-1, router=True, weight_input=False,
+           const_rows=False, dtype="float32", cast=False):
+    """``decode(x, [w], *weights)``: RMSNorm, router matmul (+ bias), softmax, top-k; returns (h, values, ids)."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    shape = [n if s == "n" else s for s in x_shape]
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    w = relax.Var("w", relax.TensorType((D,), dtype))
+    rows_shape = (E, D) if rows_layout == "ed" else (D, E)
+    r = relax.Var("router", relax.TensorType(rows_shape, dtype))
+    params = [x, w, r] if weight_input or not const_rows else [x, w]
+    rng = np.random.default_rng(0)
+    with bb.function("decode", params, attrs={"num_input": 2 if weight_input else 1}):
+        with bb.dataflow():
+            emit = bb.emit
+            xx = emit(relax.op.astype(x, "float32")) if cast else x  # HF style: the norm in float32, cast back
+            cdt = "float32" if cast else dtype
+            sq = emit(relax.op.power(xx, relax.const(2.0, cdt))) if norm == "power" else emit(relax.op.multiply(xx, xx))
+            ms = emit(relax.op.mean(sq, axis=[mean_axis], keepdims=True))
+            s = emit(relax.op.add(ms, relax.const(1e-5, cdt)))
+            if norm == "div":
+                n_ = emit(relax.op.divide(xx, emit(relax.op.sqrt(s))))
+            else:
+                n_ = emit(relax.op.multiply(xx, emit(relax.op.rsqrt(s))))
+            if cast:
+                n_ = emit(relax.op.astype(n_, dtype))
+            h = emit(relax.op.multiply(w, n_))
+            flat = emit(relax.op.reshape(h, [-1, D])) if len(shape) == 3 else h
+            rows = relax.const(rng.standard_normal(rows_shape).astype("float32")) if const_rows else r
+            rhs = emit(relax.op.permute_dims(rows, [1, 0])) if rows_layout == "ed" else rows
+            logits = emit(relax.op.matmul(flat, rhs, out_dtype=dtype))
+            if bias:
+                logits = emit(relax.op.add(logits, relax.const(rng.standard_normal(E).astype("float32"))))
+            if router:
+                top = emit(relax.op.topk(emit(relax.op.nn.softmax(logits, axis=-1)), k=2, axis=-1, ret_type="both",
+                                         largest=True, dtype="int64"))
+                out = bb.emit_output(relax.Tuple([h, emit(relax.TupleGetItem(top, 0)), emit(relax.TupleGetItem(top, 1))]))
+            else:
+                out = bb.emit_output(relax.Tuple([h, logits]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _fuse(mod, target=LLVM):
+    p = FuseRouterIntoNorm(target)
+    out = relax.transform.DeadCodeElimination(["decode"])(p(mod))
+    return p, out
+
+
+def _expected(before, spec):
+    """What the pass guarantees, built by hand: one norm_router call, its outputs consumed downstream."""
+    f = before["decode"]
+    x, w, r = f.params
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(make_norm_router(spec, "llvm").without_attr("global_symbol").with_attr("op_pattern", 8), "norm_router")
+    n = x.ty.shape[0]
+    with bb.function("decode", [x, w, r], attrs={"num_input": 1}):
+        with bb.dataflow():
+            out = bb.emit(relax.call_tir(gv, [x, w, r], out_ty=[relax.TensorType([n, D], "float32"),
+                                                                relax.TensorType([n, E], "float32")]))
+            h, logits = bb.emit(relax.TupleGetItem(out, 0)), bb.emit(relax.TupleGetItem(out, 1))
+            top = bb.emit(relax.op.topk(bb.emit(relax.op.nn.softmax(logits, axis=-1)), k=2, axis=-1, ret_type="both",
+                                        largest=True, dtype="int64"))
+            res = bb.emit_output(relax.Tuple([h, bb.emit(relax.TupleGetItem(top, 0)), bb.emit(relax.TupleGetItem(top, 1))]))
+        bb.emit_func_output(res)
+    return bb.get()
+
+
+def test_ir_before_after():
+    before = _entry()
+    assert len(_calls(before["decode"], "relax.matmul")) == 1 and len(_calls(before["decode"], "relax.rsqrt")) == 1
+    p, after = _fuse(before)
+    assert p.fused == {"decode": 1}
+    spec = NormRouterSpec(D, E, float(np.float32(1e-5)))
+    tvm.ir.assert_structural_equal(after, _expected(before, spec), map_free_vars=True)
+    assert p.manifest()["kernels"] == {"norm_router": {**spec.__dict__}}
+
+
+@pytest.mark.parametrize("kw", [dict(norm="power"), dict(norm="div"), dict(x_shape=(1, "n", D)), dict(bias=True, const_rows=True),
+                                dict(rows_layout="de"), dict(dtype="float16", cast=True, norm="power")],
+                         ids=["power", "x-over-sqrt", "3d", "coarse-const-bias", "rows-de", "fp16-hf-casts"])
+def test_ir_forms_fuse_and_compute_the_same(kw):
+    before = _entry(**kw)
+    p, after = _fuse(before)
+    assert p.fused == {"decode": 1}
+    f = after["decode"]
+    assert not _calls(f, "relax.matmul") and not _calls(f, "relax.mean")  # norm and router computed by the kernel only
+    (call,) = _tir_calls(f)
+    assert call.args[0].name_hint == "norm_router" and len(call.ty.fields) == 2
+    if kw.get("bias"):
+        assert len(call.args[1].fields) == 4  # x, w, rows, bias
+    # compiled before and after: the same outputs
+    shape = [5 if s == "n" else s for s in (kw.get("x_shape") or ("n", D))]
+    rng = np.random.default_rng(1)
+    dt = kw.get("dtype", "float32")
+    ins = [(rng.standard_normal(shape) * 3).astype(dt), rng.uniform(0.5, 1.5, D).astype(dt)]
+    if not kw.get("const_rows"):
+        ins.append(rng.standard_normal((E, D) if kw.get("rows_layout", "ed") == "ed" else (D, E)).astype(dt))
+    outs = []
+    for mod in (before, after):
+        mod = relax.transform.LegalizeOps({"relax.topk": __import__("moec.passes.legalize_topk", fromlist=["x"]).legalize_topk})(mod)
+        vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+        outs.append([a.numpy() for a in vm["decode"](*[tvm.runtime.tensor(a) for a in ins])])
+    tol = 1e-5 if dt == "float32" else 2e-2  # 16-bit: the unfused matmul also accumulates in float16
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kw", [dict(mean_axis=0), dict(router=False), dict(weight_input=True)],
+                         ids=["mean-over-tokens", "no-topk", "norm-weight-is-an-input"])
+def test_ir_not_a_norm_router_stays(kw):
+    before = _entry(**kw)
+    p, after = _fuse(before)
+    assert p.fused == {"decode": 0}
+    tvm.ir.assert_structural_equal(after, relax.transform.DeadCodeElimination(["decode"])(before))
+
+
+def test_refusals(zoo):
+    with pytest.raises(MoecError, match="functions with a num_input attribute"):
+        FuseRouterIntoNorm(LLVM).transform_module(tvm.IRModule({"decode": _entry()["decode"].without_attr("num_input")}), None)
+    with pytest.raises(MoecError, match="needs a tvm.target.Target"):
+        FuseRouterIntoNorm("llvm")
+    with pytest.raises(MoecError, match="fuse_router_norm must be True or False"):
+        moec.compile(zoo.source("tiny", "pt2"), "/nonexistent/never-written", fuse_router_norm="yes")
+
+
+# ---------------------------------------------------------------------------- compiled models
+
+
+def _run(artifact, prompts=((5, 6, 7, 8, 9, 10, 11), (12, 13, 14)), steps=3):
+    engine = moec.load(artifact)
+    seqs, logits = engine.prefill([list(p) for p in prompts])
+    out, histories = [logits], [list(p) for p in prompts]
+    for _ in range(steps):
+        nxt = logits.argmax(-1)
+        for h, t in zip(histories, nxt):
+            h.append(int(t))
+        logits = engine.decode(seqs, nxt)
+        out.append(logits)
+    return np.stack(out), histories
+
+
+def test_compiled_fused_equals_unfused(zoo, tmp_path):
+    fused = zoo.artifact("tiny", "pt2")  # the default build fuses
+    unfused = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "unfused", target="llvm", fuse_router_norm=False)
+    mf, mu = (json.loads((a / "manifest.json").read_text()) for a in (fused, unfused))
+    assert mf["options"]["fuse_router_norm"]["fused"] == {"decode": 2, "prefill": 2} and "FuseRouterIntoNorm" in mf["passes"]
+    assert mu["options"]["fuse_router_norm"] is None and "FuseRouterIntoNorm" not in mu["passes"]
+    (lf, hist), (lu, _) = _run(fused), _run(unfused)
+    np.testing.assert_allclose(lf, lu, rtol=1e-5, atol=1e-5)
+    model, _ = zoo.model("tiny")
+    np.testing.assert_allclose(lf[-1][0], torch_last_logits(model, hist[0]), atol=ATOL, rtol=1e-4)
+
+
+def test_compiled_fused_equals_unfused_with_cascade(zoo, tmp_path):
+    arts = {fuse: moec.compile(zoo.source("tiny", "pt2"), tmp_path / f"c{fuse}", target="llvm", cascade_groups=4, cascade_keep=2,
+                               fuse_router_norm=fuse) for fuse in (True, False)}
+    m = json.loads((arts[True] / "manifest.json").read_text())["options"]["fuse_router_norm"]
+    assert m["fused"] == {"decode": 2, "prefill": 2}
+    (spec,) = m["kernels"].values()
+    assert spec["outputs"] == 4 and spec["bias_dtype"] == "float32"  # the coarse router: G logits plus a bias
+    np.testing.assert_allclose(_run(arts[True])[0], _run(arts[False])[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- kernel launches on CUDA (sm_90)
+
+
+@tvm.instrument.pass_instrument
+class _Scheduled:
+    """Keeps the module after phase 3 (the schedules): the PrimFuncs behind the VM's kernel calls."""
+
+    def __init__(self):
+        self.mod = None
+
+    def run_after_pass(self, mod, info):
+        if info.name == "ApplySchedules":
+            self.mod = mod
+
+
+def _decode_launches(imported, fuse: bool, cascade: bool) -> tuple[collections.Counter, dict]:
+    """Kernel launches of one ``decode`` call of the CUDA build, per PrimFunc (keyed by its body).
+
+    The VM's calls in ``decode`` that name a PrimFunc, each counted as the number of ``__global__``
+    kernels that PrimFunc compiled to (``<name>_kernel``, ``<name>_kernel_1``, ...).
+    """
+    import tvm_ffi
+
+    from moec.compiler.build import _cuda_modules
+    from moec.passes.cascade_gating import CascadeGating
+    from moec.passes.pipeline import moec_pipeline
+
+    target = make_target("cuda", "sm_90")
+    cas = CascadeGating(imported.num_inputs, 4, 2, weights=dict(zip(imported.weight_names(), imported.weights))) if cascade else None
+    pipe, _ = moec_pipeline(imported.num_inputs, target, "tiny", cascade=cas,
+                            fuse_router_norm=FuseRouterIntoNorm(target) if fuse else None)
+    keep = _Scheduled()
+    with tvm.transform.PassContext(instruments=[keep]):
+        ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipe)
+    src = "".join(m.inspect_source("cuda") for m in _cuda_modules(ex.mod))
+    per_func = collections.Counter(re.sub(r"_kernel(_\d+)?$", "", k)
+                                   for k in set(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(', src)))
+    text = ex.as_text()
+    decode = text[text.index("@decode:"):].split("\n\n")[0]
+    key = {gv.name_hint: tvm_ffi.structural_hash(f.without_attr("global_symbol"))
+           for gv, f in keep.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    launches, names = collections.Counter(), {}
+    for call in re.finditer(r"call\s+(\S+)\s+in:", decode):
+        name = call.group(1)
+        if name in per_func:
+            launches[key[name]] += per_func[name]
+            names[key[name]] = name
+    return launches, names
+
+
+@pytest.fixture(scope="module")
+def imported(zoo):
+    return import_model(zoo.source("tiny", "pt2"))
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["flat", "cascade"])
+def test_cuda_decode_one_launch_for_norm_and_router(imported, cascade):
+    """Everything but the norm + router region is the same in both builds: the launches only one build has
+    are that region's. Unfused, each layer's norm and (coarse) router take >= 2 launches; fused, exactly one."""
+    (unfused, un), (fused, fn) = _decode_launches(imported, False, cascade), _decode_launches(imported, True, cascade)
+    only_unfused, only_fused = unfused - fused, fused - unfused
+    layers = 2
+    assert {fn[k] for k in only_fused} == {"norm_router"} and sum(only_fused.values()) == layers  # one launch per layer
+    assert sum(only_unfused.values()) >= 2 * layers and all(v % layers == 0 for v in only_unfused.values()), \
+        {un[k]: v for k, v in only_unfused.items()}
+    assert sum(unfused.values()) - sum(fused.values()) == sum(only_unfused.values()) - layers
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def test_cli_flag(monkeypatch, tmp_path):
+    from moec.compiler import build, cli
+
+    seen = {}
+    monkeypatch.setattr(build, "compile", lambda *a, **kw: seen.update(kw))
+    for flag, want in (([], True), (["--no-fuse-router-norm"], False), (["--fuse-router-norm"], True)):
+        assert cli.main(["compile", "model.onnx", "-o", str(tmp_path / "a"), *flag]) == 0
+        assert seen["fuse_router_norm"] is want
+    assert "--fuse-router-norm" in cli.build_parser()._subparsers._group_actions[0].choices["compile"].format_help()
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def _cuda_device() -> bool:
+    from moec.runtime.engine import _load_cuda_runtime
+
+    try:
+        _load_cuda_runtime()
+    except OSError:  # no CUDA driver here
+        return False
+    return tvm.cuda(0).exist
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_and_model(zoo, tmp_path):
+    if not _cuda_device():
+        pytest.skip("no CUDA device")
+    arts = {fuse: moec.compile(zoo.source("tiny", "pt2"), tmp_path / f"g{fuse}", target="cuda", fuse_router_norm=fuse)
+            for fuse in (True, False)}
+    got = {}
+    for fuse, art in arts.items():
+        engine = moec.load(art, device="cuda")
+        seqs, logits = engine.prefill([[5, 6, 7, 8, 9], [1, 2]])
+        got[fuse] = [logits, engine.decode(seqs, logits.argmax(-1))]
+    for a, b in zip(got[True], got[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
