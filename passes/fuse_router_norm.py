@@ -35,7 +35,7 @@ from tvm.sym.analyzer import Analyzer
 from ..compiler.errors import MoecError
 from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
 from ..compiler.moe_structure import _Analyzer
-from ..schedules.kernels.norm_router import NormRouterSpec, make_norm_router
+from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router
 
 _SCORE_OPS = frozenset({"relax.nn.softmax", "relax.sigmoid"})
 _OPAQUE = 8  # relay OpPatternKind kOpaque: FuseOps leaves the hand-written kernel alone
@@ -56,8 +56,9 @@ class _Match:
 class _Matcher:
     """Norm + router matches of one function (``DataflowGraph`` over its ``num_input`` split)."""
 
-    def __init__(self, func: relax.Function, num_inputs: int, source: str) -> None:
+    def __init__(self, func: relax.Function, num_inputs: int, source: str, form: str) -> None:
         self.analyzer = _Analyzer(func, num_inputs, source)
+        self.form = form  # kernel form: "llvm" | "cuda"
         self.g = self.analyzer.g
         self.skipped: list[str] = []
 
@@ -230,7 +231,7 @@ class _Matcher:
                               rows_dtype=dtype_of(rows), y_dtype=dtype_of(o), logits_dtype=dtype_of(logits),
                               bias_dtype=dtype_of(bias) if bias is not None else None, rows_layout=layout)
         try:
-            spec.check()
+            check_supported(spec, self.form)
         except MoecError as exc:
             self.skipped.append(f"{where}: {exc}")
             return None
@@ -275,7 +276,7 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
         if isinstance(value, relax.Var):
             return self._materialize(value)
         args = [self._materialize(a) for a in value.args]
-        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.sinfo_args))
+        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
 
     def visit_var_binding_(self, binding) -> None:
         var = binding.var
@@ -352,7 +353,7 @@ class FuseRouterIntoNorm:
         out = mod
         for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
             func = relax.analysis.remove_all_unused(func)  # e.g. the routers CascadeGating replaced
-            matcher = _Matcher(func, int(func.attrs["num_input"]), self.source)
+            matcher = _Matcher(func, int(func.attrs["num_input"]), self.source, form)
             matches = matcher.run()
             self.fused[gv.name_hint] = len(matches)
             self.skipped[gv.name_hint] = matcher.skipped

@@ -87,14 +87,19 @@ def launch_config(spec: NormRouterSpec) -> dict:
             "shared_bytes": spec.hidden * _BYTES[spec.y_dtype] + warps * 4}
 
 
-def make_norm_router(spec: NormRouterSpec, target: str = "llvm"):
-    """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
+def check_supported(spec: NormRouterSpec, target: str = "llvm") -> None:
+    """Raise ``MoecError`` unless ``make_norm_router(spec, target)`` can build the kernel."""
     spec.check()
     if target not in ("llvm", "cuda"):
         raise MoecError(f"norm_router: target must be 'llvm' or 'cuda', got {target!r}")
-    if target == "cuda" and launch_config(spec).get("shared_bytes") > MAX_SHARED:
+    if target == "cuda" and launch_config(spec)["shared_bytes"] > MAX_SHARED:
         raise MoecError(f"norm_router: a normalised row of {spec.hidden} {spec.y_dtype} needs "
                         f"{launch_config(spec)['shared_bytes']} bytes of shared memory, more than {MAX_SHARED}")
+
+
+def make_norm_router(spec: NormRouterSpec, target: str = "llvm"):
+    """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
+    check_supported(spec, target)
     return (_make_cuda if target == "cuda" else _make_llvm)(spec)
 
 
@@ -268,4 +273,4 @@ def reference(x, w, rows, bias, eps: float, y_dtype=None, logits_dtype=None, row
     return y, logits.astype(logits_dtype or np.float32)
 
 
-__all__ = ["NormRouterSpec", "launch_config", "make_norm_router", "reference"]
+__all__ = ["NormRouterSpec", "check_supported", "launch_config", "make_norm_router", "reference"]

@@ -109,15 +109,15 @@ def test_kernel_refusals():
 # ---------------------------------------------------------------------------- IR before / after
 
 
-def _entry(x_shape=("n", D), norm="rsqrt", bias=False, rows_layout="ed", mean_axis=-1, router=True, weight_input=False,
-           const_rows=False, dtype="float32", cast=False):
+def _entry(x_shape=("n", None), norm="rsqrt", bias=False, rows_layout="ed", mean_axis=-1, router=True, weight_input=False,
+           const_rows=False, dtype="float32", cast=False, d=D):
     """``decode(x, [w], *weights)``: RMSNorm, router matmul (+ bias), softmax, top-k; returns (h, values, ids)."""
     bb = relax.BlockBuilder()
     n = tvm.tirx.Var("n", "int64")
-    shape = [n if s == "n" else s for s in x_shape]
+    shape = [n if s == "n" else (d if s is None else s) for s in x_shape]
     x = relax.Var("x", relax.TensorType(shape, dtype))
-    w = relax.Var("w", relax.TensorType((D,), dtype))
-    rows_shape = (E, D) if rows_layout == "ed" else (D, E)
+    w = relax.Var("w", relax.TensorType((d,), dtype))
+    rows_shape = (E, d) if rows_layout == "ed" else (d, E)
     r = relax.Var("router", relax.TensorType(rows_shape, dtype))
     params = [x, w, r] if weight_input or not const_rows else [x, w]
     rng = np.random.default_rng(0)
@@ -136,12 +136,15 @@ def _entry(x_shape=("n", D), norm="rsqrt", bias=False, rows_layout="ed", mean_ax
             if cast:
                 n_ = emit(relax.op.astype(n_, dtype))
             h = emit(relax.op.multiply(w, n_))
-            flat = emit(relax.op.reshape(h, [-1, D])) if len(shape) == 3 else h
+            flat = emit(relax.op.reshape(h, [-1, d])) if len(shape) == 3 else h
             rows = relax.const(rng.standard_normal(rows_shape).astype("float32")) if const_rows else r
+            if const_rows and dtype != "float32":  # as CascadeGating emits them: float32 constants cast in Relax,
+                rows = emit(relax.op.astype(rows, dtype))  # bound after the norm (the pass re-emits them before)
             rhs = emit(relax.op.permute_dims(rows, [1, 0])) if rows_layout == "ed" else rows
             logits = emit(relax.op.matmul(flat, rhs, out_dtype=dtype))
             if bias:
-                logits = emit(relax.op.add(logits, relax.const(rng.standard_normal(E).astype("float32"))))
+                b = relax.const(rng.standard_normal(E).astype("float32"))
+                logits = emit(relax.op.add(logits, b if dtype == "float32" else emit(relax.op.astype(b, dtype))))
             if router:
                 top = emit(relax.op.topk(emit(relax.op.nn.softmax(logits, axis=-1)), k=2, axis=-1, ret_type="both",
                                          largest=True, dtype="int64"))
@@ -187,9 +190,10 @@ def test_ir_before_after():
     assert p.manifest()["kernels"] == {"norm_router": {**spec.__dict__}}
 
 
-@pytest.mark.parametrize("kw", [dict(norm="power"), dict(norm="div"), dict(x_shape=(1, "n", D)), dict(bias=True, const_rows=True),
-                                dict(rows_layout="de"), dict(dtype="float16", cast=True, norm="power")],
-                         ids=["power", "x-over-sqrt", "3d", "coarse-const-bias", "rows-de", "fp16-hf-casts"])
+@pytest.mark.parametrize("kw", [dict(norm="power"), dict(norm="div"), dict(x_shape=(1, "n", None)), dict(bias=True, const_rows=True),
+                                dict(rows_layout="de"), dict(dtype="float16", cast=True, norm="power"),
+                                dict(dtype="float16", bias=True, const_rows=True)],
+                         ids=["power", "x-over-sqrt", "3d", "coarse-const-bias", "rows-de", "fp16-hf-casts", "fp16-coarse-cast-consts"])
 def test_ir_forms_fuse_and_compute_the_same(kw):
     before = _entry(**kw)
     p, after = _fuse(before)
@@ -201,7 +205,7 @@ def test_ir_forms_fuse_and_compute_the_same(kw):
     if kw.get("bias"):
         assert len(call.args[1].fields) == 4  # x, w, rows, bias
     # compiled before and after: the same outputs
-    shape = [5 if s == "n" else s for s in (kw.get("x_shape") or ("n", D))]
+    shape = [5 if s == "n" else (D if s is None else s) for s in (kw.get("x_shape") or ("n", None))]
     rng = np.random.default_rng(1)
     dt = kw.get("dtype", "float32")
     ins = [(rng.standard_normal(shape) * 3).astype(dt), rng.uniform(0.5, 1.5, D).astype(dt)]
@@ -224,6 +228,14 @@ def test_ir_not_a_norm_router_stays(kw):
     p, after = _fuse(before)
     assert p.fused == {"decode": 0}
     tvm.ir.assert_structural_equal(after, relax.transform.DeadCodeElimination(["decode"])(before))
+
+
+def test_cuda_row_too_wide_for_shared_memory_is_skipped():
+    p, after = _fuse(_entry(d=16384), make_target("cuda", "sm_90"))  # a float32 row of 64 KiB
+    assert p.fused == {"decode": 0} and "shared memory" in p.skipped["decode"][0]
+    assert _calls(after["decode"], "relax.matmul") and not _tir_calls(after["decode"])
+    p, _ = _fuse(_entry(d=2048), make_target("cuda", "sm_90"))
+    assert p.fused == {"decode": 1} and p.manifest()["skipped"] == {}
 
 
 def test_refusals(zoo):
