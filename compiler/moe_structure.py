@@ -65,13 +65,17 @@ class RouterInfo:
     renormalize: bool
     n_group: int = 1
     topk_group: int = 1
+    group_score: str | None = None  # group-limited: max | top2_sum | sum | other (how a group's score is formed)
+    bias: str | None = None  # weight added to the scores before choosing (DeepSeek-V3 e_score_correction_bias)
     topk_var: relax.Var | None = field(default=None, repr=False, compare=False)
     linear_var: relax.Var | None = field(default=None, repr=False, compare=False)
+    group_topk_var: relax.Var | None = field(default=None, repr=False, compare=False)  # top-k over the [T, G] group scores
 
     def to_dict(self):
         return {
             "weight": self.weight, "num_experts": self.num_experts, "top_k": self.top_k, "score": self.score,
             "renormalize": self.renormalize, "n_group": self.n_group, "topk_group": self.topk_group,
+            "group_score": self.group_score, "bias": self.bias,
         }
 
 
@@ -126,7 +130,7 @@ class MoEStructure:
         }
 
     def table(self) -> str:
-        head = f"{'layer':>5}  {'attention (H/Hkv x Dh, scale)':<30} {'norms':<22} {'router':<34} {'experts':<24} shared"
+        head = f"{'layer':>5}  {'attention (H/Hkv x Dh, scale)':<30} {'norms':<22} {'router':<46} {'experts':<24} shared"
         rows = [head, "-" * len(head)]
         for layer in self.layers:
             a = layer.attention
@@ -136,14 +140,16 @@ class MoEStructure:
                 r = layer.router
                 router = f"{r.score} top-{r.top_k}/{r.num_experts}" + (" renorm" if r.renormalize else "")
                 if r.n_group > 1:
-                    router += f" groups {r.topk_group}/{r.n_group}"
+                    router += f" groups {r.topk_group}/{r.n_group}" + (f" {r.group_score}" if r.group_score != "max" else "")
+                if r.bias:
+                    router += " +bias"
                 experts = " ".join("x".join(map(str, s)) for s in layer.experts.values())
             else:
                 router, experts = "(dense mlp)", " ".join("x".join(map(str, s)) for s in layer.dense_mlp.values())
             shared = " ".join("x".join(map(str, s)) for s in layer.shared_experts.values()) or "-"
             if layer.shared_expert_gate:
                 shared += " +gate"
-            rows.append(f"{layer.index:>5}  {attn:<30} {norms:<22} {router:<34} {experts:<24} {shared}")
+            rows.append(f"{layer.index:>5}  {attn:<30} {norms:<22} {router:<46} {experts:<24} {shared}")
         rows.append(f"embedding {self.embedding} ({self.vocab_size} x {self.hidden_size}), lm_head {self.lm_head}, dtype {self.dtype}")
         return "\n".join(rows)
 
@@ -353,8 +359,8 @@ class _Analyzer:
                 score = "softmax"
             elif op == "relax.sigmoid" and score == "none":
                 score = "sigmoid"
-            elif op == "relax.topk" and not v.same_as(tk):
-                group_topk = v
+            elif op == "relax.topk" and not v.same_as(tk) and group_topk is None:
+                group_topk = v  # the nearest: a DeepSeek-V3 group score takes a top-2 within each group before it
         if linear is None:
             return None
         lin_var, w = linear
@@ -372,13 +378,42 @@ class _Analyzer:
                     if g.op(u2) in ("relax.gather_elements", "relax.take") and "relax.divide" in g.descendants_ops(u2, 3):
                         renorm = True
         n_group = topk_group = 1
+        group_score = None
         if group_topk is not None:
             gshape = shape_of(g.call(group_topk).args[0])
             n_group, topk_group = int(gshape[-1]), int(g.call(group_topk).attrs.k)
+            group_score = self._group_score(g.call(group_topk).args[0])
         return RouterInfo(
             weight=w.name, num_experts=int(num_experts), top_k=k, score=score, renormalize=renorm,
-            n_group=n_group, topk_group=topk_group, topk_var=tk, linear_var=lin_var,
+            n_group=n_group, topk_group=topk_group, group_score=group_score, bias=self._choice_bias(lin_var, tk, int(num_experts)),
+            topk_var=tk, linear_var=lin_var, group_topk_var=group_topk,
         )
+
+    def _group_score(self, expr) -> str:
+        """How group scores [T, G] come from the [T, G, n] grouped scores: max, sum of the top 2, or sum."""
+        g = self.g
+        v = g.strip(expr)
+        if g.op(v) == "relax.max":
+            return "max"
+        if g.op(v) == "relax.sum":
+            inner = g.strip(g.call(v).args[0])
+            item = g.value.get(inner)
+            if isinstance(item, relax.TupleGetItem) and item.index == 0 and g.op(item.tuple_value) == "relax.topk":
+                return f"top{int(g.call(item.tuple_value).attrs.k)}_sum"
+            return "sum"
+        return "other"
+
+    def _choice_bias(self, lin_var, tk, num_experts: int) -> str | None:
+        """A 1-D weight of E elements added to the scores on the way from the router matmul to the top-k."""
+        g = self.g
+        path = g.ancestors(tk, stop=lambda v: v.same_as(lin_var))
+        for v in sorted(path, key=lambda v: g.order.get(v, -1)):
+            if g.op(v) == "relax.add" and lin_var in g.ancestors(v, stop=lambda u: u.same_as(lin_var)):
+                for a in g.call(v).args:
+                    w = g.weight_of(a)
+                    if w is not None and shape_of(w) == (num_experts,):
+                        return w.name
+        return None
 
     def assemble_layers(self, attentions, routers, norms) -> list[LayerInfo]:
         g = self.g

@@ -14,8 +14,9 @@ class MoEConfig:
 
     The fields cover the families moec targets: Mixtral (flat softmax top-k with
     renormalisation), OLMoE (softmax top-k without renormalisation, QK-norm),
-    Qwen2-MoE (shared expert with a sigmoid gate) and DeepSeek-V3 style
-    group-limited routing (``n_group`` / ``topk_group``).
+    Qwen2-MoE (shared expert with a sigmoid gate) and DeepSeek-V2/V3 style
+    group-limited routing (``n_group`` / ``topk_group``; ``group_score`` "max" as in V2, "top2_sum"
+    with the score-correction bias ``router_bias`` as in V3).
     """
 
     vocab_size: int
@@ -31,6 +32,8 @@ class MoEConfig:
     router_score: str = "softmax"  # "softmax" or "sigmoid"
     n_group: int = 1  # group-limited routing: number of expert groups
     topk_group: int = 1  # group-limited routing: groups kept per token
+    group_score: str = "max"  # group-limited routing: "max" (DeepSeek-V2) or "top2_sum" (DeepSeek-V3) of a group's scores
+    router_bias: bool = False  # DeepSeek-V3 e_score_correction_bias: added to the scores to choose experts, not to weight them
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(linear(x)) scales the shared expert
     qk_norm: bool = False  # OLMoE: RMSNorm over the full q and k projections
@@ -51,6 +54,10 @@ class MoEConfig:
             raise ValueError(f"router_score must be 'softmax' or 'sigmoid', got {self.router_score!r}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError("n_group must divide num_experts and 1 <= topk_group <= n_group")
+        if self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"group_score must be 'max' or 'top2_sum', got {self.group_score!r}")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("group_score 'top2_sum' needs at least two experts per group")
 
     @property
     def dim_head(self) -> int:

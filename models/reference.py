@@ -89,26 +89,42 @@ class Attention(nn.Module):
 
 
 class Router(nn.Module):
-    """Linear -> softmax|sigmoid -> (group-limited) top-k -> optional renormalisation."""
+    """Linear -> softmax|sigmoid -> (group-limited) top-k -> optional renormalisation.
+
+    Group-limited routing splits the E experts into ``n_group`` contiguous groups and keeps each
+    token's ``topk_group`` best groups before the top-k: by the group's best score (``group_score``
+    "max", DeepSeek-V2, masking by a threshold and a multiply) or by the sum of its two best scores
+    after the score-correction bias (``"top2_sum"``, DeepSeek-V3, masking by a scatter of the group
+    indices and ``masked_fill(0)``, as in its reference implementation). The bias only chooses:
+    the weights are the unbiased scores.
+    """
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         logits = F.linear(x, self.weight)  # T, E
         scores = torch.softmax(logits, dim=-1) if cfg.router_score == "softmax" else torch.sigmoid(logits)
-        choice = scores
-        if cfg.n_group > 1:
-            t = scores.shape[0]
-            group_scores = scores.view(t, cfg.n_group, -1).amax(dim=-1)  # T, G
+        choice = scores if self.bias is None else scores + self.bias  # T, E
+        if cfg.n_group > 1 and cfg.group_score == "top2_sum":
+            t, n = choice.shape[0], cfg.num_experts // cfg.n_group
+            group_scores = choice.view(t, cfg.n_group, n).topk(2, dim=-1).values.sum(dim=-1)  # T, G
+            group_idx = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False).indices  # T, g
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # T, G
+            score_mask = group_mask[:, :, None].expand(t, cfg.n_group, n).reshape(t, -1)  # T, E
+            choice = choice.masked_fill(~score_mask.bool(), 0.0)  # T, E
+        elif cfg.n_group > 1:
+            t = choice.shape[0]
+            group_scores = choice.view(t, cfg.n_group, -1).amax(dim=-1)  # T, G
             kth = torch.topk(group_scores, cfg.topk_group, dim=-1).values[:, -1:]  # T, 1
             keep = (group_scores >= kth).to(scores.dtype)  # T, G
             keep = keep[:, :, None].expand(t, cfg.n_group, cfg.num_experts // cfg.n_group).reshape(t, -1)
-            choice = scores * keep  # T, E (experts of dropped groups score 0)
+            choice = choice * keep  # T, E (experts of dropped groups score 0)
         _, idx = torch.topk(choice, cfg.top_k, dim=-1)  # T, K
         weights = torch.gather(scores, 1, idx)  # T, K
         if cfg.norm_topk_prob:
@@ -266,6 +282,8 @@ def build_reference(cfg: MoEConfig, seed: int = 0, dtype: torch.dtype = torch.fl
             for mod in model.modules():
                 if isinstance(mod, RMSNorm):
                     mod.weight.uniform_(0.5, 1.5)
+                if isinstance(mod, Router) and mod.bias is not None:  # a bias that matters, as a trained one does
+                    mod.bias.uniform_(-0.1, 0.1)
     finally:
         torch.random.set_rng_state(gen_state)
     return model.to(dtype).eval()

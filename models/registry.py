@@ -38,6 +38,17 @@ register(
         shared_expert_intermediate_size=48, shared_expert_gate=True, max_position_embeddings=1024,
     ),
 )
+# DeepSeek-V3 routing at tiny size: sigmoid scores with a score-correction bias, 32 experts in 8 groups, the best
+# 3 groups by the sum of their two best biased scores kept, then top-4 among their 12 experts; a shared expert.
+register(
+    "tiny-deepseek",
+    MoEConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, num_experts=32, top_k=4, norm_topk_prob=True, router_score="sigmoid", n_group=8,
+        topk_group=3, group_score="top2_sum", router_bias=True, shared_expert_intermediate_size=64,
+        max_position_embeddings=1024,
+    ),
+)
 # OLMoE-1B-7B shape: 64 experts, top-8, 16 layers, d=2048, QK-norm, no renormalisation.
 register(
     "olmoe-1b-7b",

@@ -63,15 +63,23 @@ def _symbolic_shape_converters():
             return relax.op.broadcast_to(data, out)
         return orig_expand(cls, bb, inputs, attr, params)
 
+    orig_topk = of.TopK._impl_v11.__func__
+
+    def topk_v11(cls, bb, inputs, attr, params):
+        # sorted=0 (DeepSeek-V3's routers) leaves the order unspecified: the sorted result is a valid one
+        return orig_topk(cls, bb, inputs, {**attr, "sorted": 1}, params)
+
     of.Range._impl_v12 = classmethod(range_v12)
     of.Reshape._impl_v13 = classmethod(reshape_v13)
     of.Expand._impl_v13 = classmethod(expand_v13)
+    of.TopK._impl_v11 = classmethod(topk_v11)
     try:
         yield
     finally:
         of.Range._impl_v12 = classmethod(orig_range)
         of.Reshape._impl_v13 = classmethod(orig_reshape)
         of.Expand._impl_v13 = classmethod(orig_expand)
+        of.TopK._impl_v11 = classmethod(orig_topk)
 
 
 def _supported_ops(opset: int) -> set[str]:

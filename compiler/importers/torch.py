@@ -21,8 +21,19 @@ def _amax(node, importer):
     return importer.block_builder.emit(relax.op.max(x, axis=axis, keepdims=keepdim))
 
 
-# ops the stock frontend lacks that MoE routers use (group scores in group-limited routing)
-EXTRA_CONVERTERS = {"amax.default": _amax}
+def _topk(node, importer):
+    """``topk`` also with ``sorted=False`` (DeepSeek-V3's routers): any order is a valid result, so the sorted one is."""
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
+    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
+    return importer.block_builder.emit(relax.op.topk(args[0], k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+
+
+# ops the stock frontend lacks that MoE routers use (group scores in group-limited routing, unsorted top-k)
+EXTRA_CONVERTERS = {"amax.default": _amax, "topk.default": _topk}
 
 
 def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:

@@ -6,7 +6,11 @@ from moec.compiler.moe_structure import analyze
 # (model, expected per-layer facts) -- recognised by structure, never by parameter names
 EXPECT = {
     "tiny": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=True, groups=1, shared=0, gate=False, qk=False),
-    "tiny-shared-grouped": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=4, shared=3, gate=True, qk=False),
+    "tiny-shared-grouped": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=4, shared=3, gate=True, qk=False,
+                                kept=2, group_score="max", bias=False),
+    # DeepSeek-V3 routing: a top-2 inside each group before the group top-k, a score-correction bias
+    "tiny-deepseek": dict(heads=(4, 2, 16), score="sigmoid", k=4, e=32, renorm=True, groups=8, shared=3, gate=False, qk=False,
+                          kept=3, group_score="top2_sum", bias=True),
     "hf-olmoe": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=1, shared=0, gate=False, qk=True),
     "hf-mixtral": dict(heads=(4, 2, 16), score="softmax", k=2, e=4, renorm=True, groups=1, shared=0, gate=False, qk=False),
     "hf-qwen2_moe": dict(heads=(4, 2, 16), score="softmax", k=2, e=8, renorm=False, groups=1, shared=3, gate=True, qk=False),
@@ -29,6 +33,8 @@ def test_structure(zoo, name, path):
         assert a.qk_norm == e["qk"]
         assert len(a.projections) == 4
         assert (r.score, r.top_k, r.num_experts, r.renormalize, r.n_group) == (e["score"], e["k"], e["e"], e["renorm"], e["groups"])
+        if "kept" in e:
+            assert (r.topk_group, r.group_score, r.bias is not None) == (e["kept"], e["group_score"], e["bias"])
         assert len(layer.experts) == 2
         assert all(shape[0] == e["e"] for shape in layer.experts.values())
         assert len(layer.shared_experts) == e["shared"]
@@ -37,6 +43,6 @@ def test_structure(zoo, name, path):
         assert roles.count("attention") == 1 and roles.count("mlp") == 1
         assert roles.count("qk") == (2 if e["qk"] else 0)
     table = s.table()
-    assert "top-2" in table and str(s.vocab_size) in table
+    assert f"top-{e['k']}" in table and str(s.vocab_size) in table
     d = s.to_dict()
-    assert d["num_moe_layers"] == 2 and d["layers"][0]["router"]["top_k"] == 2
+    assert d["num_moe_layers"] == 2 and d["layers"][0]["router"]["top_k"] == e["k"]
