@@ -31,6 +31,21 @@ denominator cancels: the weights are exactly the original's whenever the origina
 the candidates. Without renormalisation (OLMoE style) the weights are the original's up to the
 coarse estimate of the dropped groups' mass.
 
+Group-limited routers (DeepSeek-V2/V3: ``n_group`` contiguous groups of the scores, ``topk_group``
+kept by the model's own group scores, then a masked top-k) are lowered exactly, with the model's own
+groups and group scores as the coarse stage (``G = n_group``, ``g = topk_group``)::
+
+    chosen = topk(group_scores, g).indices                  # T, g     the model's group top-k, reused
+    cand   = chosen * n + arange(n)                         # T, C     the kept groups' experts
+    vals, j = topk(take_along(choice, cand), K);  ids = cand[j]   # T, K
+
+where ``choice`` is the unmasked tensor the model masks (scores, or scores + bias). The mask becomes
+dead code. The original top-k of the masked scores equals this wherever the kept experts' choice
+scores exceed the dropped ones' fill value (0 for both forms recognised: ``choice * float(score >=
+kth best)`` and ``where(not scatter(group ids), 0, choice)``), i.e. always for unbiased sigmoid or
+softmax scores and for DeepSeek-V3's biased ones while score + bias > 0; exact ties between group
+scores aside (the threshold form then keeps every tied group).
+
 The original router bindings stay in ``main`` as dead code: phase 1 re-runs the structure analysis,
 which recognises routers by their full ``[E, D]`` matmul; the dead-code elimination after phase 1
 removes them, so ``prefill`` and ``decode`` compute the cascade only.
@@ -52,7 +67,7 @@ import tvm
 from tvm import relax
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import DataflowGraph, dtype_of, shape_of
+from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, shape_of
 from ..compiler.moe_structure import LayerInfo, MoEStructure, analyze
 
 # ---------------------------------------------------------------------------- options and checks
@@ -72,8 +87,11 @@ def check_cascade(structure: MoEStructure, num_groups: int, keep: int, source: s
         if r.score not in ("softmax", "sigmoid"):
             raise MoecError(f"{where}: cascade gating needs softmax or sigmoid scores before the top-k, got {r.score!r}")
         if r.n_group > 1:
-            raise MoecError(f"{where}: the router is group-limited (n_group {r.n_group}, topk_group {r.topk_group}); "
-                            "cascade gating applies to flat routers")
+            if (num_groups, keep) != (r.n_group, r.topk_group):
+                raise MoecError(f"{where}: the router is group-limited ({r.topk_group} of {r.n_group} groups kept, as "
+                                f"trained): its exact cascade uses its own groups, --cascade-groups {r.n_group} "
+                                f"--cascade-keep {r.topk_group} (got {num_groups} / {keep})")
+            continue
         if r.top_k > keep * (r.num_experts // num_groups):
             raise MoecError(f"{where}: keeping {keep} of {num_groups} groups leaves {keep * r.num_experts // num_groups} "
                             f"candidate experts, fewer than top-{r.top_k}")
@@ -87,6 +105,12 @@ def _check_groups(groups, num_experts: int, num_groups: int, where: str) -> np.n
     if sorted(arr.reshape(-1).tolist()) != list(range(num_experts)):
         raise MoecError(f"{where}: groups must partition the experts 0..{num_experts - 1}, each expert in exactly one group")
     return arr
+
+
+def default_keep(structure: MoEStructure, num_groups: int) -> int:
+    """The groups kept when not given: a group-limited router's own ``topk_group``, else G/2 (at least 1)."""
+    grouped = {layer.router.topk_group for layer in structure.moe_layers if layer.router.n_group > 1}
+    return grouped.pop() if len(grouped) == 1 else max(1, num_groups // 2)
 
 
 # ---------------------------------------------------------------------------- data-free grouping
@@ -175,6 +199,19 @@ class CascadeSpec:
 
 
 @dataclass
+class GroupLimitedSpec:
+    """A group-limited router's own cascade: ``num_groups`` contiguous groups of ``size`` experts, ``keep`` kept."""
+
+    num_groups: int
+    size: int
+    keep: int
+
+    @property
+    def groups(self) -> np.ndarray:
+        return np.arange(self.num_groups * self.size, dtype=np.int64).reshape(self.num_groups, self.size)
+
+
+@dataclass
 class CascadeOutputs:
     values: relax.Expr  # T, K   scores of the chosen experts
     ids: relax.Expr  # T, K      global expert ids
@@ -223,6 +260,29 @@ def emit_cascade(bb: relax.BlockBuilder, x: relax.Expr, rows: relax.Expr, spec: 
     else:
         raise MoecError(f"cascade gating needs softmax or sigmoid scores, got {score!r}")
     best = emit(relax.op.topk(p, k=top_k, axis=-1, ret_type="both", largest=True, dtype="int64"))
+    values = emit(relax.TupleGetItem(best, 0))  # T, K
+    ids = emit(relax.op.gather_elements(cand, emit(relax.TupleGetItem(best, 1)), axis=1))  # T, K global ids
+    if index_dtype != "int64":
+        ids = emit(relax.op.astype(ids, index_dtype))
+    return CascadeOutputs(values=values, ids=ids, chosen=chosen, candidates=cand)
+
+
+def emit_group_limited(bb: relax.BlockBuilder, choice: relax.Expr, chosen: relax.Expr, spec: GroupLimitedSpec, top_k: int,
+                       index_dtype: str = "int64") -> CascadeOutputs:
+    """Emit the exact top-k of a group-limited router over its kept groups' experts only.
+
+    ``choice [T, E]`` is the unmasked tensor the model chooses by (scores, or scores + bias) and
+    ``chosen [T, g]`` the model's own group top-k indices (see the module docstring).
+    """
+    # T tokens, E experts, G groups, n per group, g kept, C = g*n candidates, K active
+    t = shape_of(choice)[0]
+    n, g = spec.size, spec.keep
+    emit = bb.emit
+    chosen = chosen if dtype_of(chosen) == "int64" else emit(relax.op.astype(chosen, "int64"))
+    first = emit(relax.op.multiply(emit(relax.op.expand_dims(chosen, [2])), relax.const(n, "int64")))  # T, g, 1
+    cand = emit(relax.op.reshape(emit(relax.op.add(first, relax.op.arange(0, n, 1, "int64"))), [t, g * n]))  # T, C
+    vals = emit(relax.op.gather_elements(choice, cand, axis=1))  # T, C
+    best = emit(relax.op.topk(vals, k=top_k, axis=-1, ret_type="both", largest=True, dtype="int64"))
     values = emit(relax.TupleGetItem(best, 0))  # T, K
     ids = emit(relax.op.gather_elements(cand, emit(relax.TupleGetItem(best, 1)), axis=1))  # T, K global ids
     if index_dtype != "int64":
@@ -288,13 +348,154 @@ class _Router:
         return False
 
 
+_ZERO_FILL = ("relax.zeros", "relax.zeros_like")
+_ONE_FILL = ("relax.ones", "relax.ones_like")
+
+
+class _GroupLimitedRouter:
+    """The anchors of a group-limited router: the unmasked choice tensor, the group top-k, the masked top-k.
+
+    Recognised by structure: the expert top-k reads ``multiply(choice, mask)`` or ``where(cond, fill,
+    choice)`` (either order), where only the mask side depends on the group top-k, the fill is the
+    constant 0, and the mask, followed back through layout ops and negations, is either
+    ``score >= kth best group score`` or ``scatter(zeros, group top-k indices, ones)``, broadcast from
+    [T, G] over [T, G, n] to the E experts (contiguous groups).
+    """
+
+    def __init__(self, g: DataflowGraph, layer: LayerInfo, where: str) -> None:
+        r = layer.router
+        self.layer, self.info, self.where = layer.index, r, where
+        self.g = g
+        tk, gtk = g.call(r.topk_var), r.group_topk_var
+        if int(tk.attrs.axis) not in (-1, len(shape_of(tk.args[0])) - 1) or not bool(tk.attrs.largest):
+            raise MoecError(f"{where}: the router top-k must select the largest scores along the last axis")
+        self.ret_type, self.index_dtype = str(tk.attrs.ret_type), str(tk.attrs.dtype)
+        e, big_g = r.num_experts, r.n_group
+        n = e // big_g
+        self.group_topk = gtk
+        gcall = g.call(gtk)
+        self.group_scores, self.group_ret = gcall.args[0], str(gcall.attrs.ret_type)
+        if shape_of(self.group_scores) is None or shape_of(self.group_scores)[-1] != big_g or int(gcall.attrs.axis) not in (
+                -1, len(shape_of(self.group_scores)) - 1) or not bool(gcall.attrs.largest):
+            raise MoecError(f"{where}: the group top-k must select the largest of the {big_g} group scores (last axis)")
+        masked = g.strip(tk.args[0])
+        depends = lambda v: isinstance(v, relax.Var) and gtk in g.ancestors(v, stop=lambda u: u.same_as(gtk))  # noqa: E731
+        op, args = g.op(masked), list(g.call(masked).args) if g.call(masked) is not None else []
+        if op == "relax.multiply" and len(args) == 2 and depends(args[0]) != depends(args[1]):
+            mask, choice = (args[0], args[1]) if depends(args[0]) else (args[1], args[0])
+            need, fill = True, 0.0  # 1.0 at kept experts
+        elif op == "relax.where" and depends(args[0]) and not depends(args[1]) and not depends(args[2]):
+            cond, a, b = args
+            if self._scalar(a) is not None:
+                mask, fill, choice, need = cond, self._scalar(a), b, False  # where(dropped, fill, choice)
+            elif self._scalar(b) is not None:
+                mask, fill, choice, need = cond, self._scalar(b), a, True  # where(kept, choice, fill)
+            else:
+                raise MoecError(f"{where}: the group mask selects between two tensors, expected a constant fill")
+        else:
+            raise MoecError(f"{where}: group-limited router: the expert top-k reads {op or 'a tuple'} ({masked.name}); "
+                            "expected the scores masked by the kept groups (multiply by a mask, or where)")
+        if fill != 0.0:
+            raise MoecError(f"{where}: group-limited router: dropped experts are filled with {fill}, expected 0")
+        if shape_of(choice) is None or shape_of(choice)[-1] != e or len(shape_of(choice)) != 2:
+            raise MoecError(f"{where}: group-limited router: the masked scores must be [T, {e}]")
+        if r.linear_var not in g.ancestors(choice, stop=lambda u: u.same_as(r.linear_var)):
+            raise MoecError(f"{where}: group-limited router: the masked scores do not come from the router matmul")
+        self.choice = choice
+        if self._kept(mask, big_g, n) != need:
+            raise MoecError(f"{where}: group-limited router: the mask keeps the dropped groups' experts (inverted mask)")
+        if not self._contiguous(self.group_scores, big_g, n, r.linear_var):
+            raise MoecError(f"{where}: group-limited router: the group scores are not formed over contiguous groups "
+                            f"of {n} experts ([T, {big_g}, {n}] view of the scores)")
+
+    def _kept(self, expr, big_g: int, n: int) -> bool:
+        """True if ``expr`` is nonzero exactly at the kept groups' experts, False if at the dropped ones."""
+        g, flip, expanded = self.g, False, False
+        while True:
+            op = g.op(expr)
+            shp = shape_of(expr)
+            if op == "relax.reshape" and shp is not None and shp[-1] == big_g * n:
+                src = shape_of(g.call(expr).args[0])
+                expanded = expanded or (src is not None and tuple(src[-2:]) == (big_g, n))
+            if op in LAYOUT_OPS:
+                expr = g.call(expr).args[0]
+            elif op in ("relax.logical_not", "relax.bitwise_not"):
+                flip, expr = not flip, g.call(expr).args[0]
+            else:
+                break
+        if not expanded:
+            raise MoecError(f"{self.where}: group-limited router: the mask is not broadcast from [T, {big_g}] over "
+                            f"contiguous groups of {n} experts")
+        call = g.call(expr)
+        if g.op(expr) in ("relax.greater_equal", "relax.greater") and self._same(call.args[0], self.group_scores) \
+                and self._kth_value(call.args[1]):
+            return not flip
+        if g.op(expr) == "relax.scatter_elements" and self._is_group_indices(call.args[1]) \
+                and self._filled(call.args[0], 0.0) and self._filled(call.args[2], 1.0):
+            return not flip
+        raise MoecError(f"{self.where}: group-limited router: cannot read the group mask ({g.op(expr) or expr}): expected "
+                        "group scores >= the k-th best, or a scatter of the group top-k indices")
+
+    def _scalar(self, expr) -> float | None:
+        """The value of a scalar constant, maybe bound to a variable first."""
+        base = self.g.strip(expr)
+        return const_scalar(self.g.value.get(base, base) if isinstance(base, relax.Var) else base)
+
+    def _same(self, a, b) -> bool:
+        return self.g.strip(a).same_as(self.g.strip(b))
+
+    def _kth_value(self, expr) -> bool:
+        """``expr`` is the k-th (last) value of the group top-k: a slice of its values at k - 1."""
+        g = self.g
+        expr = g.strip(expr)
+        if g.op(expr) != "relax.strided_slice":
+            return False
+        call = g.call(expr)
+        item = g.value.get(g.strip(call.args[0]))
+        k = int(g.call(self.group_topk).attrs.k)
+        axes, begin = ([int(getattr(f, "value", f)) for f in a.fields] for a in call.args[1:3])
+        rank = len(shape_of(expr))
+        return (isinstance(item, relax.TupleGetItem) and item.index == 0 and item.tuple_value.same_as(self.group_topk)
+                and len(begin) == 1 and axes[0] in (-1, rank - 1) and begin[0] in (k - 1, -1))
+
+    def _is_group_indices(self, expr) -> bool:
+        item = self.g.value.get(self.g.strip(expr))
+        return isinstance(item, relax.TupleGetItem) and item.index == 1 and item.tuple_value.same_as(self.group_topk)
+
+    def _filled(self, expr, value: float) -> bool:
+        """``expr`` holds ``value`` everywhere: a constant, its broadcast, or zeros/ones/full(_like)."""
+        g = self.g
+        base = g.strip(expr)
+        if self._scalar(base) is not None:
+            return self._scalar(base) == value
+        if isinstance(base, tvm.ir.GenericConst):
+            return bool(np.all(base.data.numpy() == value))
+        op = g.op(base)
+        if op in _ZERO_FILL + _ONE_FILL:
+            return (op in _ONE_FILL) == (value == 1.0)
+        if op in ("relax.full", "relax.full_like"):
+            return self._scalar(g.call(base).args[1]) == value
+        return False
+
+    def _contiguous(self, scores, big_g: int, n: int, stop) -> bool:
+        """The group scores come from a [.., G, n] reshape of the [.., E] scores."""
+        g = self.g
+        for v in g.ancestors(scores, stop=lambda u: u.same_as(stop)):
+            if g.op(v) == "relax.reshape":
+                out, src = shape_of(v), shape_of(g.call(v).args[0])
+                if out is not None and src is not None and tuple(out[-2:]) == (big_g, n) and src[-1] == big_g * n:
+                    return True
+        return False
+
+
 @relax.expr_functor.mutator
 class _CascadeGatingRewriter(relax.PyExprMutator):
     def __init__(self, mod, routers: dict, specs: dict) -> None:
         super().__init__(mod)
         self.by_topk = {r.info.topk_var: r for r in routers.values()}
-        self.gathers = {gv: r for r in routers.values() for gv in r.gathers}
-        self.shapes = {sv: r for r in routers.values() for sv in r.shapes}
+        flat = [r for r in routers.values() if isinstance(r, _Router)]
+        self.gathers = {gv: r for r in flat for gv in r.gathers}
+        self.shapes = {sv: r for r in flat for sv in r.shapes}
         self.specs = specs
         self.outputs: dict = {}
 
@@ -302,7 +503,20 @@ class _CascadeGatingRewriter(relax.PyExprMutator):
         var = binding.var
         # the original binding is kept (dead after the remap) for phase 1's structure analysis
         super().visit_var_binding_(binding)
-        if var in self.by_topk:
+        if var in self.by_topk and isinstance(self.by_topk[var], _GroupLimitedRouter):
+            r = self.by_topk[var]
+            bb = self.builder_
+            gtk = self.visit_expr(r.group_topk)
+            if r.group_ret == "values":  # the same top-k again, for its indices
+                k = int(r.g.call(r.group_topk).attrs.k)
+                gtk = bb.emit(relax.op.topk(self.visit_expr(r.group_scores), k=k, axis=-1, ret_type="indices", dtype="int64"))
+            chosen = gtk if r.group_ret in ("indices", "values") else bb.emit(relax.TupleGetItem(gtk, 1))  # T, g
+            out = emit_group_limited(bb, self.visit_expr(r.choice), chosen, self.specs[r.layer], r.info.top_k, r.index_dtype)
+            self.outputs[r.layer] = out
+            new = {"both": lambda: bb.emit(relax.Tuple([out.values, out.ids])), "values": lambda: out.values,
+                   "indices": lambda: out.ids}[r.ret_type]()
+            self.set_var_remap(var, new)
+        elif var in self.by_topk:
             r = self.by_topk[var]
             bb = self.builder_
             x = self.visit_expr(r.x)  # ..., D
@@ -346,14 +560,19 @@ class CascadeGating:
         bias [G]. Missing layers get ``fit_coarse``.
     weights : dict[str, np.ndarray], optional
         Weight values by parameter name: needed for the data-free groups and coarse routers.
+    calibration : dict, optional
+        Where given groups and coarse routers came from (``compiler.calibrate``), for the manifest.
     """
 
     def __init__(self, num_inputs: int, num_groups: int, keep: int, groups: dict | None = None,
-                 coarse: dict | None = None, weights: dict | None = None, source: str = "model") -> None:
+                 coarse: dict | None = None, weights: dict | None = None, source: str = "model",
+                 calibration: dict | None = None) -> None:
         self.num_inputs, self.num_groups, self.keep = num_inputs, num_groups, keep
+        self.calibration = calibration
         self.groups, self.coarse, self.weights, self.source = dict(groups or {}), dict(coarse or {}), weights, source
         self.structure: MoEStructure | None = None
-        self.specs: dict[int, CascadeSpec] = {}
+        self.specs: dict[int, CascadeSpec | GroupLimitedSpec] = {}
+        self.outputs: dict[int, CascadeOutputs] = {}
 
     def resolve(self, structure: MoEStructure) -> dict[int, CascadeSpec]:
         """Per MoE layer, the groups and coarse router (given, or data-free from ``weights``)."""
@@ -362,6 +581,11 @@ class CascadeGating:
         for layer in structure.moe_layers:
             r = layer.router
             where = f"{self.source}: layer {layer.index} (router {r.weight})"
+            if r.n_group > 1:  # exact: the model's own groups and group scores
+                if layer.index in self.groups or layer.index in self.coarse:
+                    raise MoecError(f"{where}: the router is group-limited: its own groups are used, not given ones")
+                specs[layer.index] = GroupLimitedSpec(r.n_group, r.num_experts // r.n_group, r.topk_group)
+                continue
             need = layer.index not in self.groups or layer.index not in self.coarse
             if need and (self.weights is None or r.weight not in self.weights):
                 raise MoecError(f"{where}: no groups/coarse router given and no router weights to derive them from")
@@ -391,22 +615,32 @@ class CascadeGating:
         self.structure = structure
         self.specs = self.resolve(structure)
         g = DataflowGraph(func, self.num_inputs)
-        routers = {layer.index: _Router(g, layer, f"{self.source}: layer {layer.index} (router {layer.router.weight})")
+        routers = {layer.index: (_GroupLimitedRouter if layer.router.n_group > 1 else _Router)(
+                   g, layer, f"{self.source}: layer {layer.index} (router {layer.router.weight})")
                    for layer in structure.moe_layers}
         rewriter = _CascadeGatingRewriter(mod, routers, self.specs)
         new_func = rewriter.visit_expr(func)
+        self.outputs = rewriter.outputs  # per layer, the new routing tensors (vars of the new main)
         out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions))
         out["main"] = new_func
         return out
 
     def manifest(self) -> dict:
         """The settings and groups, for the artifact manifest."""
+        def how(i, spec):
+            if isinstance(spec, GroupLimitedSpec):
+                return "exact: the group-limited router's own group scores"
+            if i in self.coarse:
+                return "calibrated (least squares of group log-sum-exp on recorded router inputs)" if self.calibration else "given"
+            return "data-free (Gaussian least squares of group log-sum-exp)"
+
         return {
             "num_groups": self.num_groups, "keep": self.keep,
-            "coarse": {str(i): ("given" if i in self.coarse else "data-free (Gaussian least squares of group log-sum-exp)")
-                       for i in self.specs},
+            "coarse": {str(i): how(i, s) for i, s in self.specs.items()},
             "groups": {str(i): s.groups.tolist() for i, s in self.specs.items()},
+            "calibration": self.calibration,
         }
 
 
-__all__ = ["CascadeGating", "CascadeSpec", "check_cascade", "data_free_groups", "emit_cascade", "fit_coarse"]
+__all__ = ["CascadeGating", "CascadeSpec", "GroupLimitedSpec", "check_cascade", "data_free_groups", "default_keep",
+           "emit_cascade", "emit_group_limited", "fit_coarse"]

@@ -14,12 +14,15 @@ import moec
 from moec.compiler.errors import MoecError
 from moec.compiler.importers import import_model
 from moec.compiler.moe_structure import analyze
+from moec.compiler.probe import probe
+from moec.models import get_config
+from moec.models.cascade import cascade_route, flat_topk
 from moec.passes.cascade_gating import (CascadeGating, CascadeSpec, check_cascade, data_free_groups, emit_cascade,
                                         fit_coarse)
 from moec.passes.legalize_topk import legalize_topk
 from moec.passes.paged_kv_attention import InsertPagedKVAttention
 
-from moec_testing import ATOL, torch_last_logits
+from moec_testing import ATOL, ort_last_logits, torch_last_logits
 
 E, G, D, K = 8, 4, 64, 2  # tiny: experts, groups, hidden, active
 
@@ -177,6 +180,21 @@ def test_kept_groups_bound_the_routing(router_case, score):
         np.testing.assert_allclose(vals, 1 / (1 + np.exp(-np.take_along_axis(logits, ids, 1))), atol=1e-6)
 
 
+@pytest.mark.parametrize("score,keep", [("softmax", 2), ("sigmoid", 2), ("softmax", 1), ("softmax", G)])
+def test_torch_reference_routes_like_the_pass(router_case, score, keep):
+    """``models.cascade.cascade_route`` (what calibration and the fidelity bench route with) is what the pass emits."""
+    x, w, ref_w, ref_ids, groups, cr, b = router_case
+    spec = CascadeSpec(groups, cr.astype(np.float32), b.astype(np.float32), keep=keep)
+    vals, ids, _, _ = _router_fn(spec, score)(x, w)
+    with torch.no_grad():
+        tv, ti = cascade_route(torch.from_numpy(x), torch.from_numpy(w), spec, K, score)
+    np.testing.assert_array_equal(ti.numpy(), ids)
+    np.testing.assert_allclose(tv.numpy(), vals, atol=1e-6)
+    if keep == G:  # all groups kept: the flat router's experts, in its order
+        np.testing.assert_array_equal(ti.numpy(), ref_ids)
+        np.testing.assert_array_equal(ti.numpy(), flat_topk(torch.from_numpy(x), torch.from_numpy(w), K).numpy())
+
+
 def test_data_free_groups_and_coarse_router():
     rng = np.random.default_rng(1)
     centers = rng.standard_normal((4, 32))
@@ -212,8 +230,11 @@ def test_refusals(imported, zoo):
     with pytest.raises(MoecError, match="layer 0 .*partition the experts"):
         _cascade(imported, 2, groups={0: [[0, 1], [1, 2], [3, 4], [5, 6]]}).resolve(s)
     imp = import_model(zoo.source("tiny-shared-grouped", "pt2"))
-    with pytest.raises(MoecError, match="layer 0 .*group-limited"):
-        check_cascade(analyze(imp.main, imp.num_inputs, "g"), 4, 2, "g")
+    grouped = analyze(imp.main, imp.num_inputs, "g")
+    check_cascade(grouped, 4, 2, "g")  # its own groups: the exact lowering
+    for groups, keep in [(4, 1), (2, 1)]:
+        with pytest.raises(MoecError, match="layer 0 .*group-limited .*--cascade-groups 4 --cascade-keep 2"):
+            check_cascade(grouped, groups, keep, "g")
 
 
 def test_compile_all_groups_kept_matches_torch(zoo, tmp_path):
@@ -264,3 +285,78 @@ def test_compile_with_tiered_cache(zoo, tmp_path):
     assert manifest["options"]["cascade"]["keep"] == 2 and manifest["options"]["kv_cache"] == "tiered"
     generated = moec.load(out).generate([[5, 6, 7, 8], [1, 2]], 3)
     assert [len(g) for g in generated] == [3, 3]
+
+
+# ---------------------------------------------------------------------------- group-limited routers: exact lowering
+
+GROUPED = [("tiny-deepseek", "onnx"), ("tiny-deepseek", "pt2"), ("tiny-shared-grouped", "pt2")]
+
+
+def _router_outputs(model, ids):
+    """Per layer, the torch router's top-k ids and the choice scores it selected them by (scores + bias)."""
+    seen = []
+
+    def hook(router, args, out):
+        scores = torch.sigmoid(args[0] @ router.weight.T) if router.cfg.router_score == "sigmoid" else torch.softmax(
+            args[0] @ router.weight.T, -1)
+        choice = scores if router.bias is None else scores + router.bias
+        seen.append((out[1].numpy(), choice.gather(1, out[1]).numpy()))
+
+    hooks = [layer.moe.router.register_forward_hook(hook) for layer in model.layers]
+    with torch.no_grad():
+        model(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids)))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name,form", GROUPED)
+def test_group_limited_exact_topk(zoo, name, form):
+    cfg = get_config(name)
+    model, _ = zoo.model(name)
+    imp = import_model(zoo.source(name, form))
+    cascade = CascadeGating(imp.num_inputs, cfg.n_group, cfg.topk_group, source=name)  # its own groups: no weights needed
+    main = cascade(imp.mod)["main"]
+    live = relax.analysis.remove_all_unused(main)
+    cand = cfg.topk_group * cfg.num_experts // cfg.n_group
+    topks = _calls(live, "relax.topk")
+    assert len([t for t in topks if int(t.attrs.k) == cfg.top_k and _last(t.args[0]) == cand]) >= 2
+    assert all(_last(cascade.outputs[i].candidates) == cand for i in (0, 1))
+    assert not [t for t in topks if _last(t.args[0]) == cfg.num_experts]  # no top-k over all experts: the kept groups' only
+    assert not _calls(live, "relax.scatter_elements") and not _calls(live, "relax.greater_equal")  # the mask is dead code
+    outs = [cascade.outputs[i] for i in sorted(cascade.outputs)]
+    ids = np.random.default_rng(5).integers(0, 256, (2, 48))
+    got = probe(main, [o.ids for o in outs] + [o.values for o in outs])([ids, np.ones_like(ids)][: imp.num_inputs],
+                                                                         imp.weights)
+    for layer, (ref_ids, ref_vals) in enumerate(_router_outputs(model, ids)):
+        np.testing.assert_array_equal(np.sort(got[layer], 1), np.sort(ref_ids, 1))  # the same expert sets, every token
+        np.testing.assert_allclose(np.sort(got[2 + layer], 1), np.sort(ref_vals, 1), atol=1e-6)
+    manifest = cascade.manifest()
+    assert manifest["groups"]["0"] == np.arange(cfg.num_experts).reshape(cfg.n_group, -1).tolist()
+    assert manifest["coarse"]["1"].startswith("exact")
+
+
+def test_compile_group_limited_matches_onnxruntime(zoo, tmp_path):
+    import onnxruntime as ort
+
+    src = zoo.source("tiny-deepseek", "onnx")
+    out = moec.compile(src, tmp_path / "art", target="llvm", cascade_groups=8)  # keeps the router's own 3 groups
+    cascade = json.loads((out / "manifest.json").read_text())["options"]["cascade"]
+    assert cascade["keep"] == 3 and all(v.startswith("exact") for v in cascade["coarse"].values())
+    session = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    model, _ = zoo.model("tiny-deepseek")
+    engine = moec.load(out)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 40, 41], [12, 13, 14]]
+    seqs, logits = engine.prefill(prompts)
+    histories = [list(p) for p in prompts]
+    for step in range(3):
+        for i, h in enumerate(histories):
+            np.testing.assert_allclose(logits[i], ort_last_logits(session, h), atol=ATOL, rtol=1e-4, err_msg=f"step {step}")
+            np.testing.assert_allclose(logits[i], torch_last_logits(model, h), atol=ATOL, rtol=1e-4, err_msg=f"step {step}")
+        nxt = logits.argmax(-1)
+        for h, t in zip(histories, nxt):
+            h.append(int(t))
+        logits = engine.decode(seqs, nxt)
+    with pytest.raises(MoecError, match=r"group-limited .*--cascade-groups 8 --cascade-keep 3 \(got 4 / 3\)"):
+        moec.compile(src, tmp_path / "bad", target="llvm", cascade_groups=4)
+    assert not (tmp_path / "bad").exists()
