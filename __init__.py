@@ -1,6 +1,7 @@
 """moec: compile Mixture-of-Experts language models into fast decode engines on Apache TVM.
 
-``moec.compile(model, out_dir, target=...)`` builds an artifact; ``moec.load(out_dir, device=...)``
+``moec.compile(model, out_dir, target=...)`` builds an artifact (``moec.calibrate(model, data, calib_dir)``
+fits cascade gating on data for ``compile(..., calibration=calib_dir)``); ``moec.load(out_dir, device=...)``
 returns an engine with ``prefill``, ``decode`` and ``generate`` that needs only TVM's runtime.
 """
 
@@ -13,10 +14,16 @@ def compile(*args, **kwargs):  # noqa: A001
     return _compile(*args, **kwargs)
 
 
+def calibrate(*args, **kwargs):
+    from .compiler.calibrate import calibrate as _calibrate
+
+    return _calibrate(*args, **kwargs)
+
+
 def load(*args, **kwargs):
     from .runtime.engine import load as _load
 
     return _load(*args, **kwargs)
 
 
-__all__ = ["compile", "load", "__version__"]
+__all__ = ["calibrate", "compile", "load", "__version__"]

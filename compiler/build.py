@@ -68,6 +68,7 @@ def compile(  # noqa: A001 - the public name users call
     cascade_groups: int | None = None,
     cascade_keep: int | None = None,
     fuse_router_norm: bool = True,
+    calibration: str | Path | None = None,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -95,8 +96,13 @@ def compile(  # noqa: A001 - the public name users call
         equal groups (data-free grouping of the router rows), route each token to its best groups with a
         coarse router, then score only those groups' experts. Off when not given.
     cascade_keep : int, optional
-        Groups kept per token, 1..cascade_groups (default: half of them, at least 1); equal to
+        Groups kept per token, 1..cascade_groups (default: the calibration's ``keep_default`` for G, a
+        group-limited router's own ``topk_group``, else half of them, at least 1); equal to
         ``cascade_groups`` it reproduces the original routing.
+    calibration : str | Path, optional
+        A ``moec calibrate`` directory: cascade gating takes its groups and coarse routers (fitted on
+        data) for G = ``cascade_groups`` instead of the data-free ones. It must have been made for
+        this model (same layers, experts and router weights) and for G; the artifact records it.
     fuse_router_norm : bool
         Compute each router matmul (the coarse group router with cascade gating) in one kernel with the
         RMSNorm before it (``moec.passes.fuse_router_norm``): one launch instead of the norm's and the
@@ -120,8 +126,8 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"unknown KV cache {kv_cache!r}: expected paged, bf16, fp8 or tiered")
     if cascade_groups is None and cascade_keep is not None:
         raise MoecError("cascade keep needs cascade groups (--cascade-groups G)")
-    if cascade_groups is not None and cascade_keep is None and isinstance(cascade_groups, int):
-        cascade_keep = max(1, cascade_groups // 2)
+    if calibration is not None and cascade_groups is None:
+        raise MoecError("a calibration needs cascade groups (--cascade-groups G)")
     tiered = None
     if kv_cache == "bf16":
         kv_cache_dtype = "bfloat16"
@@ -139,18 +145,30 @@ def compile(  # noqa: A001 - the public name users call
     from ..passes.paged_kv_attention import _bind_batch_to_one
     from .moe_structure import analyze
 
-    structure = analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs, imported.source_name)
+    bound_main = _bind_batch_to_one(imported.main, imported.num_inputs)
+    structure = analyze(bound_main, imported.num_inputs, imported.source_name)
     if tiered is not None:
         from ..passes.tiered_kv_attention import check_supported
 
         check_supported(structure, tiered)
     cascade = None
     if cascade_groups is not None:
-        from ..passes.cascade_gating import CascadeGating, check_cascade
+        from ..passes.cascade_gating import CascadeGating, check_cascade, default_keep
 
+        weights = dict(zip(imported.weight_names(), imported.weights))
+        calib = given_groups = given_coarse = None
+        if calibration is not None:
+            from .calibrate import load_calibration
+
+            calib = load_calibration(calibration)
+            calib.check_model(structure, bound_main, imported.num_inputs, weights, imported.source_name)
+            given_groups, given_coarse = calib.cascade_inputs(cascade_groups)
+        if cascade_keep is None and isinstance(cascade_groups, int) and not isinstance(cascade_groups, bool):
+            cascade_keep = calib.default_keep(cascade_groups) if calib is not None else default_keep(structure, cascade_groups)
         check_cascade(structure, cascade_groups, cascade_keep, imported.source_name)
         cascade = CascadeGating(imported.num_inputs, cascade_groups, cascade_keep, source=imported.source_name,
-                                weights=dict(zip(imported.weight_names(), imported.weights)))
+                                weights=weights, groups=given_groups, coarse=given_coarse,
+                                calibration=calib.manifest() if calib is not None else None)
     fuse = None
     if fuse_router_norm:
         from ..passes.fuse_router_norm import FuseRouterIntoNorm
@@ -179,6 +197,8 @@ def compile(  # noqa: A001 - the public name users call
         from safetensors.numpy import save_file
 
         save_file({f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, imported.weights))}, str(tmp / WEIGHTS))
+        if calibration is not None:  # the calibration it was built with (hashed with the other files)
+            (tmp / "cascade_calibration.json").write_bytes((Path(calibration) / "calibration.json").read_bytes())
         manifest = {
             "moec_version": __version__,
             "tvm_version": tvm.__version__,

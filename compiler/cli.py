@@ -35,7 +35,20 @@ def cmd_compile(args) -> int:
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
-                 fuse_router_norm=args.fuse_router_norm)
+                 fuse_router_norm=args.fuse_router_norm, calibration=args.calibration)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import calibrate, format_summary, load_calibration
+
+    _print_args(args)
+    groups = [int(x) for x in args.groups.split(",") if x.strip()] if args.groups else None
+    out = calibrate(args.model, args.data, args.output, groups=groups, corpus=args.corpus, context=args.context,
+                    max_tokens=args.max_tokens or None, check_every=args.check_every, batch_size=args.batch_size,
+                    seed=args.seed, progress=True)
+    print(format_summary(load_calibration(out)))
+    print(f"[moec] wrote {out}")
     return 0
 
 
@@ -165,11 +178,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "router rows); a coarse router picks each token's best groups and only their experts are "
                         "scored. G must divide the expert count")
     g.add_argument("--cascade-keep", type=int, default=None, metavar="g",
-                   help="groups kept per token, 1..G (default G/2); g = G reproduces the original routing")
+                   help="groups kept per token, 1..G (default: the calibration's choice for G, a group-limited "
+                        "router's own kept groups, else G/2); g = G reproduces the original routing")
+    g.add_argument("--calibration", default=None, metavar="CALIB_DIR",
+                   help="groups and coarse routers from `moec calibrate` (made for this model and G) instead of "
+                        "the data-free ones")
     p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="compute each router matmul (the coarse one with cascade gating) in one kernel with the "
                         "RMSNorm before it (default: on; same results up to float rounding)")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("calibrate", help="fit cascade-gating groups and coarse routers on calibration text")
+    p.add_argument("model", help="trained model directory (PyTorch reference) or model.onnx / model.pt2")
+    p.add_argument("-o", "--output", required=True, help="calibration directory to write (atomically)")
+    p.add_argument("--data", default="train",
+                   help="'train' / 'heldout' (corpus split), a .npy / .bin token file, or a text file / directory")
+    p.add_argument("--corpus", default=None, help="corpus directory (default: the one a trained model used)")
+    p.add_argument("--groups", default=None, metavar="G[,G...]",
+                   help="group counts to calibrate (default: every divisor of the expert count from 2 to E/2)")
+    p.add_argument("--context", type=int, default=1024, help="window length in tokens")
+    p.add_argument("--max-tokens", type=int, default=65536, help="tokens to run (0: all of the data)")
+    p.add_argument("--check-every", type=int, default=10, help="every N-th window is held out of the fit for the check")
+    p.add_argument("--batch-size", type=int, default=4, help="windows run together")
+    p.add_argument("--seed", type=int, default=0, help="seed of the partition's random starts")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")
     p.add_argument("model")
