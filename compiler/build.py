@@ -97,8 +97,8 @@ def compile(  # noqa: A001 - the public name users call
         coarse router, then score only those groups' experts. Off when not given.
     cascade_keep : int, optional
         Groups kept per token, 1..cascade_groups (default: the calibration's ``keep_default`` for G, a
-        group-limited router's own ``topk_group``, else half of them, at least 1); equal to
-        ``cascade_groups`` it reproduces the original routing.
+        group-limited router's own ``topk_group``, else all of them); equal to ``cascade_groups`` it
+        reproduces the original routing.
     calibration : str | Path, optional
         A ``moec calibrate`` directory: cascade gating takes its groups and coarse routers (fitted on
         data) for G = ``cascade_groups`` instead of the data-free ones. It must have been made for

@@ -219,7 +219,8 @@ def _windows(tokens: np.ndarray, context: int, max_tokens: int | None) -> np.nda
     return np.stack([tokens[s:s + context] for s in starts])
 
 
-def _record_torch(path: Path, windows: np.ndarray, batch: int, progress: bool) -> tuple[list[RouterRecord], dict]:
+def _record_torch(path: Path, windows: np.ndarray, batch: int, progress: bool,
+                  device: str = "cpu") -> tuple[list[RouterRecord], dict]:
     import torch
 
     from ..models.reference import Experts, Router
@@ -238,14 +239,16 @@ def _record_torch(path: Path, windows: np.ndarray, batch: int, progress: bool) -
         rec = RouterRecord(i, r.weight.detach().float().numpy().copy(), cfg.top_k, cfg.router_score,
                            layer.post_attention_norm.weight.detach().float().numpy().copy())
         records.append(rec)
-        handles.append(r.register_forward_pre_hook(lambda _m, args, _rec=rec: _rec.x.append(args[0].detach().float().numpy())))
+        handles.append(r.register_forward_pre_hook(
+            lambda _m, args, _rec=rec: _rec.x.append(args[0].detach().float().cpu().numpy())))
     for mod in model.modules():
         if isinstance(mod, Experts):
             mod.grouped = True  # the same function without the gathered expert weights
+    model.to(device)
     try:
         with torch.no_grad():
             for s in _progress(range(0, len(windows), batch), progress, "calibrate (torch)"):
-                ids = torch.from_numpy(windows[s:s + batch])
+                ids = torch.from_numpy(windows[s:s + batch]).to(device)
                 model(input_ids=ids, attention_mask=torch.ones_like(ids))
     finally:
         for h in handles:
@@ -255,7 +258,8 @@ def _record_torch(path: Path, windows: np.ndarray, batch: int, progress: bool) -
     return records, info
 
 
-def _record_tvm(path: Path, windows: np.ndarray, batch: int, progress: bool) -> tuple[list[RouterRecord], dict]:
+def _record_tvm(path: Path, windows: np.ndarray, batch: int, progress: bool,
+                device: str = "cpu") -> tuple[list[RouterRecord], dict]:
     from .graph import DataflowGraph
     from .importers import import_model
     from .moe_structure import analyze
@@ -361,7 +365,7 @@ def _agreement(x, rows, spec, top_k, score) -> float:
 
 def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 1024, max_tokens: int | None = 65536,
               check_every: int = 10, batch_size: int = 4, seed: int = 0, target: float = TARGET_AGREEMENT,
-              progress: bool = False) -> Path:
+              progress: bool = False, device: str = "cpu") -> Path:
     """Calibrate cascade gating for ``model`` on ``data`` and write ``output_dir`` (see the module docstring).
 
     Parameters
@@ -378,6 +382,8 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
         Window length in tokens; windows are spread evenly over the data.
     max_tokens : int, optional
         Tokens to run (``None``: all); every ``check_every``-th window is held out of the fit for the check.
+    device : str
+        Where a trained reference runs ("cpu" or "cuda"); ONNX / .pt2 models run on the CPU.
     """
     from ..models.corpus import Corpus, load_corpus
     from ..models.train import corpus_of, is_trained_dir, load_trained
@@ -396,7 +402,9 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
     if check_every < 2:
         raise MoecError(f"check_every must be >= 2, got {check_every}")
     windows = _windows(tokens, context, max_tokens)
-    records, model_info = (_record_torch if trained else _record_tvm)(model, windows, batch_size, progress)
+    if device != "cpu" and not trained:
+        raise MoecError(f"{model}: ONNX / .pt2 models calibrate on the CPU (device {device!r} is for trained directories)")
+    records, model_info = (_record_torch if trained else _record_tvm)(model, windows, batch_size, progress, device)
     if not records:
         raise MoecError(f"{model}: no MoE router found to calibrate")
     e, hidden = records[0].num_experts, records[0].rows.shape[1]

@@ -46,7 +46,7 @@ def cmd_calibrate(args) -> int:
     groups = [int(x) for x in args.groups.split(",") if x.strip()] if args.groups else None
     out = calibrate(args.model, args.data, args.output, groups=groups, corpus=args.corpus, context=args.context,
                     max_tokens=args.max_tokens or None, check_every=args.check_every, batch_size=args.batch_size,
-                    seed=args.seed, progress=True)
+                    seed=args.seed, progress=True, device=args.device)
     print(format_summary(load_calibration(out)))
     print(f"[moec] wrote {out}")
     return 0
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "scored. G must divide the expert count")
     g.add_argument("--cascade-keep", type=int, default=None, metavar="g",
                    help="groups kept per token, 1..G (default: the calibration's choice for G, a group-limited "
-                        "router's own kept groups, else G/2); g = G reproduces the original routing")
+                        "router's own kept groups, else G); g = G reproduces the original routing")
     g.add_argument("--calibration", default=None, metavar="CALIB_DIR",
                    help="groups and coarse routers from `moec calibrate` (made for this model and G) instead of "
                         "the data-free ones")
@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-every", type=int, default=10, help="every N-th window is held out of the fit for the check")
     p.add_argument("--batch-size", type=int, default=4, help="windows run together")
     p.add_argument("--seed", type=int, default=0, help="seed of the partition's random starts")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where a trained model directory runs")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("inspect", help="print the recognised MoE structure of a model as a table")
