@@ -55,6 +55,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--demote", choices=["kv", "k", "v"], default="kv",
                     help="ablation: quantize only keys (k) or only values (v) to 2-bit at a demotion")
+    ap.add_argument("--fit", choices=["moments", "lloyd"], default="moments",
+                    help="2-bit mu/sigma fit at a demotion (moments: the cache's format today)")
+    ap.add_argument("--rotate", choices=["", "k", "v", "kv"], default="",
+                    help="quantize keys and/or values to 2-bit in a rotated basis (randomised Hadamard)")
     ap.add_argument("--device", default="cpu", help="torch device of the reference decoder (cpu, cuda)")
     ap.add_argument("--train", choices=["tiny", "small"], default=None,
                     help="first train the reference model of this size into MODEL (on --device)")
@@ -91,7 +95,8 @@ def main() -> int:
         training["heldout"] = meta.get("heldout")
     corpus = corpus_of(meta)
     kw = dict(tier1_fraction=args.tier1_fraction, sink=args.sink, recent=args.recent,
-              rerank_every=args.rerank_every, page_tokens=args.page_tokens, demote=args.demote)
+              rerank_every=args.rerank_every, page_tokens=args.page_tokens, demote=args.demote,
+              fit=args.fit, rotate=args.rotate)
     seeds = [int(x) for x in args.random_seeds.split(",")]
     scores = args.score.split(",")
     dh = model.config.dim_head

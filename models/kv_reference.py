@@ -74,12 +74,18 @@ class TierPolicy:
     score: str = "keynorm"  # importance of the tiered mode: one of SCORES, or a product "a*b"
     decay: float = 0.97  # per-query decay of the "ema" score
     demote: str = "kv"  # what a demotion quantizes to 2-bit: "kv", or "k" / "v" alone (an ablation; the other stays FP8)
+    fit: str = "moments"  # 2-bit mu/sigma: "moments" (the cache's format) or "lloyd" (kv_quant.nf2_quantize)
+    rotate: str = ""  # "k", "v" or "kv": quantize those in a rotated basis (orthogonal_rotation), "" none
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown KV policy mode {self.mode!r}; known: {', '.join(MODES)}")
         if not 0 <= self.tier1_fraction <= 1:
             raise ValueError("tier1_fraction must be in [0, 1]")
+        if self.fit not in q.FITS:
+            raise ValueError(f"unknown 2-bit fit {self.fit!r}; known: {', '.join(q.FITS)}")
+        if self.rotate not in ("", "k", "v", "kv"):
+            raise ValueError(f"rotate must be '', 'k', 'v' or 'kv', got {self.rotate!r}")
         if self.demote not in ("kv", "k", "v"):
             raise ValueError(f"demote must be 'kv', 'k' or 'v', got {self.demote!r}")
         if not set(self.score.split("*")) <= set(SCORES):
@@ -91,6 +97,24 @@ class TierPolicy:
         if mode == "2bit":
             return replace(base, tier1_fraction=0.0, sink=0, recent=0)
         return base
+
+
+def orthogonal_rotation(dim: int, seed: int = 0) -> np.ndarray:
+    """A fixed orthogonal ``[dim, dim]`` matrix that spreads every channel over all of them.
+
+    Randomised Hadamard ``diag(signs) H / sqrt(dim)`` when ``dim`` is a power of two (applied in a
+    kernel as a fast transform of q and of the output), else a seeded random orthogonal matrix. A
+    block quantized as ``x R`` and dequantized times ``R^T`` sees outlier channels spread out, so its
+    per-token statistics fit the Gaussian NF2 levels better; ``q . k = (q R) . (k R)``.
+    """
+    rng = np.random.default_rng(seed)
+    if dim & (dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        return (rng.choice([-1.0, 1.0], dim)[:, None] * h / math.sqrt(dim)).astype(np.float32)
+    qm, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+    return (qm * np.sign(np.diag(r))).astype(np.float32)
 
 
 def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +151,7 @@ class _LayerCache:
         self.maxp = torch.zeros((b, hkv, cap), **f64)  # largest probability of one query
         self.since = torch.zeros((b, hkv, cap), **f64)  # mass since the last re-rank
         self.len = 0
+        self.rot = self._t(orthogonal_rotation(dh)) if policy.rotate else None
 
     def _t(self, a) -> torch.Tensor:
         return torch.as_tensor(a, device=self.device)
@@ -221,11 +246,18 @@ class _LayerCache:
         pages = torch.as_tensor(idx.reshape(-1, self.policy.page_tokens), device=self.device)
         kd = self.kd[i, h][pages].cpu().numpy()  # P, T, Dh: from the FP8 values the cache holds
         vd = self.vd[i, h][pages].cpu().numpy()
-        if "k" in self.policy.demote:
-            self.kd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_keys_2bit(kd), axis=-2))
-        if "v" in self.policy.demote:
-            self.vd[i, h, pages] = self._t(q.nf2_dequantize(*q.quantize_values_2bit(vd), axis=-1))
+        p = self.policy
+        if "k" in p.demote:
+            self.kd[i, h, pages] = self._roundtrip2(kd, "k", lambda a: q.quantize_keys_2bit(a, p.fit), -2)
+        if "v" in p.demote:
+            self.vd[i, h, pages] = self._roundtrip2(vd, "v", lambda a: q.quantize_values_2bit(a, p.fit), -1)
         self.tier[i, h, idx] = 2
+
+    def _roundtrip2(self, x: np.ndarray, side: str, quantize, axis: int) -> torch.Tensor:
+        """2-bit round trip of pages ``x [P, T, Dh]``, in the rotated basis when the policy says so."""
+        rot = self.rot.cpu().numpy() if self.rot is not None and side in self.policy.rotate else None
+        y = q.nf2_dequantize(*quantize(x if rot is None else x @ rot), axis=axis)
+        return self._t(y if rot is None else y @ rot.T)
 
 
 class TieredDecoder:

@@ -60,19 +60,45 @@ def _nf2_codes(z: np.ndarray) -> np.ndarray:
     return np.searchsorted(NF2_THRESHOLDS, z, side="right").astype(np.uint8)
 
 
-def nf2_quantize(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+FITS = ("moments", "lloyd")
+
+
+def nf2_quantize(x: np.ndarray, axis: int, fit: str = "moments",
+                 iters: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """2-bit NF2 codes of ``x[..., T, Dh]`` with mu/sigma over ``axis`` (-2: per channel, -1: per token).
 
     Returns ``(packed uint8 [..., T, Dh/4], mu float16, sigma float16)`` where mu/sigma have ``axis``
-    reduced away.
+    reduced away. ``fit="moments"`` (the cache's format today) takes mu and sigma as the block's mean
+    and standard deviation, optimal for Gaussian data. ``fit="lloyd"`` then alternates ``iters`` times
+    between coding with (mu, sigma) and refitting (mu, sigma) by least squares to the codes' levels,
+    the squared-error-optimal affine fit of the NF2 shape for the block's own distribution (the
+    dequantization is unchanged, so only the quantizer differs).
     """
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % 4:
         raise ValueError(f"2-bit packing needs Dh divisible by 4, got {x.shape[-1]}")
+    if fit not in FITS:
+        raise ValueError(f"unknown 2-bit fit {fit!r}; known: {', '.join(FITS)}")
     mu = x.mean(axis=axis).astype(np.float16)
     sigma = np.maximum(x.std(axis=axis), _MIN_SCALE).astype(np.float16)
-    z = (x - np.expand_dims(mu.astype(np.float32), axis)) / np.expand_dims(sigma.astype(np.float32), axis)
-    return pack2(_nf2_codes(z)), mu, sigma
+
+    def codes(mu, sigma):
+        z = (x - np.expand_dims(mu.astype(np.float32), axis)) / np.expand_dims(sigma.astype(np.float32), axis)
+        return _nf2_codes(z)
+
+    c = codes(mu, sigma)
+    for _ in range(iters if fit == "lloyd" else 0):
+        lv = NF2_LEVELS[c].astype(np.float64)
+        lm, xm = lv.mean(axis=axis, keepdims=True), x.mean(axis=axis, keepdims=True, dtype=np.float64)
+        var = ((lv - lm) ** 2).mean(axis=axis)
+        cov = ((lv - lm) * (x - xm)).mean(axis=axis)
+        ok = var > 1e-12  # a block whose codes are all equal keeps its moments
+        s = np.where(ok, cov / np.where(ok, var, 1.0), sigma.astype(np.float64))
+        s = np.maximum(s, float(_MIN_SCALE))
+        m = np.where(ok, np.squeeze(xm - np.expand_dims(s, axis) * lm, axis), mu.astype(np.float64))
+        mu, sigma = m.astype(np.float16), s.astype(np.float16)
+        c = codes(mu, sigma)
+    return pack2(c), mu, sigma
 
 
 def nf2_dequantize(packed: np.ndarray, mu: np.ndarray, sigma: np.ndarray, axis: int) -> np.ndarray:
@@ -80,14 +106,14 @@ def nf2_dequantize(packed: np.ndarray, mu: np.ndarray, sigma: np.ndarray, axis: 
     return np.expand_dims(mu.astype(np.float32), axis) + np.expand_dims(sigma.astype(np.float32), axis) * z
 
 
-def quantize_keys_2bit(k: np.ndarray):
+def quantize_keys_2bit(k: np.ndarray, fit: str = "moments"):
     """Keys of one tier-2 page ``[Hkv, T, Dh]``: per-channel statistics over the T tokens."""
-    return nf2_quantize(k, axis=-2)
+    return nf2_quantize(k, axis=-2, fit=fit)
 
 
-def quantize_values_2bit(v: np.ndarray):
+def quantize_values_2bit(v: np.ndarray, fit: str = "moments"):
     """Values ``[Hkv, T, Dh]``: per-token statistics over the Dh channels."""
-    return nf2_quantize(v, axis=-1)
+    return nf2_quantize(v, axis=-1, fit=fit)
 
 
 def bytes_per_element(tier1_fraction: float, head_dim: int, page_tokens: int) -> dict:

@@ -160,3 +160,27 @@ def test_demotion_ablation_quantizes_one_side_only(demote):
     assert not np.allclose(now_changed.numpy()[0, 0, two], changed[0, 0, two], atol=1e-2)
     with pytest.raises(ValueError, match="demote"):
         TierPolicy(demote="q")
+
+
+def test_rotation_is_orthogonal_and_changes_only_the_2bit_tokens():
+    from moec.models.kv_reference import orthogonal_rotation
+
+    for dim in (64, 48):
+        r = orthogonal_rotation(dim)
+        np.testing.assert_allclose(r @ r.T, np.eye(dim), atol=1e-5)
+        assert np.abs(r).max() < 0.5  # every channel spread over many
+    rng = np.random.default_rng(4)
+    k, v = (rng.standard_normal((1, 1, 64, 8)).astype(np.float32) for _ in range(2))
+    k[..., 0] *= 20  # an outlier channel
+    caches = {}
+    for rotate in ("", "kv"):
+        c = _LayerCache(1, 1, 64, 8, TierPolicy("tiered", tier1_fraction=0.25, sink=2, recent=4, page_tokens=8, rotate=rotate))
+        c.append(k, v)
+        c.rerank(np.ones(64), np.random.default_rng(0))
+        caches[rotate] = c
+    two = caches[""].tier[0, 0] == 2
+    assert np.array_equal(two, caches["kv"].tier[0, 0] == 2)
+    a, b = caches[""].kd.numpy()[0, 0], caches["kv"].kd.numpy()[0, 0]
+    assert np.array_equal(a[~two], b[~two]) and not np.allclose(a[two], b[two])
+    with pytest.raises(ValueError, match="rotate"):
+        TierPolicy(rotate="q")

@@ -57,3 +57,19 @@ def test_bytes_per_element_budget():
     b = q.bytes_per_element(0.15, head_dim=128, page_tokens=128)
     assert b["blend"] <= 0.4 and b["tier1"] == pytest.approx(1 + 2 / 128)
     assert b["bf16"] / b["blend"] > 5
+
+
+def test_lloyd_fit_lowers_the_2bit_error_of_heavy_tails():
+    rng = np.random.default_rng(5)
+    x = rng.standard_t(3, size=(8, 128, 64)).astype(np.float32)
+    for axis in (-2, -1):
+        err = {}
+        for fit in q.FITS:
+            y = q.nf2_dequantize(*q.nf2_quantize(x, axis, fit=fit), axis=axis)
+            err[fit] = float(((y - x) ** 2).mean())
+        assert err["lloyd"] < 0.9 * err["moments"], err
+    a = q.nf2_quantize(x, -1, fit="lloyd", iters=0)  # no refits: the moments format
+    b = q.nf2_quantize(x, -1)
+    assert all(np.array_equal(u, v) for u, v in zip(a, b))
+    with pytest.raises(ValueError, match="unknown 2-bit fit"):
+        q.nf2_quantize(x, -1, fit="kmeans")
