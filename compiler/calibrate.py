@@ -386,7 +386,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
         Where a trained reference runs ("cpu" or "cuda"); ONNX / .pt2 models run on the CPU.
     """
     from ..models.corpus import Corpus, load_corpus
-    from ..models.train import corpus_of, is_trained_dir, load_trained
+    from ..models.train import corpus_of, is_trained_dir
     from ..passes.cascade_gating import CascadeSpec, data_free_groups, fit_coarse
 
     t0 = time.perf_counter()
@@ -397,7 +397,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
     if corpus is not None and not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus)
     if corpus is None and trained and Path(str(data)).suffix not in (".npy", ".bin"):
-        corpus = corpus_of(load_trained(model)[1])
+        corpus = corpus_of(json.loads((model / "config.json").read_text()))
     tokens, data_info = load_tokens(data, corpus)
     if check_every < 2:
         raise MoecError(f"check_every must be >= 2, got {check_every}")
