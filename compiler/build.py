@@ -69,6 +69,7 @@ def compile(  # noqa: A001 - the public name users call
     cascade_keep: int | None = None,
     fuse_router_norm: bool = True,
     calibration: str | Path | None = None,
+    grouped_experts: bool = True,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -107,6 +108,11 @@ def compile(  # noqa: A001 - the public name users call
         Compute each router matmul (the coarse group router with cascade gating) in one kernel with the
         RMSNorm before it (``moec.passes.fuse_router_norm``): one launch instead of the norm's and the
         matmul's, the same results up to float rounding. On by default.
+    grouped_experts : bool
+        Run the routed experts as grouped expert GEMMs (``moec.passes.grouped_experts``): tokens sorted
+        by expert, each active expert's weights read once for all of its tokens (instead of the export's
+        per-(token, slot) gathers), SwiGLU fused. On by default; expert forms it does not recognise stay
+        as imported and the manifest says why.
 
     Returns
     -------
@@ -117,6 +123,8 @@ def compile(  # noqa: A001 - the public name users call
     tgt = make_target(target, arch)
     if not isinstance(fuse_router_norm, bool):
         raise MoecError(f"fuse_router_norm must be True or False, got {fuse_router_norm!r}")
+    if not isinstance(grouped_experts, bool):
+        raise MoecError(f"grouped_experts must be True or False, got {grouped_experts!r}")
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
@@ -174,8 +182,13 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.fuse_router_norm import FuseRouterIntoNorm
 
         fuse = FuseRouterIntoNorm(tgt, imported.source_name)
+    grouped = None
+    if grouped_experts:
+        from ..passes.grouped_experts import InsertGroupedExperts
+
+        grouped = InsertGroupedExperts(tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
-                                     cascade, fuse_router_norm=fuse)
+                                     cascade, fuse_router_norm=fuse, grouped_experts=grouped)
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -213,13 +226,14 @@ def compile(  # noqa: A001 - the public name users call
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
-            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["LegalizeOps", "FuseOps",
+            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None) + ["LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"],
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
                         "tiered": tiered.to_dict() if tiered is not None else None,
                         "cascade": cascade.manifest() if cascade is not None else None,
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
+                        "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "entry_functions": _entry_doc(tiered),
             "cuda_kernels": cuda_kernels,

@@ -78,7 +78,7 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
-                  fuse_router_norm: FuseRouterIntoNorm | None = None):
+                  fuse_router_norm: FuseRouterIntoNorm | None = None, grouped_experts=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
@@ -86,6 +86,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
     ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
     matmul (the coarse one after cascade gating) with its RMSNorm in the entries.
+    ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
+    computation of the entries with the grouped expert GEMM kernels.
     """
     dump = Path(debug_dump) if debug_dump else None
     if tiered is not None:
@@ -101,6 +103,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         insert,
         SimplifyPower(),
         *([fuse_router_norm] if fuse_router_norm is not None else []),
+        *([grouped_experts] if grouped_experts is not None else []),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),
         *_lowering(target, entries, dump),

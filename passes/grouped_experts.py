@@ -1,0 +1,377 @@
+"""InsertGroupedExperts: the routed experts of each MoE layer become grouped expert GEMMs.
+
+Expects entry functions (attribute ``num_input``: leading non-weight parameters, then the weights),
+as ``InsertPagedKVAttention`` / ``InsertTieredKVAttention`` build them, after ``FuseRouterIntoNorm``
+if it runs. In each entry it matches, by structure only (legend: T tokens, K active experts,
+S = T * K slots, E experts, D hidden, I expert width), the gathered-weights form that exports of
+stacked experts produce (the reference model's ``Experts.forward``; HF transformers' ``batched_mm``
+experts, torch.export and ONNX)::
+
+    idx  = reshape(ids)                    # S        ids [T, K] integer, downstream of a top-k
+           (ONNX: where(idx < 0, idx + E, idx) as [S, 1] for gather_nd)
+    xs   = reshape(broadcast_to(expand_dims(x, 1), [T, K, D]), [S, D(, 1)])   # x [T, D]
+    gu   = squeeze(matmul(take(W1, idx) | gather_nd(W1, idx), xs[.., None]))  # S, 2I   W1 [E, 2I, D] weight
+    g, u = split(gu, 2, -1)                # silu on one half: a * sigmoid(a) or nn.silu(a)
+    h    = silu(g) * u                     # S, I
+    y    = squeeze(matmul(take(W2, idx), expand_dims(h, -1)))                # S, D    W2 [E, D, I] weight
+    out  = sum(reshape(y * reshape(rw, [S, 1]), [T, K, D]), axis=1)         # T, D    rw [T, K]
+
+Guarantees after: each match is four ``call_tir`` of ``schedules.kernels.grouped_experts`` (llvm or
+CUDA form by target): ``route_prep(ids) -> (offsets, order)``, ``gate_up(x, W1, offsets, order) -> h``,
+``down(h, W2, offsets, order, rw) -> y`` (per slot, float32) and ``combine(y, ids) -> out``; every user
+of ``out`` reads the last. The gathered bindings are left dead for the dead-code elimination after
+phase 1. Each active expert's weights are read once for all of its tokens instead of once per
+(token, slot). Results equal the unfused graph's up to float rounding (float32 accumulation). An MoE
+layer whose experts take another form stays unchanged, and ``skipped`` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+from tvm.sym.analyzer import Analyzer
+
+from ..compiler.errors import MoecError
+from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported
+
+_OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
+
+
+@dataclass
+class _Match:
+    out: relax.Var  # the [T, D] sum over the K slots
+    x: relax.Expr  # [T, D]
+    ids: relax.Expr  # [T, K] integer
+    rw: relax.Expr  # [T, K] routing weights
+    w1: relax.Var  # [E, 2I, D]
+    w2: relax.Var  # [E, D, I]
+    spec: GroupedExpertsSpec
+    where: str
+    down: relax.Var  # the down projection's matmul
+
+
+class _Skip(Exception):
+    pass
+
+
+def _eq(a, b) -> bool:
+    if is_static(a) and is_static(b):
+        return int(a) == int(b)
+    return bool(Analyzer().can_prove_equal(a if not is_static(a) else tvm.tirx.IntImm("int64", int(a)),
+                                           b if not is_static(b) else tvm.tirx.IntImm("int64", int(b))))
+
+
+class _Matcher:
+    def __init__(self, func: relax.Function, num_inputs: int, form: str) -> None:
+        self.g = DataflowGraph(func, num_inputs)
+        self.form = form
+        self.skipped: list[str] = []
+
+    # ------------------------------------------------------------ helpers
+    def alias(self, expr):
+        while isinstance(expr, relax.Var) and isinstance(self.g.value.get(expr), relax.Var):
+            expr = self.g.value[expr]
+        return expr
+
+    def users(self, var):
+        out = []
+        for u in self.g.users.get(var, []):
+            if isinstance(self.g.value.get(u), relax.Var):  # alias binding: its users
+                out += self.users(u)
+            else:
+                out.append(u)
+        return out
+
+    def only_user(self, var, op: str | None, what: str):
+        us = self.users(var)
+        if len(us) != 1 or (op is not None and self.g.op(us[0]) != op):
+            raise _Skip(f"{what}: expected one {op or 'user'}, found {[self.g.op(u) or type(self.g.value[u]).__name__ for u in us]}")
+        return us[0]
+
+    def weight(self, expr):
+        expr = self.alias(expr)
+        return expr if expr in self.g.weight_set else None
+
+    def gathered(self, expr):
+        """``(W, idx)`` if ``expr`` is take(W, idx, axis=0) or gather_nd(W, idx [S, 1]) of a rank-3 weight."""
+        g, v = self.g, self.alias(expr)
+        op, call = g.op(v), g.call(v)
+        if op == "relax.take" and int(call.attrs.axis) == 0:
+            w = self.weight(call.args[0])
+            if w is not None and len(shape_of(w) or ()) == 3:
+                return w, call.args[1]
+        if op == "relax.gather_nd" and int(call.attrs.batch_dims) == 0:
+            w = self.weight(call.args[0])
+            idx = call.args[1]
+            if w is not None and len(shape_of(w) or ()) == 3 and (shape_of(idx) or (0, 0))[-1] == 1:
+                return w, idx
+        return None
+
+    def ids_of(self, idx, num_experts: int):
+        """The [T, K] integer ids behind a gather index: through layout ops and ONNX's wrap of negatives."""
+        g = self.g
+        e = self.alias(idx)
+        for _ in range(8):
+            e = self.alias(g.strip(e, LAYOUT_OPS - {"relax.astype"}))
+            if g.op(e) == "relax.where":  # where(less(i, 0), add(i, E), i)
+                c, a, b = g.call(e).args
+                if (g.op(c) == "relax.less" and const_scalar(g.call(c).args[1]) == 0 and g.op(a) == "relax.add"
+                        and self.alias(g.call(a).args[0]).same_as(self.alias(b))):
+                    e = b
+                    continue
+            break
+        shp = shape_of(e)
+        if shp is None or len(shp) != 2 or not (dtype_of(e) or "").startswith("int"):
+            return None
+        anc = g.ancestors(e)
+        if not any(g.op(v) == "relax.topk" for v in anc):
+            return None
+        return e
+
+    def hidden_of(self, xs, t, k, d):
+        """x [T, D] if ``xs`` is x broadcast over the K slots ([S, D] or [S, D, 1])."""
+        g = self.g
+        e = self.alias(xs)
+        for _ in range(4):
+            if g.op(e) not in ("relax.reshape", "relax.expand_dims"):
+                break
+            e = self.alias(g.call(e).args[0])
+        if g.op(e) != "relax.broadcast_to":
+            return None
+        bshape = shape_of(e)
+        if len(bshape) != 3 or not (_eq(bshape[0], t) and _eq(bshape[1], k) and _eq(bshape[2], d)):
+            return None
+        src = self.alias(g.call(e).args[0])
+        sshape = shape_of(src)
+        if len(sshape) != 3 or sshape[1] != 1 or g.op(src) not in ("relax.expand_dims", "relax.reshape"):
+            return None
+        x = self.alias(g.call(src).args[0])
+        xshape = shape_of(x)
+        if xshape is None or len(xshape) != 2 or not (_eq(xshape[0], t) and _eq(xshape[1], d)):
+            return None
+        return x
+
+    def silu_of(self, v):
+        """``a`` if ``v`` is silu(a): nn.silu(a) or a * sigmoid(a)."""
+        g = self.g
+        v = self.alias(v)
+        if g.op(v) == "relax.nn.silu":
+            return self.alias(g.call(v).args[0])
+        if g.op(v) == "relax.multiply":
+            a, b = (self.alias(x) for x in g.call(v).args)
+            if g.op(b) == "relax.sigmoid" and self.alias(g.call(b).args[0]).same_as(a):
+                return a
+            if g.op(a) == "relax.sigmoid" and self.alias(g.call(a).args[0]).same_as(b):
+                return b
+        return None
+
+    # ------------------------------------------------------------ one candidate
+    def match(self, m1) -> _Match:
+        g = self.g
+        where = f"expert matmul {m1.name}"
+        w1, idx1 = self.gathered(g.call(m1).args[0])
+        e, two_i, d = shape_of(w1)
+        if two_i % 2:
+            raise _Skip(f"{where}: gate/up weight {w1.name} has an odd number of rows {two_i}")
+        i = two_i // 2
+        ids = self.ids_of(idx1, e)
+        if ids is None:
+            raise _Skip(f"{where}: the gather index does not come from [T, K] top-k expert ids")
+        t, k = shape_of(ids)
+        if not is_static(k):
+            raise _Skip(f"{where}: dynamic top-k")
+        xcol = g.call(m1).args[1]
+        if not (_eq(shape_of(m1)[0], t * k) and shape_of(m1)[1:] == (two_i, 1)):
+            raise _Skip(f"{where}: not [S, 2I, 1] = [T*K, {two_i}, 1] (shape {shape_of(m1)})")
+        x = self.hidden_of(xcol, t, k, d)
+        if x is None:
+            raise _Skip(f"{where}: its input is not the hidden state [T, D] broadcast over the K slots")
+        sq = self.only_user(m1, "relax.squeeze", where)
+        sp = self.only_user(sq, "relax.split", where)
+        halves = {}
+        for u in self.users(sp):
+            item = g.value[u]
+            if not isinstance(item, relax.TupleGetItem):
+                raise _Skip(f"{where}: the split output is used whole")
+            halves[item.index] = u
+        if set(halves) != {0, 1} or len(sp.ty.fields) != 2 or any(shape_of(v)[-1] != i for v in halves.values()):
+            raise _Skip(f"{where}: the gate/up output is not split into two halves of {i}")
+        # h = silu(gate) * up
+        prod = None
+        for gate_idx in (0, 1):
+            for u in self.users(halves[gate_idx]):
+                for u2 in self.users(u) + [u]:
+                    if g.op(u2) == "relax.multiply" and self.silu_of(u2) is None:
+                        a, b = (self.alias(v) for v in g.call(u2).args)
+                        for s_, o_ in ((a, b), (b, a)):
+                            if o_.same_as(halves[1 - gate_idx]) and self.silu_of(s_) is not None and self.silu_of(s_).same_as(halves[gate_idx]):
+                                prod, gate_first = u2, gate_idx == 0
+        if prod is None:
+            raise _Skip(f"{where}: no silu(gate) * up over the two halves")
+        h3 = self.only_user(prod, "relax.expand_dims", where)
+        m2 = self.only_user(h3, "relax.matmul", where)
+        if not self.alias(g.call(m2).args[1]).same_as(h3):
+            raise _Skip(f"{where}: the down projection does not read h as its right operand")
+        gd = self.gathered(g.call(m2).args[0])
+        if gd is None:
+            raise _Skip(f"{where}: the down projection's weight is not a gathered [E, D, I] weight")
+        w2, idx2 = gd
+        if shape_of(w2) != (e, d, i):
+            raise _Skip(f"{where}: down weight {w2.name} is {shape_of(w2)}, expected {(e, d, i)}")
+        ids2 = self.ids_of(idx2, e)
+        if ids2 is None or not ids2.same_as(ids):
+            raise _Skip(f"{where}: gate/up and down gather by different indices")
+        sq2 = self.only_user(m2, "relax.squeeze", where)
+        mul = self.only_user(sq2, "relax.multiply", where)
+        a, b = (self.alias(v) for v in g.call(mul).args)
+        rwc = b if a.same_as(sq2) else a
+        rs = shape_of(rwc)
+        if rs is None or len(rs) != 2 or rs[1] != 1:
+            raise _Skip(f"{where}: the routing weight is not a [S, 1] column")
+        rw = self.alias(g.strip(rwc, LAYOUT_OPS - {"relax.astype"}))
+        if shape_of(rw) is None or len(shape_of(rw)) != 2 or not (_eq(shape_of(rw)[0], t) and shape_of(rw)[1] == k):
+            # the weights may be reshaped from [T, K] to [S] and then to [S, 1]: strip gave the [T, K] tensor
+            raise _Skip(f"{where}: the routing weights do not come from a [T, K] tensor")
+        r3 = self.only_user(mul, "relax.reshape", where)
+        if not (len(shape_of(r3)) == 3 and _eq(shape_of(r3)[0], t) and shape_of(r3)[1:] == (k, d)):
+            raise _Skip(f"{where}: the weighted slots are not reshaped to [T, K, D]")
+        out = self.only_user(r3, "relax.sum", where)
+        sc = g.call(out)
+        if [int(a) for a in sc.attrs.axis] not in ([1], [-2]) or bool(sc.attrs.keepdims):
+            raise _Skip(f"{where}: the slots are not summed over axis 1")
+        spec = GroupedExpertsSpec(hidden=int(d), inter=int(i), experts=int(e), top_k=int(k), x_dtype=dtype_of(x),
+                                  w_dtype=dtype_of(w1), h_dtype=dtype_of(prod), rw_dtype=dtype_of(rw),
+                                  out_dtype=dtype_of(out), ids_dtype=dtype_of(ids), gate_first=gate_first)
+        if dtype_of(w2) != dtype_of(w1):
+            raise _Skip(f"{where}: gate/up ({dtype_of(w1)}) and down ({dtype_of(w2)}) weights differ in dtype")
+        try:
+            check_supported(spec, self.form)
+        except MoecError as exc:
+            raise _Skip(f"{where}: {exc}") from None
+        return _Match(out=out, x=x, ids=ids, rw=rw, w1=w1, w2=w2, spec=spec, where=where, down=m2)
+
+    def run(self) -> list[_Match]:
+        g = self.g
+        found, failed = [], []
+        cands = [v for v in g.calls_of("relax.matmul") if self.gathered(g.call(v).args[0]) is not None]
+        for m in cands:
+            w, _ = self.gathered(g.call(m).args[0])
+            shp = shape_of(m)
+            if not (shp and len(shp) == 3 and shp[-1] == 1 and shp[1] == shape_of(w)[1] and shape_of(w)[1] % 2 == 0):
+                continue
+            try:
+                found.append(self.match(m))
+            except _Skip as exc:
+                failed.append((m, str(exc)))
+        downs = {mt.down for mt in found}  # a matched layer's down projection is a candidate too
+        self.skipped += [msg for m, msg in failed if m not in downs]
+        # top-k routers no match consumed: their experts are in a form not recognised here
+        matched = set()
+        for mt in found:
+            matched |= g.ancestors(mt.ids)
+        for tk in g.calls_of("relax.topk"):
+            if tk in matched or not any(isinstance(g.value[u], relax.TupleGetItem) and g.value[u].index == 1
+                                        for u in self.users(tk)):
+                continue
+            self.skipped.append(f"top-k {tk.name}: no gathered expert matmuls recognised downstream "
+                                "(the experts' form is not one InsertGroupedExperts matches)")
+        return found
+
+
+@relax.expr_functor.mutator
+class _GroupedExpertsRewriter(relax.PyExprMutator):
+    def __init__(self, mod, matches: list[_Match], kernel) -> None:
+        super().__init__(mod)
+        self.by_out = {m.out: m for m in matches}
+        self.kernel = kernel  # (spec, name) -> GlobalVar
+
+    def visit_var_binding_(self, binding) -> None:
+        m = self.by_out.get(binding.var)
+        if m is None:
+            super().visit_var_binding_(binding)
+            return
+        # T tokens, K active, S = T*K slots, E experts, D hidden, I expert width
+        bb, s = self.builder_, m.spec
+        x, ids, rw = self.visit_expr(m.x), self.visit_expr(m.ids), self.visit_expr(m.rw)
+        w1, w2 = self.visit_expr(m.w1), self.visit_expr(m.w2)
+        t = shape_of(ids)[0]
+        n = Analyzer().simplify(t * s.top_k)
+        prep = bb.emit(relax.call_tir(self.kernel(s, "route_prep"), [ids], out_ty=[
+            relax.TensorType([s.experts + 1], "int32"), relax.TensorType([n], "int32")]))
+        offsets = bb.emit(relax.TupleGetItem(prep, 0))  # E + 1
+        order = bb.emit(relax.TupleGetItem(prep, 1))  # S, slots grouped by expert
+        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, w1, offsets, order],
+                                   out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
+        y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, w2, offsets, order, rw],
+                                   out_ty=relax.TensorType([n, s.hidden], "float32")))  # S, D (slot order)
+        out = bb.emit(relax.call_tir(self.kernel(s, "combine"), [y, ids],
+                                     out_ty=relax.TensorType([t, s.hidden], s.out_dtype)))  # T, D
+        self.set_var_remap(binding.var, out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="InsertGroupedExperts")
+class InsertGroupedExperts:
+    """Replace each recognised routed-expert computation with grouped expert GEMM kernels.
+
+    Parameters
+    ----------
+    target : tvm.target.Target
+        Picks the kernel form: CUDA for ``cuda`` targets, the serial llvm form otherwise.
+    source : str
+        Model name for messages.
+    """
+
+    def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
+        if not isinstance(target, tvm.target.Target):
+            raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
+        self.target, self.source = target, source
+        self.replaced: dict[str, int] = {}
+        self.skipped: dict[str, list[str]] = {}
+        self.kernels: dict[tuple, str] = {}
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        entries = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
+                   and "num_input" in f.attrs]
+        if not entries:
+            raise MoecError(f"{self.source}: InsertGroupedExperts rewrites functions with a num_input attribute (model "
+                            "inputs first, then the weights), such as the entries InsertPagedKVAttention / "
+                            "InsertTieredKVAttention build; the module has none")
+        form = "cuda" if self.target.kind.name == "cuda" else "llvm"
+        gvars: dict[tuple, relax.GlobalVar] = {}
+        out = mod
+        for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
+            func = relax.analysis.remove_all_unused(func)
+            matcher = _Matcher(func, int(func.attrs["num_input"]), form)
+            matches = matcher.run()
+            self.replaced[gv.name_hint] = len(matches)
+            self.skipped[gv.name_hint] = matcher.skipped
+            if not matches:
+                continue
+            rewriter = _GroupedExpertsRewriter(out, matches, None)
+
+            def kernel(spec, name, rewriter=rewriter):
+                key = (spec, name)
+                if key not in gvars:
+                    prim = KERNELS[name](spec, form).without_attr("global_symbol").with_attr("op_pattern", _OPAQUE)
+                    gvars[key] = rewriter.builder_.add_func(prim, f"moe_{name}")
+                    self.kernels[key] = gvars[key].name_hint
+                return gvars[key]
+
+            rewriter.kernel = kernel
+            new_func = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gv, new_func)
+            out = rewriter.builder_.get()
+        return out
+
+    def manifest(self) -> dict:
+        """Expert layers replaced per entry, the kernels (one set per distinct spec), and what was skipped."""
+        kernels = []
+        for spec in dict.fromkeys(s for s, _ in self.kernels):
+            kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
+        return {"replaced": dict(self.replaced), "kernels": kernels, "skipped": {k: v for k, v in self.skipped.items() if v}}
+
+
+__all__ = ["InsertGroupedExperts"]

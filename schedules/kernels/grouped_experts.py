@@ -1,0 +1,550 @@
+"""Grouped expert GEMMs of an MoE layer (TIR): routing prep, gate_up + SwiGLU, down + routing weight, combine.
+
+Legend: T tokens, K active experts per token, S = T * K token-slots (slot ``s = t * K + k``), E experts,
+D hidden, I expert width. Per layer::
+
+    offsets, order = route_prep(ids)              # ids [T, K] -> offsets [E + 1] int32, order [S] int32
+                                                  # order: the slots grouped by expert (counting sort, stable),
+                                                  # expert e's slots are order[offsets[e] : offsets[e + 1]]
+    h[p]  = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)   # p in expert e's range, s = order[p], t = s // K
+                                                  # W1 [E, 2I, D]: Wg its rows [0, I) (or [I, 2I), ``gate_first``)
+    y[s]  = rw[s] * (h[p] @ W2[e]^T)              # W2 [E, D, I]; rw [T, K] the routing weights; y float32 [S, D]
+    out[t] = sum_k y[t * K + k]                   # in slot order k = 0..K-1 (deterministic, no float atomics)
+
+All products accumulate in float32; ``h`` is stored in ``h_dtype`` (the model's activation dtype, as the
+imported graph rounds its SwiGLU output), ``y`` in float32 and ``out`` in ``out_dtype``. Slots whose
+expert id is outside [0, E) (after the numpy/ONNX wrap of negative ids) belong to no expert and add 0.
+
+Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
+
+  * route_prep: one block of 32 warps. Warp w owns experts w, w + 32, ...; for each, it scans the S slots
+    32 at a time, ``__ballot_sync`` of ``ids == e`` and ``__popc`` give the count and, in a second scan
+    after the offsets (exclusive prefix of the counts, through shared memory), each slot's place: the
+    same stable order as the llvm form, no atomics.
+  * gate_up / down: a grid of (output tiles, E) blocks of NW warps; the block of (tile, e) reads
+    ``offsets[e], offsets[e + 1]`` and exits at once if the expert has no token (its weights are never
+    read). Warp w owns one output column (gate and up rows j and I + j; or a row d of W2). Its tokens go
+    in tiles of TB: the weight row is streamed once per tile with 16-byte vector loads (8 bf16 per lane),
+    each lane accumulates TB (x2 for gate/up) float32 partial dot products, then warp shuffles reduce them
+    and lane 0 writes the tile's outputs. At decode batch sizes an expert has at most TB tokens, so each
+    weight byte of an active expert is read once. The grid depends on E and the weight shapes only, not
+    on T: nothing is padded to the worst case, token counts are dynamic.
+  * combine: one block per token, threads over D.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    from tvm.script import tirx as T
+except ImportError:  # runtime-only TVM (the GPU bench): the spec and launch_config still work
+    T = None
+
+from ...compiler.errors import MoecError
+
+DTYPES = ("float32", "float16", "bfloat16")
+ID_DTYPES = ("int32", "int64")
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+PREP_WARPS = 32
+
+
+@dataclass(frozen=True)
+class GroupedExpertsSpec:
+    """One MoE layer's routed experts (one set of kernels per distinct spec)."""
+
+    hidden: int  # D
+    inter: int  # I
+    experts: int  # E
+    top_k: int  # K
+    x_dtype: str = "float32"  # hidden state [T, D]
+    w_dtype: str = "float32"  # W1 [E, 2I, D] and W2 [E, D, I]
+    h_dtype: str = "float32"  # SwiGLU output [S, I]
+    rw_dtype: str = "float32"  # routing weights [S]
+    out_dtype: str = "float32"  # combined output [T, D]
+    ids_dtype: str = "int64"
+    gate_first: bool = True  # W1 rows [0, I) are the gate (silu) half
+    token_tile: int = 8  # TB: tokens of an expert per weight pass (CUDA form)
+    warps: int = 4  # NW: warps per block of the GEMMs (CUDA form)
+
+    def check(self) -> None:
+        for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
+            v = getattr(self, what)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise MoecError(f"grouped_experts: {what} must be a positive integer, got {v!r}")
+        for what in ("x_dtype", "w_dtype", "h_dtype", "rw_dtype", "out_dtype"):
+            if getattr(self, what) not in DTYPES:
+                raise MoecError(f"grouped_experts: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
+        if self.ids_dtype not in ID_DTYPES:
+            raise MoecError(f"grouped_experts: ids_dtype must be int32 or int64, got {self.ids_dtype!r}")
+        if self.top_k > self.experts:
+            raise MoecError(f"grouped_experts: top-{self.top_k} of {self.experts} experts")
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _vec(n: int, *dtypes: str) -> int:
+    """Elements per 16-byte access (of the widest dtype), halved until it divides n."""
+    v = 16 // max(_BYTES[dt] for dt in dtypes)
+    while n % v:
+        v //= 2
+    return v
+
+
+def launch_config(spec: GroupedExpertsSpec) -> dict:
+    """CUDA launch shapes: blocks (x, y) and threads of each kernel, vector widths, token tile."""
+    nw = spec.warps
+    vec_gu = _vec(spec.hidden, spec.w_dtype, spec.x_dtype)
+    vec_dn = _vec(spec.inter, spec.w_dtype, spec.h_dtype)
+    cvec = _vec(spec.hidden, "float32", spec.out_dtype)
+    cthreads = min(256, max(32, 32 * -(-(spec.hidden // cvec) // 32)))
+    return {
+        "route_prep": {"blocks": (1, 1), "threads": 32 * PREP_WARPS},
+        "gate_up": {"blocks": (-(-spec.inter // nw), spec.experts), "threads": 32 * nw, "vec": vec_gu,
+                    "iters": -(-spec.hidden // (32 * vec_gu)), "token_tile": spec.token_tile},
+        "down": {"blocks": (-(-spec.hidden // nw), spec.experts), "threads": 32 * nw, "vec": vec_dn,
+                 "iters": -(-spec.inter // (32 * vec_dn)), "token_tile": spec.token_tile},
+        "combine": {"blocks": ("T", 1), "threads": cthreads, "vec": cvec, "iters": -(-spec.hidden // (cthreads * cvec))},
+    }
+
+
+def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
+    """Raise ``MoecError`` unless the kernels of ``spec`` can be built for ``target``."""
+    spec.check()
+    if target not in ("llvm", "cuda"):
+        raise MoecError(f"grouped_experts: target must be 'llvm' or 'cuda', got {target!r}")
+    if target == "cuda" and spec.experts > 32 * 1024:
+        raise MoecError(f"grouped_experts: {spec.experts} experts exceed the route_prep kernel's shared counts")
+
+
+def _f32(v):
+    return T.Cast("float32", v)
+
+
+def _norm_id(v, E):
+    """An expert id as int32 with numpy/ONNX wrap of negative ids (out of range stays out of range)."""
+    i = T.Cast("int32", v)
+    return T.if_then_else(i < 0, i + E, i)
+
+
+def _in_range(e, E):
+    return T.And(e >= 0, e < E)
+
+
+def _attrs(name: str) -> dict:
+    return {"tirx.is_scheduled": True, "global_symbol": name, "tirx.noalias": True}
+
+
+# ---------------------------------------------------------------------------- route_prep
+
+
+def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
+    """``route_prep(ids [T, K], offsets [E + 1] int32, order [T * K] int32)``."""
+    check_supported(spec, target)
+    E, K = spec.experts, spec.top_k
+    attrs = _attrs("moe_route_prep")
+
+    if target == "llvm":
+        @T.prim_func(s_tir=True)
+        def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            ids = T.match_buffer(ids_h, (N, K), spec.ids_dtype)
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            with T.sblock("route_prep"):
+                T.reads()
+                T.writes()
+                cur = T.sblock_alloc_buffer((E,), "int32")
+                for e in T.serial(E + 1):
+                    offsets[e] = 0
+                for s in T.serial(N * K):
+                    e: T.let[T.int32] = _norm_id(ids[s // K, s % K], E)
+                    if _in_range(e, E):
+                        offsets[e + 1] = offsets[e + 1] + 1
+                for e in T.serial(E):
+                    offsets[e + 1] = offsets[e + 1] + offsets[e]
+                    cur[e] = offsets[e]
+                for s in T.serial(N * K):
+                    e2: T.let[T.int32] = _norm_id(ids[s // K, s % K], E)
+                    if _in_range(e2, E):
+                        order[cur[e2]] = T.Cast("int32", s)
+                        cur[e2] = cur[e2] + 1
+
+        return moe_route_prep
+
+    NWP = PREP_WARPS
+    EPW = -(-E // NWP)  # experts per warp
+
+    def ballot(pred):
+        return T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF), pred)
+
+    def popc(m):
+        return T.call_extern("int32", "__popc", m)
+
+    @T.prim_func(s_tir=True)
+    def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
+        T.func_attr(attrs)
+        N = T.int64()
+        ids = T.match_buffer(ids_h, (N, K), spec.ids_dtype)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        for bx in T.thread_binding(1, thread="blockIdx.x"):
+            for tx in T.thread_binding(32 * NWP, thread="threadIdx.x"):
+                with T.sblock("route_prep"):
+                    T.reads()
+                    T.writes()
+                    cnt = T.sblock_alloc_buffer((EPW * NWP,), "int32", scope="shared")
+                    loc = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                    lane: T.let[T.int32] = tx % 32
+                    warp: T.let[T.int32] = tx // 32
+                    S: T.let[T.int32] = T.Cast("int32", N * K)
+                    # ---- counts: warp w owns experts w, w + NWP, ...
+                    for j in T.serial(EPW):
+                        loc[0] = 0
+                        for c in T.serial((S + 31) // 32):
+                            s = c * 32 + lane
+                            hit = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E) == j * NWP + warp, False)
+                            loc[0] = loc[0] + popc(ballot(hit))
+                        if lane == 0:
+                            cnt[j * NWP + warp] = loc[0]
+                    T.tvm_storage_sync("shared")
+                    # ---- offsets (each warp sums the counts before its experts) and the stable order
+                    for j in T.serial(EPW):
+                        e: T.let[T.int32] = j * NWP + warp
+                        if e < E:
+                            loc[1] = 0
+                            for q in T.serial(e):
+                                loc[1] = loc[1] + cnt[q]
+                            if lane == 0:
+                                offsets[e] = loc[1]
+                                if e == E - 1:
+                                    offsets[E] = loc[1] + cnt[e]
+                            for c in T.serial((S + 31) // 32):
+                                s2 = c * 32 + lane
+                                hit2 = T.if_then_else(s2 < S, _norm_id(ids[T.min(s2, S - 1) // K, T.min(s2, S - 1) % K], E) == e, False)
+                                loc[2] = T.Cast("int32", ballot(hit2))
+                                if hit2:
+                                    order[loc[1] + popc(T.Cast("uint32", loc[2]) & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)))] = s2
+                                loc[1] = loc[1] + popc(T.Cast("uint32", loc[2]))
+
+    return moe_route_prep
+
+
+# ---------------------------------------------------------------------------- gate_up (+ SwiGLU)
+
+
+def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
+    """``gate_up(x [T, D], w1 [E, 2I, D], offsets [E + 1], order [T * K], h [T * K, I])``: h in expert order."""
+    check_supported(spec, target)
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+    attrs = _attrs("moe_gate_up")
+
+    def swiglu(g, u):
+        return T.Cast(spec.h_dtype, g / (T.float32(1) + T.exp(-g)) * u)
+
+    if target == "llvm":
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            for e in T.serial(E):
+                for i in T.serial(offsets[e + 1] - offsets[e]):
+                    for j in T.serial(I):
+                        with T.sblock("gate_up"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            p: T.let[T.int32] = offsets[e] + i
+                            t: T.let[T.int32] = order[p] // K
+                            acc[0] = T.float32(0)
+                            acc[1] = T.float32(0)
+                            for d in T.serial(D):
+                                acc[0] = acc[0] + _f32(x[t, d]) * _f32(w[e, g0 + j, d])
+                                acc[1] = acc[1] + _f32(x[t, d]) * _f32(w[e, u0 + j, d])
+                            h[p, j] = swiglu(acc[0], acc[1])
+
+        return moe_gate_up
+
+    cfg = launch_config(spec)["gate_up"]
+    NW, VEC, IT, TB = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile
+    full = D % (32 * VEC) == 0
+    NBX = cfg["blocks"][0]
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+        T.func_attr(attrs)
+        N = T.int64()
+        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+        w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for jb in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("gate_up"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((2 * TB,), "float32", scope="local")
+                        tok = T.sblock_alloc_buffer((TB,), "int32", scope="local")
+                        wg = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
+                        wu = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
+                        xv = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
+                        lane: T.let[T.int32] = tx % 32
+                        j: T.let[T.int32] = jb * NW + tx // 32
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        if j < I:
+                            for g in T.serial((cnt + TB - 1) // TB):
+                                for b in T.unroll(TB):
+                                    acc[b] = T.float32(0)
+                                    acc[TB + b] = T.float32(0)
+                                    tok[b] = T.if_then_else(g * TB + b < cnt, order[T.min(lo + g * TB + b, lo + cnt - 1)] // K, -1)
+                                for it in T.serial(IT):
+                                    if full or (it * 32 + lane) * VEC < D:
+                                        for v in T.vectorized(VEC):
+                                            wg[v] = w[e, g0 + j, (it * 32 + lane) * VEC + v]
+                                        for v in T.vectorized(VEC):
+                                            wu[v] = w[e, u0 + j, (it * 32 + lane) * VEC + v]
+                                        for b in T.unroll(TB):
+                                            if tok[b] >= 0:
+                                                for v in T.vectorized(VEC):
+                                                    xv[v] = x[tok[b], (it * 32 + lane) * VEC + v]
+                                                for v in T.unroll(VEC):
+                                                    acc[b] = acc[b] + _f32(xv[v]) * _f32(wg[v])
+                                                    acc[TB + b] = acc[TB + b] + _f32(xv[v]) * _f32(wu[v])
+                                for b in T.unroll(2 * TB):
+                                    for r in T.unroll(5):
+                                        acc[b] = acc[b] + shfl(acc[b], T.shift_right(16, r))
+                                if lane == 0:
+                                    for b in T.unroll(TB):
+                                        if tok[b] >= 0:
+                                            h[lo + g * TB + b, j] = swiglu(acc[b], acc[TB + b])
+
+    return moe_gate_up
+
+
+# ---------------------------------------------------------------------------- down (x routing weight)
+
+
+def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
+    """``down(h [T * K, I], w2 [E, D, I], offsets, order, rw [T, K], y [T * K, D] float32)``: y per slot."""
+    check_supported(spec, target)
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    attrs = _attrs("moe_down")
+
+    if target == "llvm":
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            for e in T.serial(E):
+                for i in T.serial(offsets[e + 1] - offsets[e]):
+                    for d in T.serial(D):
+                        with T.sblock("down"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            p: T.let[T.int32] = offsets[e] + i
+                            acc[0] = T.float32(0)
+                            for c in T.serial(I):
+                                acc[0] = acc[0] + _f32(h[p, c]) * _f32(w[e, d, c])
+                            y[order[p], d] = acc[0] * _f32(rw[order[p] // K, order[p] % K])
+
+        return moe_down
+
+    cfg = launch_config(spec)["down"]
+    NW, VEC, IT, TB = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile
+    full = I % (32 * VEC) == 0
+    NBX = cfg["blocks"][0]
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    @T.prim_func(s_tir=True)
+    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+        T.func_attr(attrs)
+        N = T.int64()
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+        y = T.match_buffer(y_h, (N * K, D), "float32")
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for db in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("down"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((TB,), "float32", scope="local")
+                        wv = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
+                        hv = T.sblock_alloc_buffer((VEC,), spec.h_dtype, scope="local")
+                        lane: T.let[T.int32] = tx % 32
+                        d: T.let[T.int32] = db * NW + tx // 32
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        if d < D:
+                            for g in T.serial((cnt + TB - 1) // TB):
+                                for b in T.unroll(TB):
+                                    acc[b] = T.float32(0)
+                                for it in T.serial(IT):
+                                    if full or (it * 32 + lane) * VEC < I:
+                                        for v in T.vectorized(VEC):
+                                            wv[v] = w[e, d, (it * 32 + lane) * VEC + v]
+                                        for b in T.unroll(TB):
+                                            if g * TB + b < cnt:
+                                                for v in T.vectorized(VEC):
+                                                    hv[v] = h[lo + g * TB + b, (it * 32 + lane) * VEC + v]
+                                                for v in T.unroll(VEC):
+                                                    acc[b] = acc[b] + _f32(hv[v]) * _f32(wv[v])
+                                for b in T.unroll(TB):
+                                    for r in T.unroll(5):
+                                        acc[b] = acc[b] + shfl(acc[b], T.shift_right(16, r))
+                                if lane == 0:
+                                    for b in T.unroll(TB):
+                                        if g * TB + b < cnt:
+                                            y[order[lo + g * TB + b], d] = acc[b] * _f32(rw[order[lo + g * TB + b] // K, order[lo + g * TB + b] % K])
+
+    return moe_down
+
+
+# ---------------------------------------------------------------------------- combine
+
+
+def make_combine(spec: GroupedExpertsSpec, target: str = "llvm"):
+    """``combine(y [T * K, D] float32, ids [T, K], out [T, D])``: out[t] = sum_k y[t * K + k] (valid ids only)."""
+    check_supported(spec, target)
+    D, E, K = spec.hidden, spec.experts, spec.top_k
+    attrs = _attrs("moe_combine")
+
+    def valid(ids, t, k):
+        return _in_range(_norm_id(ids[t, k], E), E)
+
+    if target == "llvm":
+        @T.prim_func(s_tir=True)
+        def moe_combine(y_h: T.handle, ids_h: T.handle, out_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            ids = T.match_buffer(ids_h, (N, K), spec.ids_dtype)
+            out = T.match_buffer(out_h, (N, D), spec.out_dtype)
+            for t in T.serial(N):
+                for d in T.serial(D):
+                    with T.sblock("combine"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        acc[0] = T.float32(0)
+                        for k in T.serial(K):
+                            if valid(ids, t, k):
+                                acc[0] = acc[0] + y[t * K + k, d]
+                        out[t, d] = T.Cast(spec.out_dtype, acc[0])
+
+        return moe_combine
+
+    cfg = launch_config(spec)["combine"]
+    NT, VEC, IT = cfg["threads"], cfg["vec"], cfg["iters"]
+    full = D % (NT * VEC) == 0
+
+    @T.prim_func(s_tir=True)
+    def moe_combine(y_h: T.handle, ids_h: T.handle, out_h: T.handle):
+        T.func_attr(attrs)
+        N = T.int64()
+        y = T.match_buffer(y_h, (N * K, D), "float32")
+        ids = T.match_buffer(ids_h, (N, K), spec.ids_dtype)
+        out = T.match_buffer(out_h, (N, D), spec.out_dtype)
+        for t in T.thread_binding(N, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("combine"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                    yv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                    ov = T.sblock_alloc_buffer((VEC,), spec.out_dtype, scope="local")
+                    for it in T.unroll(IT):
+                        if full or (it * NT + tx) * VEC < D:
+                            for v in T.unroll(VEC):
+                                acc[v] = T.float32(0)
+                            for k in T.unroll(K):
+                                if valid(ids, t, k):
+                                    for v in T.vectorized(VEC):
+                                        yv[v] = y[t * K + k, (it * NT + tx) * VEC + v]
+                                    for v in T.unroll(VEC):
+                                        acc[v] = acc[v] + yv[v]
+                            for v in T.unroll(VEC):
+                                ov[v] = T.Cast(spec.out_dtype, acc[v])
+                            for v in T.vectorized(VEC):
+                                out[t, (it * NT + tx) * VEC + v] = ov[v]
+
+    return moe_combine
+
+
+KERNELS = {"route_prep": make_route_prep, "gate_up": make_gate_up, "down": make_down, "combine": make_combine}
+
+
+def make_grouped_experts(spec: GroupedExpertsSpec, target: str = "llvm") -> dict:
+    """The four PrimFuncs of ``spec`` by name (route_prep, gate_up, down, combine)."""
+    return {name: make(spec, target) for name, make in KERNELS.items()}
+
+
+# ---------------------------------------------------------------------------- NumPy reference
+
+
+def reference_route(ids, num_experts: int):
+    """``(offsets, order)`` as the kernels define them (stable counting sort of the slots by expert)."""
+    import numpy as np
+
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    flat = np.where(flat < 0, flat + num_experts, flat)
+    valid = (flat >= 0) & (flat < num_experts)
+    counts = np.bincount(flat[valid], minlength=num_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    order = np.argsort(np.where(valid, flat, num_experts), kind="stable")[: int(valid.sum())].astype(np.int32)
+    return offsets, order
+
+
+def reference(x, w1, w2, ids, rw, gate_first: bool = True, h_dtype=None):
+    """NumPy float32 reference of the whole layer: ``(h per slot [S, I], out [T, D])``."""
+    import numpy as np
+
+    xf, w1f, w2f = (np.asarray(a, np.float32) for a in (x, w1, w2))
+    t, k = np.asarray(ids).shape
+    e_all, two_i, _ = w1f.shape
+    i = two_i // 2
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    flat = np.where(flat < 0, flat + e_all, flat)
+    valid = (flat >= 0) & (flat < e_all)
+    safe = np.where(valid, flat, 0)
+    xs = np.repeat(xf, k, axis=0)  # S, D
+    gu = np.einsum("sd,snd->sn", xs, w1f[safe])  # S, 2I
+    g, u = (gu[:, :i], gu[:, i:]) if gate_first else (gu[:, i:], gu[:, :i])
+    h = g / (1 + np.exp(-g)) * u
+    if h_dtype is not None:
+        h = h.astype(h_dtype).astype(np.float32)
+    y = np.einsum("si,sdi->sd", h, w2f[safe]) * np.asarray(rw, np.float32).reshape(-1, 1)
+    y = np.where(valid[:, None], y, 0)
+    return h, y.reshape(t, k, -1).sum(1)
+
+
+__all__ = ["GroupedExpertsSpec", "KERNELS", "check_supported", "launch_config", "make_combine", "make_down",
+           "make_gate_up", "make_grouped_experts", "make_route_prep", "reference", "reference_route"]
