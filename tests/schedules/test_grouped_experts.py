@@ -1,0 +1,148 @@
+"""Grouped expert GEMM kernels (schedules/kernels/grouped_experts.py): llvm forms against NumPy (random ids with
+empty experts, T = 1 and 37, K = 2/4/8, bf16 weights), the CUDA forms built for sm_90 (nvcc), and on a GPU
+(marker ``gpu``) the CUDA forms against NumPy."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from moec.compiler.errors import MoecError
+from moec.compiler.targets import make_target
+from moec.schedules.kernels.grouped_experts import (GroupedExpertsSpec, launch_config, make_grouped_experts, reference,
+                                                    reference_route)
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+_BUILT = {}
+
+
+def _build(spec, target="llvm"):
+    key = (spec, target)
+    if key not in _BUILT:
+        tgt = LLVM if target == "llvm" else make_target("cuda", "sm_90")
+        _BUILT[key] = tvm.compile(tvm.IRModule(make_grouped_experts(spec, target)), target=tgt)
+    return _BUILT[key]
+
+
+def _ids(rng, t, k, e, used):
+    """[T, K] distinct expert ids per token, drawn from ``used`` experts only (the others get no token)."""
+    return np.stack([rng.choice(used, k, replace=False) for _ in range(t)])
+
+
+def _run(ex, spec, x, w1, w2, ids, rw, dev=None):
+    dev = dev or tvm.cpu()
+    tt = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+    t, k = ids.shape
+    offsets, order = tt(np.full(spec.experts + 1, -7, np.int32)), tt(np.full(t * k, -7, np.int32))
+    h = tt(np.zeros((t * k, spec.inter), NP[spec.h_dtype]))
+    y = tt(np.full((t * k, spec.hidden), np.nan, np.float32))
+    out = tt(np.zeros((t, spec.hidden), NP[spec.out_dtype]))
+    ids_t = tt(ids.astype(spec.ids_dtype))
+    ex["moe_route_prep"](ids_t, offsets, order)
+    ex["moe_gate_up"](tt(x), tt(w1), offsets, order, h)
+    ex["moe_down"](h, tt(w2), offsets, order, tt(rw), y)
+    ex["moe_combine"](y, ids_t, out)
+    return offsets.numpy(), order.numpy(), h.numpy().astype(np.float32), out.numpy().astype(np.float32)
+
+
+def _data(spec, t, seed):
+    rng = np.random.default_rng(seed)
+    e, d, i, k = spec.experts, spec.hidden, spec.inter, spec.top_k
+    used = rng.choice(e, max(k, e // 2), replace=False)  # about half the experts get no token at all
+    ids = _ids(rng, t, k, e, used)
+    x = rng.standard_normal((t, d)).astype(NP[spec.x_dtype])
+    w1 = (rng.standard_normal((e, 2 * i, d)) * d**-0.5).astype(NP[spec.w_dtype])
+    w2 = (rng.standard_normal((e, d, i)) * i**-0.5).astype(NP[spec.w_dtype])
+    rw = rng.uniform(0.1, 1.0, (t, k)).astype(NP[spec.rw_dtype])
+    return x, w1, w2, ids, rw
+
+
+def _check(spec, got, x, w1, w2, ids, rw, tol):
+    offsets, order, h, out = got
+    want_off, want_order = reference_route(ids, spec.experts)
+    np.testing.assert_array_equal(offsets, want_off)
+    np.testing.assert_array_equal(order, want_order)  # stable: slots of an expert in slot order
+    assert (np.diff(offsets) == 0).any()  # some experts had no token
+    want_h, want_out = reference(x, w1, w2, ids, rw, spec.gate_first, NP[spec.h_dtype])
+    np.testing.assert_allclose(h, want_h[order], rtol=tol, atol=tol)
+    np.testing.assert_allclose(out, want_out, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("k,e,gate_first", [(2, 8, True), (4, 16, False), (8, 32, True)])
+def test_llvm_fp32_matches_numpy(k, e, gate_first):
+    spec = GroupedExpertsSpec(hidden=48, inter=24, experts=e, top_k=k, gate_first=gate_first)
+    ex = _build(spec)
+    for t in (1, 37):  # one build, any token count
+        data = _data(spec, t, seed=t * 10 + k)
+        _check(spec, _run(ex, spec, *data), *data, tol=2e-5)
+
+
+def test_llvm_bf16_weights_and_int32_ids():
+    spec = GroupedExpertsSpec(hidden=64, inter=40, experts=8, top_k=2, x_dtype="bfloat16", w_dtype="bfloat16",
+                              h_dtype="bfloat16", rw_dtype="bfloat16", out_dtype="float32", ids_dtype="int32")
+    data = _data(spec, 37, seed=3)
+    # h is rounded to bf16 (as the imported graph stores it): one bf16 step of h
+    _check(spec, _run(_build(spec), spec, *data), *data, tol=2e-2)
+
+
+def test_negative_and_out_of_range_ids():
+    """Negative ids wrap (numpy / ONNX semantics); ids outside [0, E) after that belong to no expert and add 0."""
+    spec = GroupedExpertsSpec(hidden=16, inter=8, experts=4, top_k=2)
+    x, w1, w2, _, rw = _data(spec, 3, seed=1)
+    ids = np.array([[-1, 0], [2, 9], [1, -5]], np.int64)  # -1 -> 3; 9 and -5 are out of range
+    offsets, order, h, out = _run(_build(spec), spec, x, w1, w2, ids, rw)
+    np.testing.assert_array_equal(offsets, [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(order[:4], [1, 4, 2, 0])  # the 2 invalid slots have no place
+    safe = np.array([[3, 0], [2, 0], [1, 0]])
+    keep = np.array([[1, 1], [1, 0], [1, 0]], np.float32)
+    _, want = reference(x, w1, w2, safe, rw * keep)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_refusals():
+    with pytest.raises(MoecError, match="w_dtype must be one of"):
+        make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 2, w_dtype="int8"))
+    with pytest.raises(MoecError, match="ids_dtype"):
+        make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 2, ids_dtype="float32"))
+    with pytest.raises(MoecError, match="top-5 of 4"):
+        make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 5))
+    with pytest.raises(MoecError, match="target must be"):
+        make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 2), "rocm")
+
+
+# ---------------------------------------------------------------------------- CUDA forms (build only here)
+
+OLMOE = GroupedExpertsSpec(hidden=2048, inter=1024, experts=64, top_k=8, **{k: "bfloat16" for k in (
+    "x_dtype", "w_dtype", "h_dtype", "rw_dtype", "out_dtype")})
+
+
+def test_cuda_forms_build_for_sm90():
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    cfg = launch_config(OLMOE)
+    assert cfg["gate_up"]["blocks"] == (256, 64) and cfg["gate_up"]["vec"] == 8 and cfg["gate_up"]["iters"] == 8
+    assert cfg["down"]["blocks"] == (512, 64) and cfg["down"]["iters"] == 4
+    src = _cuda_modules(_build(OLMOE, "cuda").mod)[0].inspect_source("cuda")
+    kernels = dict((n, int(b)) for b, n in re.findall(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src))
+    assert kernels == {"moe_route_prep_kernel": 1024, "moe_gate_up_kernel": 128, "moe_down_kernel": 128, "moe_combine_kernel": 256}
+    body = lambda name: src[src.index(f"{name}(nv") if f"{name}(nv" in src else src.index(f"{name}("):][:20000]  # noqa: E731
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        b = body(name)
+        assert "uint4" in b and "__shfl_xor_sync" in b  # 16-byte weight loads, shuffle reductions
+    assert "__ballot_sync" in src and "__popc" in src and "atomicAdd" not in src  # deterministic, no atomics
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 37, 128])
+def test_cuda_matches_numpy_on_gpu(t):
+    spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32")
+    data = _data(spec, t, seed=t)
+    _check(spec, _run(_build(spec, "cuda"), spec, *data, dev=tvm.cuda()), *data, tol=3e-2)
