@@ -35,7 +35,8 @@ def cmd_compile(args) -> int:
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
-                 fuse_router_norm=args.fuse_router_norm, calibration=args.calibration)
+                 fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
+                 grouped_experts=args.grouped_experts)
     return 0
 
 
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="compute each router matmul (the coarse one with cascade gating) in one kernel with the "
                         "RMSNorm before it (default: on; same results up to float rounding)")
+    p.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the routed experts as grouped expert GEMMs: tokens sorted by expert, each active "
+                        "expert's weights read once (default: on; --no-grouped-experts keeps the export's form)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("calibrate", help="fit cascade-gating groups and coarse routers on calibration text")
