@@ -55,8 +55,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--demote", choices=["kv", "k", "v"], default="kv",
                     help="ablation: quantize only keys (k) or only values (v) to 2-bit at a demotion")
-    ap.add_argument("--fit", choices=["moments", "lloyd"], default="moments",
-                    help="2-bit mu/sigma fit at a demotion (moments: the cache's format today)")
+    ap.add_argument("--fit", choices=["moments", "lloyd"], default="lloyd",
+                    help="2-bit mu/sigma fit at a demotion (lloyd: the compiled cache's default)")
     ap.add_argument("--rotate", choices=["", "k", "v", "kv"], default="",
                     help="quantize keys and/or values to 2-bit in a rotated basis (randomised Hadamard)")
     ap.add_argument("--device", default="cpu", help="torch device of the reference decoder (cpu, cuda)")

@@ -29,6 +29,9 @@ ROWS = {  # name: (kv_cache, TieredOptions overrides)
     "tiered-mass": ("tiered", dict(importance="mass")),
     "tiered-keynorm": ("tiered", dict(importance="keynorm")),
     "tiered-random": ("tiered", dict(importance="random")),
+    # the 2-bit statistics fit (default lloyd) against plain moments
+    "2bit-moments": ("tiered", dict(tier1_fraction=0.0, sink=0, recent=0, t2_fit="moments")),
+    "tiered-mass-moments": ("tiered", dict(importance="mass", t2_fit="moments")),
 }
 
 
@@ -74,7 +77,7 @@ def main() -> int:
               "data": {"corpus": corpus.id, "split": "heldout", "context": args.context, "stride": args.stride,
                        "tokens_scored": args.max_tokens},
               "policy": {"sink": args.sink, "recent": args.recent, "tier1_fraction": 0.15, "rerank_every": 16,
-                         "t2_page": 128}, "results": rows}
+                         "t2_page": 128, "t2_fit": "lloyd unless the row says moments"}, "results": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print("| cache | perplexity | vs bf16 |\n|---|---|---|")

@@ -31,7 +31,8 @@ def cmd_compile(args) -> int:
         from ..passes.tiered_kv_attention import TieredOptions
 
         tiered = TieredOptions(mode=args.kv_cache, t1_page=args.t1_page, t2_page=args.t2_page, sink=args.sink, recent=args.recent,
-                               tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance)
+                               tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance,
+                               t2_fit=args.t2_fit)
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--importance", choices=["mass", "keynorm", "random"], default="mass",
                    help="re-rank score: attention mass over the uniform share, the cached key's norm, or random "
                         "(a baseline for comparison)")
+    g.add_argument("--t2-fit", choices=["lloyd", "moments"], default="lloyd",
+                   help="2-bit statistics of a demoted page: least-squares refit to the codes' levels (lower error) "
+                        "or the plain mean and standard deviation")
     g = p.add_argument_group("cascade gating (off unless --cascade-groups is given)")
     g.add_argument("--cascade-groups", type=int, default=None, metavar="G",
                    help="split each MoE layer's experts into G equal groups (data-free: balanced clustering of the "

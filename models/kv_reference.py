@@ -74,7 +74,7 @@ class TierPolicy:
     score: str = "keynorm"  # importance of the tiered mode: one of SCORES, or a product "a*b"
     decay: float = 0.97  # per-query decay of the "ema" score
     demote: str = "kv"  # what a demotion quantizes to 2-bit: "kv", or "k" / "v" alone (an ablation; the other stays FP8)
-    fit: str = "moments"  # 2-bit mu/sigma: "moments" (the cache's format) or "lloyd" (kv_quant.nf2_quantize)
+    fit: str = "lloyd"  # 2-bit mu/sigma: "lloyd" (the compiled default) or "moments" (kv_quant.nf2_quantize)
     rotate: str = ""  # "k", "v" or "kv": quantize those in a rotated basis (orthogonal_rotation), "" none
 
     def __post_init__(self) -> None:

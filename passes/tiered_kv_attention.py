@@ -56,6 +56,7 @@ class TieredOptions:
     rerank_every: int = 16
     importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
     decode_kernel: str = "split"  # "split": tiered_decode (flash-decoding splits); "ragged": the prefill kernels
+    t2_fit: str = "lloyd"  # 2-bit statistics at a demotion: "lloyd" (least-squares refit) or "moments" (mean, std)
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fp8"):
@@ -64,6 +65,8 @@ class TieredOptions:
             raise MoecError("tier-1 fraction must be in [0, 1]")
         if self.decode_kernel not in ("split", "ragged"):
             raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split or ragged")
+        if self.t2_fit not in ("lloyd", "moments"):
+            raise MoecError(f"unknown 2-bit fit {self.t2_fit!r}: expected lloyd or moments")
         if self.importance not in ("mass", "keynorm", "random"):
             raise MoecError(f"unknown importance {self.importance!r}: expected mass, keynorm or random")
         if self.rerank_every < 1 or self.t1_page < 1 or self.t2_page < 1 or self.sink < 0 or self.recent < 0:
@@ -114,7 +117,7 @@ class _Kernels:
         self.rerank = None
         if opts.mode == "tiered":
             self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
-                                                         importance=opts.importance), "tiered_rerank")
+                                                         importance=opts.importance, fit=opts.t2_fit), "tiered_rerank")
 
 
 class _Sig:

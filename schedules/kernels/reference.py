@@ -106,7 +106,7 @@ def expected_mass(mass0: np.ndarray, qv: np.ndarray, deq, slots_all, scale: floa
 
 
 def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.ndarray, new_t2: np.ndarray,
-                     sink: int, recent: int, importance: str = "mass") -> dict:
+                     sink: int, recent: int, importance: str = "mass", fit: str = "moments") -> dict:
     """What ``tiered_rerank`` does, in NumPy (float32 scores, slot-order ties): returns new pools."""
     from .tiered_rerank import harmonic_np
 
@@ -135,8 +135,8 @@ def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.n
                 idx = by_pos[pi * ps2:(pi + 1) * ps2]
                 k = np.stack([q.fp8_dequantize(pools["t1_k"][loc[i][0], h, loc[i][1]], pools["t1_ks"][loc[i][0], h, loc[i][1]]) for i in idx])
                 v = np.stack([q.fp8_dequantize(pools["t1_v"][loc[i][0], h, loc[i][1]], pools["t1_vs"][loc[i][0], h, loc[i][1]]) for i in idx])
-                out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.nf2_quantize(k, axis=-2)
-                out["t2_v"][page2, h], out["t2_vmu"][page2, h], out["t2_vsig"][page2, h] = q.nf2_quantize(v, axis=-1)
+                out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.nf2_quantize(k, axis=-2, fit=fit)
+                out["t2_v"][page2, h], out["t2_vmu"][page2, h], out["t2_vsig"][page2, h] = q.nf2_quantize(v, axis=-1, fit=fit)
                 out["t2_pos"][page2, h] = pos[idx]
             holes = [i for i in dem if i < keep]
             movers = [i for i in range(keep, n1) if i not in set(dem)]

@@ -13,7 +13,10 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
    ``order[:, :, :M]`` lists the demoted slots in ascending slot order (for the compaction) and
    ``order[:, :, M:]`` in ascending position order (M = M1 * PS1);
 3. quantize the demoted tokens, in position order, into the new tier-2 pages ``new_t2[b, :]``
-   (keys: mean and standard deviation per channel over the page, values per token; NF2 codes);
+   (keys: statistics per channel over the page, values per token; NF2 codes). ``fit="moments"``
+   takes mu and sigma as the mean and standard deviation; ``fit="lloyd"`` then refits them
+   ``LLOYD_ITERS`` times by least squares to the levels of the current codes, as
+   ``runtime.kv_quant.nf2_quantize`` does (the squared-error-optimal affine fit; same format);
 4. compact tier 1: the m-th kept token in slots ``>= keep`` moves into the m-th demoted slot, which
    is below ``keep`` (as many holes lie below ``keep`` as kept tokens above it; sources and
    destinations are disjoint, so the moves are independent).
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...runtime.kv_quant import NF2_THRESHOLDS
+from ...runtime.kv_quant import FITS, NF2_LEVELS, NF2_THRESHOLDS
 from .tiered_decode import _fp8_to_f32
 
 EULER_GAMMA = 0.5772156649015329
@@ -58,6 +61,36 @@ def _nf2_code(z):
 
 
 IMPORTANCE = ("mass", "keynorm", "random")
+LLOYD_ITERS = 3  # kv_quant.nf2_quantize's default
+
+
+def _nf2_value(code):
+    lv = [float(x) for x in NF2_LEVELS]
+    return T.if_then_else(code == T.uint32(0), T.float32(lv[0]), T.if_then_else(
+        code == T.uint32(1), T.float32(lv[1]), T.if_then_else(code == T.uint32(2), T.float32(lv[2]), T.float32(lv[3]))))
+
+
+@T.macro
+def _lloyd(stat, acc, n, values):
+    """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
+    NF2 levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
+    holds their sum. Uses ``acc[1:5]``."""
+    for _ in T.serial(LLOYD_ITERS):
+        acc[1] = T.float32(0)
+        acc[2] = T.float32(0)
+        acc[3] = T.float32(0)
+        for j in T.serial(n):
+            acc[4] = _nf2_value(_nf2_code((values(j) - stat[0]) / stat[1]))
+            acc[1] += acc[4]
+            acc[2] += acc[4] * acc[4]
+            acc[3] += values(j) * acc[4]
+        lm: T.let[T.float32] = acc[1] / T.float32(n)
+        xm: T.let[T.float32] = acc[0] / T.float32(n)
+        var: T.let[T.float32] = acc[2] / T.float32(n) - lm * lm
+        if var > T.float32(1e-12):
+            sg: T.let[T.float32] = T.max((acc[3] / T.float32(n) - xm * lm) / var, T.float32(2.0**-24))
+            stat[0] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
+            stat[1] = T.Cast("float32", T.Cast("float16", sg))
 
 
 def _hash_score(p, layer, h):
@@ -69,14 +102,17 @@ def _hash_score(p, layer, h):
 
 
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
-                       recent: int = 64, target: str = "llvm", importance: str = "mass"):
+                       recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments"):
     """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
 
     ``importance`` "mass" is the score above; "keynorm" is the squared L2 norm of the token's key as
     cached (FP8 code times scale): large keys dominate the logits of every query, and their 2-bit
     error with them; "random" is a hash of (position, layer, head), the same-budget random-choice
-    baseline the quality table compares against.
+    baseline the quality table compares against. ``fit`` is the 2-bit statistics fit (step 3).
     """
+    if fit not in FITS:
+        raise ValueError(f"unknown 2-bit fit {fit!r}: expected one of {', '.join(FITS)}")
+    lloyd = fit == "lloyd"
     if importance not in IMPORTANCE:
         raise ValueError(f"unknown importance {importance!r}: expected one of {', '.join(IMPORTANCE)}")
     rand, keynorm = importance == "random", importance == "keynorm"
@@ -126,7 +162,8 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                     T.reads()
                     T.writes()
                     cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((5,), "float32", scope="local")
+                    stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     row = T.sblock_alloc_buffer((D,), "float32", scope="local")
                     n1: T.let[T.int32] = t1_len[b]
                     nd: T.let[T.int32] = demote[b]
@@ -195,9 +232,17 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 acc[0] += x
                                 acc[1] += x * x
                             mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                            t2_kmu[layer, new_t2[b, pi], h, tx] = T.Cast("float16", mu)
-                            t2_ksig[layer, new_t2[b, pi], h, tx] = T.Cast("float16", T.max(T.sqrt(T.max(
-                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24)))
+                            stat[0] = T.Cast("float32", T.Cast("float16", mu))
+                            stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
+                            if lloyd:
+                                _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
+                                    t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                         order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, tx]) * T.Cast("float32", t1_ks[
+                                             layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                             order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
+                            t2_kmu[layer, new_t2[b, pi], h, tx] = T.Cast("float16", stat[0])
+                            t2_ksig[layer, new_t2[b, pi], h, tx] = T.Cast("float16", stat[1])
                     if gpu:
                         T.tvm_storage_sync("shared")
                     # 3b. codes: a token per thread (keys against the page statistics, values per token)
@@ -224,16 +269,18 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     acc[0] += row[d]
                                     acc[1] += row[d] * row[d]
                                 vmu: T.let[T.float32] = acc[0] / T.float32(D)
-                                vsig: T.let[T.float32] = T.max(T.sqrt(T.max(acc[1] / T.float32(D) - vmu * vmu, T.float32(0))),
-                                                               T.float32(2.0**-24))
-                                t2_vmu[layer, page2, h, r] = T.Cast("float16", vmu)
-                                t2_vsig[layer, page2, h, r] = T.Cast("float16", vsig)
+                                stat[0] = T.Cast("float32", T.Cast("float16", vmu))
+                                stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                    acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                if lloyd:
+                                    _lloyd(stat, acc, D, lambda d: row[d])
+                                t2_vmu[layer, page2, h, r] = T.Cast("float16", stat[0])
+                                t2_vsig[layer, page2, h, r] = T.Cast("float16", stat[1])
                                 for cc in T.serial(D4):
                                     t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
                                     for e in T.serial(4):
                                         t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _nf2_code(
-                                            (row[cc * 4 + e] - T.Cast("float32", T.Cast("float16", vmu))) /
-                                            T.Cast("float32", T.Cast("float16", vsig))) << T.Cast("uint32", e * 2))
+                                            (row[cc * 4 + e] - stat[0]) / stat[1]) << T.Cast("uint32", e * 2))
                     if gpu:
                         T.tvm_storage_sync("shared")
                     # 4. compaction: the m-th kept token at slot >= keep fills the m-th demoted slot (< keep)

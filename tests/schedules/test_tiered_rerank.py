@@ -33,9 +33,10 @@ def _case(seed):
     return pools, tables, length, demote, new_t2
 
 
-@pytest.fixture(scope="module", params=["mass", "keynorm"])
+@pytest.fixture(scope="module", params=[("mass", "moments"), ("keynorm", "moments"), ("mass", "lloyd")])
 def kernel(request):
-    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=request.param)
+    importance, fit = request.param
+    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit)
     return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param
 
 
@@ -45,8 +46,12 @@ ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rerank_matches_reference(kernel, seed):
     pools, tables, length, demote, new_t2 = _case(seed)
-    kernel, importance = kernel
-    want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance)
+    kernel, (importance, fit) = kernel
+    want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance, fit)
+    if fit == "lloyd":  # the refit statistics differ from the moments (so the comparison below can tell)
+        other = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance)
+        pg = new_t2[0, 0]
+        assert np.abs(other["t2_ksig"][pg].astype(np.float32) / want["t2_ksig"][pg].astype(np.float32) - 1).max() > 0.01
     dev = tvm.cpu()
     m1 = tables["t1_table"].shape[1]
     host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
@@ -84,6 +89,7 @@ def test_rerank_matches_reference(kernel, seed):
 def test_cuda_form_compiles():
     from moec.compiler.targets import make_target
 
-    ex = tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda")}),
-                     target=make_target("cuda"))
-    assert "__syncthreads" in ex.mod.imports[0].inspect_source()
+    for fit in ("moments", "lloyd"):
+        ex = tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda", fit=fit)}),
+                         target=make_target("cuda"))
+        assert "__syncthreads" in ex.mod.imports[0].inspect_source()
