@@ -11,6 +11,11 @@ D hidden, I expert width. Per layer::
     y[s]  = rw[s] * (h[p] @ W2[e]^T)              # W2 [E, D, I]; rw [T, K] the routing weights; y float32 [S, D]
     out[t] = sum_k y[t * K + k]                   # in slot order k = 0..K-1 (deterministic, no float atomics)
 
+FP8 weights (``w_format="fp8"``): W1 and W2 as e4m3 bytes (uint8) with one float32 scale per output
+channel, s1 [E, 2I] and s2 [E, D] (``quantize_fp8``); the bytes are decoded in registers with integer
+arithmetic (TVM's llvm fp8 cast is wrong, so both forms decode the same way) and each dot product is
+multiplied by its row's scale once, after the reduction. Half the weight bytes of bf16.
+
 All products accumulate in float32; ``h`` is stored in ``h_dtype`` (the model's activation dtype, as the
 imported graph rounds its SwiGLU output), ``y`` in float32 and ``out`` in ``out_dtype``. Slots whose
 expert id is outside [0, E) (after the numpy/ONNX wrap of negative ids) belong to no expert and add 0.
@@ -64,6 +69,7 @@ class GroupedExpertsSpec:
     out_dtype: str = "float32"  # combined output [T, D]
     ids_dtype: str = "int64"
     gate_first: bool = True  # W1 rows [0, I) are the gate (silu) half
+    w_format: str = "float"  # "float": W1, W2 of w_dtype; "fp8": e4m3 bytes (uint8) + float32 scales per output channel
     token_tile: int = 8  # TB: tokens of an expert per weight pass (CUDA form)
     warps: int = 4  # NW: warps per block of the GEMMs (CUDA form)
 
@@ -75,6 +81,8 @@ class GroupedExpertsSpec:
         for what in ("x_dtype", "w_dtype", "h_dtype", "rw_dtype", "out_dtype"):
             if getattr(self, what) not in DTYPES:
                 raise MoecError(f"grouped_experts: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
+        if self.w_format not in ("float", "fp8"):
+            raise MoecError(f"grouped_experts: w_format must be 'float' or 'fp8', got {self.w_format!r}")
         if self.ids_dtype not in ID_DTYPES:
             raise MoecError(f"grouped_experts: ids_dtype must be int32 or int64, got {self.ids_dtype!r}")
         if self.top_k > self.experts:
@@ -97,8 +105,9 @@ def _vec(n: int, *dtypes: str) -> int:
 def launch_config(spec: GroupedExpertsSpec) -> dict:
     """CUDA launch shapes: blocks (x, y) and threads of each kernel, vector widths, token tile."""
     nw = spec.warps
-    vec_gu = _vec(spec.hidden, spec.w_dtype, spec.x_dtype)
-    vec_dn = _vec(spec.inter, spec.w_dtype, spec.h_dtype)
+    wdt = "bfloat16" if spec.w_format == "fp8" else spec.w_dtype  # fp8: as many bytes as the activations' elements
+    vec_gu = _vec(spec.hidden, wdt, spec.x_dtype)
+    vec_dn = _vec(spec.inter, wdt, spec.h_dtype)
     cvec = _vec(spec.hidden, "float32", spec.out_dtype)
     cthreads = min(256, max(32, 32 * -(-(spec.hidden // cvec) // 32)))
     return {
@@ -234,64 +243,61 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
     return moe_route_prep
 
 
-# ---------------------------------------------------------------------------- gate_up (+ SwiGLU)
+# ---------------------------------------------------------------------------- gate_up (+ SwiGLU) and down
+
+
+def _shfl(v, o):
+    return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+
+def _wval(spec: GroupedExpertsSpec, v):
+    """A weight element as float32: the float itself, or the e4m3 byte decoded (integer arithmetic)."""
+    if spec.w_format == "fp8":
+        from .tiered_decode import _fp8_to_f32
+
+        return _fp8_to_f32(v)
+    return _f32(v)
 
 
 def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
-    """``gate_up(x [T, D], w1 [E, 2I, D], offsets [E + 1], order [T * K], h [T * K, I])``: h in expert order."""
+    """``gate_up(x [T, D], w1 [E, 2I, D], [s1 [E, 2I],] offsets [E + 1], order [T * K], h [T * K, I])``.
+
+    h in expert order; ``s1`` (FP8 weights only) the per-output-channel scales."""
     check_supported(spec, target)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
-    attrs = _attrs("moe_gate_up")
+    fp8 = spec.w_format == "fp8"
 
     def swiglu(g, u):
         return T.Cast(spec.h_dtype, g / (T.float32(1) + T.exp(-g)) * u)
 
-    if target == "llvm":
-        @T.prim_func(s_tir=True)
-        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            for e in T.serial(E):
-                for i in T.serial(offsets[e + 1] - offsets[e]):
-                    for j in T.serial(I):
-                        with T.sblock("gate_up"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            p: T.let[T.int32] = offsets[e] + i
-                            t: T.let[T.int32] = order[p] // K
-                            acc[0] = T.float32(0)
-                            acc[1] = T.float32(0)
-                            for d in T.serial(D):
-                                acc[0] = acc[0] + _f32(x[t, d]) * _f32(w[e, g0 + j, d])
-                                acc[1] = acc[1] + _f32(x[t, d]) * _f32(w[e, u0 + j, d])
-                            h[p, j] = swiglu(acc[0], acc[1])
+    def scale(s1, e, row):
+        return s1[e, row] if fp8 else T.float32(1)
 
-        return moe_gate_up
+    @T.macro
+    def body_llvm(x, w, s1, offsets, order, h):
+        for e in T.serial(E):
+            for i in T.serial(offsets[e + 1] - offsets[e]):
+                for j in T.serial(I):
+                    with T.sblock("gate_up"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        p: T.let[T.int32] = offsets[e] + i
+                        t: T.let[T.int32] = order[p] // K
+                        acc[0] = T.float32(0)
+                        acc[1] = T.float32(0)
+                        for d in T.serial(D):
+                            acc[0] = acc[0] + _f32(x[t, d]) * _wval(spec, w[e, g0 + j, d])
+                            acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[e, u0 + j, d])
+                        h[p, j] = swiglu(acc[0] * scale(s1, e, g0 + j), acc[1] * scale(s1, e, u0 + j))
 
     cfg = launch_config(spec)["gate_up"]
-    NW, VEC, IT, TB = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile
+    NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
     full = D % (32 * VEC) == 0
-    NBX = cfg["blocks"][0]
 
-    def shfl(v, o):
-        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
-
-    @T.prim_func(s_tir=True)
-    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-        T.func_attr(attrs)
-        N = T.int64()
-        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-        w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+    @T.macro
+    def body_cuda(x, w, s1, offsets, order, h):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for jb in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -300,8 +306,8 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                         T.writes()
                         acc = T.sblock_alloc_buffer((2 * TB,), "float32", scope="local")
                         tok = T.sblock_alloc_buffer((TB,), "int32", scope="local")
-                        wg = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
-                        wu = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
+                        wg = T.sblock_alloc_buffer((VEC,), w.dtype, scope="local")
+                        wu = T.sblock_alloc_buffer((VEC,), w.dtype, scope="local")
                         xv = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                         lane: T.let[T.int32] = tx % 32
                         j: T.let[T.int32] = jb * NW + tx // 32
@@ -324,72 +330,74 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                                                 for v in T.vectorized(VEC):
                                                     xv[v] = x[tok[b], (it * 32 + lane) * VEC + v]
                                                 for v in T.unroll(VEC):
-                                                    acc[b] = acc[b] + _f32(xv[v]) * _f32(wg[v])
-                                                    acc[TB + b] = acc[TB + b] + _f32(xv[v]) * _f32(wu[v])
+                                                    acc[b] = acc[b] + _f32(xv[v]) * _wval(spec, wg[v])
+                                                    acc[TB + b] = acc[TB + b] + _f32(xv[v]) * _wval(spec, wu[v])
                                 for b in T.unroll(2 * TB):
                                     for r in T.unroll(5):
-                                        acc[b] = acc[b] + shfl(acc[b], T.shift_right(16, r))
+                                        acc[b] = acc[b] + _shfl(acc[b], T.shift_right(16, r))
                                 if lane == 0:
                                     for b in T.unroll(TB):
                                         if tok[b] >= 0:
-                                            h[lo + g * TB + b, j] = swiglu(acc[b], acc[TB + b])
+                                            h[lo + g * TB + b, j] = swiglu(acc[b] * scale(s1, e, g0 + j), acc[TB + b] * scale(s1, e, u0 + j))
 
+    body = body_cuda if target == "cuda" else body_llvm
+    attrs = _attrs("moe_gate_up")
+    if fp8:
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (E, 2 * I, D), "uint8")
+            s1 = T.match_buffer(s_h, (E, 2 * I), "float32")
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, s1, offsets, order, h)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, w, offsets, order, h)  # no scales: the body never reads them
     return moe_gate_up
 
 
-# ---------------------------------------------------------------------------- down (x routing weight)
-
-
 def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
-    """``down(h [T * K, I], w2 [E, D, I], offsets, order, rw [T, K], y [T * K, D] float32)``: y per slot."""
+    """``down(h [T * K, I], w2 [E, D, I], [s2 [E, D],] offsets, order, rw [T, K], y [T * K, D] float32)``: y per slot."""
     check_supported(spec, target)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
-    attrs = _attrs("moe_down")
+    fp8 = spec.w_format == "fp8"
 
-    if target == "llvm":
-        @T.prim_func(s_tir=True)
-        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-            y = T.match_buffer(y_h, (N * K, D), "float32")
-            for e in T.serial(E):
-                for i in T.serial(offsets[e + 1] - offsets[e]):
-                    for d in T.serial(D):
-                        with T.sblock("down"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            p: T.let[T.int32] = offsets[e] + i
-                            acc[0] = T.float32(0)
-                            for c in T.serial(I):
-                                acc[0] = acc[0] + _f32(h[p, c]) * _f32(w[e, d, c])
-                            y[order[p], d] = acc[0] * _f32(rw[order[p] // K, order[p] % K])
+    def scale(s2, e, d):
+        return s2[e, d] if fp8 else T.float32(1)
 
-        return moe_down
+    @T.macro
+    def body_llvm(h, w, s2, offsets, order, rw, y):
+        for e in T.serial(E):
+            for i in T.serial(offsets[e + 1] - offsets[e]):
+                for d in T.serial(D):
+                    with T.sblock("down"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        p: T.let[T.int32] = offsets[e] + i
+                        acc[0] = T.float32(0)
+                        for c in T.serial(I):
+                            acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[e, d, c])
+                        y[order[p], d] = acc[0] * scale(s2, e, d) * _f32(rw[order[p] // K, order[p] % K])
 
     cfg = launch_config(spec)["down"]
-    NW, VEC, IT, TB = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile
+    NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
     full = I % (32 * VEC) == 0
-    NBX = cfg["blocks"][0]
 
-    def shfl(v, o):
-        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
-
-    @T.prim_func(s_tir=True)
-    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-        T.func_attr(attrs)
-        N = T.int64()
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-        w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-        y = T.match_buffer(y_h, (N * K, D), "float32")
+    @T.macro
+    def body_cuda(h, w, s2, offsets, order, rw, y):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for db in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -397,7 +405,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((TB,), "float32", scope="local")
-                        wv = T.sblock_alloc_buffer((VEC,), spec.w_dtype, scope="local")
+                        wv = T.sblock_alloc_buffer((VEC,), w.dtype, scope="local")
                         hv = T.sblock_alloc_buffer((VEC,), spec.h_dtype, scope="local")
                         lane: T.let[T.int32] = tx % 32
                         d: T.let[T.int32] = db * NW + tx // 32
@@ -416,15 +424,44 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                                                 for v in T.vectorized(VEC):
                                                     hv[v] = h[lo + g * TB + b, (it * 32 + lane) * VEC + v]
                                                 for v in T.unroll(VEC):
-                                                    acc[b] = acc[b] + _f32(hv[v]) * _f32(wv[v])
+                                                    acc[b] = acc[b] + _f32(hv[v]) * _wval(spec, wv[v])
                                 for b in T.unroll(TB):
                                     for r in T.unroll(5):
-                                        acc[b] = acc[b] + shfl(acc[b], T.shift_right(16, r))
+                                        acc[b] = acc[b] + _shfl(acc[b], T.shift_right(16, r))
                                 if lane == 0:
                                     for b in T.unroll(TB):
                                         if g * TB + b < cnt:
-                                            y[order[lo + g * TB + b], d] = acc[b] * _f32(rw[order[lo + g * TB + b] // K, order[lo + g * TB + b] % K])
+                                            y[order[lo + g * TB + b], d] = acc[b] * scale(s2, e, d) * _f32(
+                                                rw[order[lo + g * TB + b] // K, order[lo + g * TB + b] % K])
 
+    body = body_cuda if target == "cuda" else body_llvm
+    attrs = _attrs("moe_down")
+    if fp8:
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle,
+                     y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, (E, D, I), "uint8")
+            s2 = T.match_buffer(s_h, (E, D), "float32")
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, s2, offsets, order, rw, y)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
+            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, w, offsets, order, rw, y)  # no scales: the body never reads them
     return moe_down
 
 
@@ -510,6 +547,27 @@ def make_grouped_experts(spec: GroupedExpertsSpec, target: str = "llvm") -> dict
 # ---------------------------------------------------------------------------- NumPy reference
 
 
+def quantize_fp8(w):
+    """Stacked weights [E, R, C] -> (e4m3 bytes uint8 [E, R, C], float32 scales [E, R]): one scale per output
+    channel (row), ``scale = max|row| / 448``, codes rounded to nearest even (``ml_dtypes``)."""
+    import ml_dtypes
+    import numpy as np
+
+    wf = np.asarray(w, np.float32)
+    scale = np.maximum(np.abs(wf).max(-1) / np.float32(448.0), np.float32(2.0**-24)).astype(np.float32)
+    codes = np.clip(wf / scale[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes, scale
+
+
+def dequantize_fp8(codes, scales):
+    """float32 [E, R, C] weights that ``quantize_fp8`` codes stand for."""
+    import ml_dtypes
+    import numpy as np
+
+    return np.asarray(codes).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.asarray(scales, np.float32)[..., None]
+
+
+
 def reference_route(ids, num_experts: int):
     """``(offsets, order)`` as the kernels define them (stable counting sort of the slots by expert)."""
     import numpy as np
@@ -546,5 +604,6 @@ def reference(x, w1, w2, ids, rw, gate_first: bool = True, h_dtype=None):
     return h, y.reshape(t, k, -1).sum(1)
 
 
-__all__ = ["GroupedExpertsSpec", "KERNELS", "check_supported", "launch_config", "make_combine", "make_down",
-           "make_gate_up", "make_grouped_experts", "make_route_prep", "reference", "reference_route"]
+__all__ = ["GroupedExpertsSpec", "KERNELS", "check_supported", "dequantize_fp8", "launch_config", "make_combine",
+           "make_down", "make_gate_up", "make_grouped_experts", "make_route_prep", "quantize_fp8", "reference",
+           "reference_route"]
