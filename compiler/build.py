@@ -70,6 +70,7 @@ def compile(  # noqa: A001 - the public name users call
     fuse_router_norm: bool = True,
     calibration: str | Path | None = None,
     grouped_experts: bool = True,
+    expert_weights: str | None = None,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -113,6 +114,10 @@ def compile(  # noqa: A001 - the public name users call
         by expert, each active expert's weights read once for all of its tokens (instead of the export's
         per-(token, slot) gathers), SwiGLU fused. On by default; expert forms it does not recognise stay
         as imported and the manifest says why.
+    expert_weights : {None, "bf16", "fp8"}
+        Storage of the grouped experts' weights: the model's dtype (default), bfloat16, or FP8 e4m3 with one
+        float32 scale per output channel (half the bytes of bf16; weights quantized at compile time).
+        Needs ``grouped_experts``.
 
     Returns
     -------
@@ -125,6 +130,10 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"fuse_router_norm must be True or False, got {fuse_router_norm!r}")
     if not isinstance(grouped_experts, bool):
         raise MoecError(f"grouped_experts must be True or False, got {grouped_experts!r}")
+    if expert_weights not in (None, "bf16", "fp8"):
+        raise MoecError(f"expert weights must be bf16 or fp8, got {expert_weights!r}")
+    if expert_weights is not None and not grouped_experts:
+        raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
@@ -186,7 +195,8 @@ def compile(  # noqa: A001 - the public name users call
     if grouped_experts:
         from ..passes.grouped_experts import InsertGroupedExperts
 
-        grouped = InsertGroupedExperts(tgt, imported.source_name)
+        grouped = InsertGroupedExperts(tgt, imported.source_name, expert_weights,
+                                       dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped)
     t1 = time.perf_counter()
@@ -202,14 +212,16 @@ def compile(  # noqa: A001 - the public name users call
     # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
     structure = insert.structure if cascade is None else cascade.structure
     _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
-    weight_names = imported.weight_names()
+    weight_names, weight_arrays = imported.weight_names(), imported.weights
+    if grouped is not None:  # expert weights converted to bf16 / fp8 (and their scales) take their places
+        weight_names, weight_arrays = grouped.converted_weights(weight_names, weight_arrays)
     attn = structure.layers[0].attention
     with atomic_directory(output_dir) as tmp:
         cuda_kernels = _compile_cuda_kernels(executable, tgt, tmp, progress) if tgt.kind.name == "cuda" else []
         executable.export_library(str(tmp / LIBRARY))
         from safetensors.numpy import save_file
 
-        save_file({f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, imported.weights))}, str(tmp / WEIGHTS))
+        save_file({f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, weight_arrays))}, str(tmp / WEIGHTS))
         if calibration is not None:  # the calibration it was built with (hashed with the other files)
             (tmp / "cascade_calibration.json").write_bytes((Path(calibration) / "calibration.json").read_bytes())
         manifest = {

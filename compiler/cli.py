@@ -37,7 +37,7 @@ def cmd_compile(args) -> int:
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
-                 grouped_experts=args.grouped_experts)
+                 grouped_experts=args.grouped_experts, expert_weights=args.expert_weights)
     return 0
 
 
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=True,
                    help="run the routed experts as grouped expert GEMMs: tokens sorted by expert, each active "
                         "expert's weights read once (default: on; --no-grouped-experts keeps the export's form)")
+    p.add_argument("--expert-weights", choices=["bf16", "fp8"], default=None,
+                   help="store the grouped experts' weights as bf16, or FP8 e4m3 with per-output-channel scales "
+                        "(default: the model's dtype)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("calibrate", help="fit cascade-gating groups and coarse routers on calibration text")

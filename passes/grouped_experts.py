@@ -283,10 +283,18 @@ class _Matcher:
 
 @relax.expr_functor.mutator
 class _GroupedExpertsRewriter(relax.PyExprMutator):
-    def __init__(self, mod, matches: list[_Match], kernel) -> None:
+    def __init__(self, mod, matches: list[_Match], kernel, converted: dict | None = None) -> None:
         super().__init__(mod)
         self.by_out = {m.out: m for m in matches}
         self.kernel = kernel  # (spec, name) -> GlobalVar
+        self.converted = converted or {}  # weight name -> (new param, scale param or None)
+
+    def _weight(self, w):
+        """The weight argument(s) of a kernel: the param itself, or its converted param (and FP8 scales)."""
+        if w.name not in self.converted:
+            return [self.visit_expr(w)]
+        new, scale = self.converted[w.name]
+        return [new] + ([scale] if scale is not None else [])
 
     def visit_var_binding_(self, binding) -> None:
         m = self.by_out.get(binding.var)
@@ -296,16 +304,15 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
         # T tokens, K active, S = T*K slots, E experts, D hidden, I expert width
         bb, s = self.builder_, m.spec
         x, ids, rw = self.visit_expr(m.x), self.visit_expr(m.ids), self.visit_expr(m.rw)
-        w1, w2 = self.visit_expr(m.w1), self.visit_expr(m.w2)
         t = shape_of(ids)[0]
         n = Analyzer().simplify(t * s.top_k)
         prep = bb.emit(relax.call_tir(self.kernel(s, "route_prep"), [ids], out_ty=[
             relax.TensorType([s.experts + 1], "int32"), relax.TensorType([n], "int32")]))
         offsets = bb.emit(relax.TupleGetItem(prep, 0))  # E + 1
         order = bb.emit(relax.TupleGetItem(prep, 1))  # S, slots grouped by expert
-        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, w1, offsets, order],
+        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, *self._weight(m.w1), offsets, order],
                                    out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
-        y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, w2, offsets, order, rw],
+        y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *self._weight(m.w2), offsets, order, rw],
                                    out_ty=relax.TensorType([n, s.hidden], "float32")))  # S, D (slot order)
         out = bb.emit(relax.call_tir(self.kernel(s, "combine"), [y, ids],
                                      out_ty=relax.TensorType([t, s.hidden], s.out_dtype)))  # T, D
@@ -322,12 +329,28 @@ class InsertGroupedExperts:
         Picks the kernel form: CUDA for ``cuda`` targets, the serial llvm form otherwise.
     source : str
         Model name for messages.
+    expert_weights : {None, "bf16", "fp8"}
+        Storage of the matched experts' stacked weights: None keeps the model's; "bf16" casts them to
+        bfloat16; "fp8" stores e4m3 bytes with one float32 scale per output channel (half of bf16's bytes).
+        Either changes the entries' signatures: each converted weight parameter takes the new storage in
+        place, and FP8 scale parameters (``<weight>.fp8_scale``, [E, rows]) follow all weights;
+        ``converted_weights`` gives the arrays to store in that order.
+    weights : dict[str, numpy.ndarray], optional
+        The weight values by parameter name (needed for ``expert_weights``).
     """
 
-    def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
+    def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
+                 weights: dict | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
+        if expert_weights not in (None, "bf16", "fp8"):
+            raise MoecError(f"expert weights must be bf16 or fp8 (or None: the model's dtype), got {expert_weights!r}")
+        if expert_weights is not None and weights is None:
+            raise MoecError("InsertGroupedExperts: converting the expert weights needs their values (weights=)")
         self.target, self.source = target, source
+        self.expert_weights, self.weights = expert_weights, weights
+        self.converted: dict[str, dict] = {}  # weight name -> {"dtype": ..., "scale": name or None}
+        self._arrays: dict[str, object] = {}  # converted arrays by (new) weight name
         self.replaced: dict[str, int] = {}
         self.skipped: dict[str, list[str]] = {}
         self.kernels: dict[tuple, str] = {}
@@ -341,16 +364,31 @@ class InsertGroupedExperts:
                             "InsertTieredKVAttention build; the module has none")
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
         gvars: dict[tuple, relax.GlobalVar] = {}
-        out = mod
+        found = []
         for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
             func = relax.analysis.remove_all_unused(func)
             matcher = _Matcher(func, int(func.attrs["num_input"]), form)
             matches = matcher.run()
             self.replaced[gv.name_hint] = len(matches)
             self.skipped[gv.name_hint] = matcher.skipped
+            found.append((gv, func, matches))
+        convert = self._plan_conversion(found) if self.expert_weights is not None else []
+        out = mod
+        for gv, func, matches in found:
             if not matches:
                 continue
-            rewriter = _GroupedExpertsRewriter(out, matches, None)
+            num_input = int(func.attrs["num_input"])
+            if convert:
+                names = [p.name for p in list(func.params)[num_input:]]
+                if names != list(self.weights):
+                    raise MoecError(f"{self.source}: entry {gv.name_hint}'s weight parameters are not the model's weights "
+                                    "in order; cannot convert the expert weights")
+                matches = [self._converted_match(m) for m in matches]
+            params = {p.name: p for p in func.params}
+            conv = {n: (relax.Var(n, relax.TensorType(params[n].ty.shape, self.converted[n]["dtype"])),
+                        relax.Var(self.converted[n]["scale"], relax.TensorType(params[n].ty.shape.values[:2], "float32"))
+                        if self.converted[n]["scale"] else None) for n in convert}
+            rewriter = _GroupedExpertsRewriter(out, matches, None, conv)
 
             def kernel(spec, name, rewriter=rewriter):
                 key = (spec, name)
@@ -362,16 +400,79 @@ class InsertGroupedExperts:
 
             rewriter.kernel = kernel
             new_func = rewriter.visit_expr(func)
+            if conv:
+                new_func = relax.analysis.remove_all_unused(new_func)
+                free = relax.analysis.free_vars(new_func.body)
+                left = [n for n in conv if any(params[n].same_as(v) for v in free)]
+                if left:
+                    raise MoecError(f"{self.source}: entry {gv.name_hint} still reads {left} outside the grouped experts; "
+                                    "cannot convert them")
+                new_params = [conv[p.name][0] if p.name in conv else p for p in new_func.params]
+                new_params += [conv[n][1] for n in convert if conv[n][1] is not None]
+                new_func = relax.Function(new_params, new_func.body, new_func.ret_ty, new_func.is_pure, new_func.attrs)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()
         return out
+
+    def _plan_conversion(self, found) -> list[str]:
+        """Weight names to convert: the experts' weights matched in every entry that has any match."""
+        import numpy as np
+
+        with_matches = [matches for _, _, matches in found if matches]
+        if not with_matches:
+            return []
+        per_entry = [{w.name for m in matches for w in (m.w1, m.w2)} for matches in with_matches]
+        common = set.intersection(*per_entry)
+        for names in per_entry:
+            for n in sorted(names - common):
+                self.skipped.setdefault("conversion", []).append(f"{n}: not matched in every entry, kept as {self.weights[n].dtype}")
+        order = [n for n in self.weights if n in common]
+        for n in order:
+            w = np.asarray(self.weights[n])
+            if self.expert_weights == "bf16":
+                import ml_dtypes
+
+                self._arrays[n] = w.astype(ml_dtypes.bfloat16)
+                self.converted[n] = {"dtype": "bfloat16", "scale": None, "from": str(w.dtype)}
+            else:
+                from ..schedules.kernels.grouped_experts import quantize_fp8
+
+                codes, scale = quantize_fp8(w)
+                self._arrays[n], self._arrays[f"{n}.fp8_scale"] = codes, scale
+                self.converted[n] = {"dtype": "uint8", "scale": f"{n}.fp8_scale", "from": str(w.dtype)}
+        return order
+
+    def _converted_match(self, m: _Match) -> _Match:
+        from dataclasses import replace
+
+        if m.w1.name not in self.converted or m.w2.name not in self.converted:
+            return m
+        if self.expert_weights == "bf16":
+            return replace(m, spec=replace(m.spec, w_dtype="bfloat16"))
+        return replace(m, spec=replace(m.spec, w_format="fp8"))
+
+    def converted_weights(self, names: list[str], arrays: list) -> tuple[list[str], list]:
+        """The weights to store for the rewritten entries: converted ones in place, then the FP8 scales."""
+        if not self.converted:
+            return list(names), list(arrays)
+        out_names, out = [], []
+        for n, a in zip(names, arrays):
+            out_names.append(n)
+            out.append(self._arrays.get(n, a))
+        for n in names:
+            scale = self.converted.get(n, {}).get("scale")
+            if scale:
+                out_names.append(scale)
+                out.append(self._arrays[scale])
+        return out_names, out
 
     def manifest(self) -> dict:
         """Expert layers replaced per entry, the kernels (one set per distinct spec), and what was skipped."""
         kernels = []
         for spec in dict.fromkeys(s for s, _ in self.kernels):
             kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
-        return {"replaced": dict(self.replaced), "kernels": kernels, "skipped": {k: v for k, v in self.skipped.items() if v}}
+        return {"replaced": dict(self.replaced), "kernels": kernels, "skipped": {k: v for k, v in self.skipped.items() if v},
+                "expert_weights": self.expert_weights, "converted": dict(self.converted)}
 
 
 __all__ = ["InsertGroupedExperts"]

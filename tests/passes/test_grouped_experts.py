@@ -193,3 +193,67 @@ def test_cuda_build_calls_the_kernels(zoo):
         body = text[text.index(f"@{entry}:"):].split("\n\n")[0]
         calls = re.findall(r"call\s+(moe_\w+)\s+in:", body)
         assert calls == ["moe_route_prep", "moe_gate_up", "moe_down", "moe_combine"] * 2, calls
+
+
+# ---------------------------------------------------------------------------- expert weights as bf16 / FP8
+
+
+def _weights(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"router": rng.standard_normal((E, D)).astype("float32"),
+            "w1": (rng.standard_normal((E, 2 * I, D)) * 0.3).astype("float32"),
+            "w2": (rng.standard_normal((E, D, I)) * 0.3).astype("float32")}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_ir_converted_expert_weights(fmt):
+    import ml_dtypes
+
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, quantize_fp8
+
+    before, w = _entry(), _weights()
+    p = InsertGroupedExperts(LLVM, expert_weights=fmt, weights=w)
+    after = relax.transform.DeadCodeElimination(["decode"])(p(before))
+    names, arrays = p.converted_weights(list(w), list(w.values()))
+    params = [q.name for q in after["decode"].params]
+    if fmt == "bf16":
+        assert names == ["router", "w1", "w2"] and arrays[1].dtype == ml_dtypes.bfloat16
+        assert [str(q.ty.dtype) for q in after["decode"].params] == ["float32", "float32", "bfloat16", "bfloat16"]
+        ref = {"w1": arrays[1].astype("float32"), "w2": arrays[2].astype("float32")}
+    else:
+        assert names == ["router", "w1", "w2", "w1.fp8_scale", "w2.fp8_scale"] and params == ["x"] + names
+        assert arrays[1].dtype == np.uint8 and arrays[3].shape == (E, 2 * I) and arrays[4].shape == (E, D)
+        ref = {"w1": dequantize_fp8(*quantize_fp8(w["w1"])), "w2": dequantize_fp8(*quantize_fp8(w["w2"]))}
+    assert p.manifest()["expert_weights"] == fmt and set(p.manifest()["converted"]) == {"w1", "w2"}
+    x = np.random.default_rng(1).standard_normal((6, D)).astype("float32")
+    lower = lambda m: relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps({"relax.topk": legalize_topk})(m),  # noqa: E731
+                                                       target=LLVM), tvm.cpu())
+    got = lower(after)["decode"](*[tvm.runtime.tensor(a) for a in [x, *arrays]]).numpy()
+    want = lower(before)["decode"](*[tvm.runtime.tensor(a) for a in [x, w["router"], ref["w1"], ref["w2"]]]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # exactly the converted weights' function
+
+
+def test_compiled_fp8_expert_weights(zoo, tmp_path):
+    from safetensors.numpy import load_file
+
+    art = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "fp8", target="llvm", expert_weights="fp8")
+    m = json.loads((art / "manifest.json").read_text())
+    conv = m["options"]["grouped_experts"]["converted"]
+    assert len(conv) == 4 and all(c["dtype"] == "uint8" for c in conv.values())
+    assert m["weights"][-4:] == [c["scale"] for c in conv.values()]  # the scales follow all weights, in weight order
+    stored = load_file(str(art / "weights.safetensors"))
+    assert sum(v.dtype == np.uint8 for v in stored.values()) == 4
+    toks = [[3, 4], [100, 7], [9, 9]]  # teacher-forced decode: the same history for both builds
+
+    def run(a):
+        engine = moec.load(a)
+        seqs, logits = engine.prefill([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]])
+        return np.stack([logits] + [engine.decode(seqs, np.array(t)) for t in toks])
+
+    got, want = run(art), run(zoo.artifact("tiny", "pt2"))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < err < 0.05, err  # e4m3 weights (3 mantissa bits): a few percent, never exact
+    with pytest.raises(MoecError, match="needs the grouped experts"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "x", expert_weights="fp8", grouped_experts=False)
+    with pytest.raises(MoecError, match="bf16 or fp8"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "x", expert_weights="int4")
