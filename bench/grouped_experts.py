@@ -10,7 +10,8 @@ Mixtral (E 8, top-2, d 4096, I 14336); ``--small`` adds / runs only a small one 
 Decode batches of 1, 16 and 128 tokens with random top-k ids (distinct per token) and softmax weights.
 One build per shape serves every batch (T dynamic). The TVM function ``experts(x, ids, rw, w1, w2)`` is
 the four kernels exactly as ``InsertGroupedExperts`` emits them (route_prep, gate_up + SwiGLU, down x
-routing weight, combine), lowered by phases 2-4 of the "moec" pipeline.
+routing weight, combine), lowered by phases 2-4 of the "moec" pipeline; ``experts_fp8`` the same with FP8
+e4m3 weights and per-output-channel scales (``--expert-weights fp8``; bandwidth on its own bytes, half).
 
 Correctness: the TVM output against a float32 PyTorch reference of the same function (h rounded to bf16
 as the kernel stores it), relative to the output's scale. Timings: TVM through the VM's
@@ -37,40 +38,49 @@ BATCHES = (1, 16, 128)
 DTYPE = "bfloat16"
 
 
-def _spec(e: int, k: int, d: int, i: int):
+def _spec(e: int, k: int, d: int, i: int, w_format: str = "float"):
     from moec.schedules.kernels.grouped_experts import GroupedExpertsSpec
 
     return GroupedExpertsSpec(hidden=d, inter=i, experts=e, top_k=k, x_dtype=DTYPE, w_dtype=DTYPE, h_dtype=DTYPE,
-                              rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64")
+                              rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64", w_format=w_format)
+
+
+FUNCS = {"experts": "float", "experts_fp8": "fp8"}  # function -> weight format
 
 
 def build_module(shape, kind: str):
-    """``experts(x [T, D], ids [T, K], rw [T, K], w1 [E, 2I, D], w2 [E, D, I]) -> out [T, D]``."""
+    """``experts(x [T, D], ids [T, K], rw [T, K], w1 [E, 2I, D], w2 [E, D, I]) -> out [T, D]`` (bf16 weights) and
+    ``experts_fp8(x, ids, rw, c1, s1 [E, 2I], c2, s2 [E, D])`` (e4m3 bytes + per-output-channel scales)."""
     import tvm
     from tvm import relax
 
     from moec.schedules.kernels.grouped_experts import KERNELS
 
     e, k, d, i = shape
-    spec = _spec(*shape)
     bb = relax.BlockBuilder()
-    gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}")
-          for n, make in KERNELS.items()}
-    t = tvm.tirx.Var("t", "int64")
-    x = relax.Var("x", relax.TensorType((t, d), DTYPE))
-    ids = relax.Var("ids", relax.TensorType((t, k), "int64"))
-    rw = relax.Var("rw", relax.TensorType((t, k), "float32"))
-    w1 = relax.Var("w1", relax.TensorType((e, 2 * i, d), DTYPE))
-    w2 = relax.Var("w2", relax.TensorType((e, d, i), DTYPE))
-    with bb.function("experts", [x, ids, rw, w1, w2]):
-        with bb.dataflow():
-            prep = bb.emit(relax.call_tir(gv["route_prep"], [ids], out_ty=[relax.TensorType([e + 1], "int32"),
-                                                                          relax.TensorType([t * k], "int32")]))
-            off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
-            h = bb.emit(relax.call_tir(gv["gate_up"], [x, w1, off, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
-            y = bb.emit(relax.call_tir(gv["down"], [h, w2, off, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
-            out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
-        bb.emit_func_output(out)
+    for fname, fmt in FUNCS.items():
+        spec = _spec(*shape, w_format=fmt)
+        gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fmt}")
+              for n, make in KERNELS.items()}
+        t = tvm.tirx.Var("t", "int64")
+        x = relax.Var("x", relax.TensorType((t, d), DTYPE))
+        ids = relax.Var("ids", relax.TensorType((t, k), "int64"))
+        rw = relax.Var("rw", relax.TensorType((t, k), "float32"))
+        wdt = "uint8" if fmt == "fp8" else DTYPE
+        w1 = [relax.Var("w1", relax.TensorType((e, 2 * i, d), wdt))]
+        w2 = [relax.Var("w2", relax.TensorType((e, d, i), wdt))]
+        if fmt == "fp8":
+            w1.append(relax.Var("s1", relax.TensorType((e, 2 * i), "float32")))
+            w2.append(relax.Var("s2", relax.TensorType((e, d), "float32")))
+        with bb.function(fname, [x, ids, rw, *w1, *w2]):
+            with bb.dataflow():
+                prep = bb.emit(relax.call_tir(gv["route_prep"], [ids], out_ty=[relax.TensorType([e + 1], "int32"),
+                                                                              relax.TensorType([t * k], "int32")]))
+                off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
+                h = bb.emit(relax.call_tir(gv["gate_up"], [x, *w1, off, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
+                y = bb.emit(relax.call_tir(gv["down"], [h, *w2, off, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
+                out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
+            bb.emit_func_output(out)
     return bb.get()
 
 
@@ -80,7 +90,7 @@ def compile_module(shape, target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, ["experts"]))
+    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(FUNCS)))
 
 
 def prepare(out: Path, small: bool) -> None:
@@ -135,6 +145,23 @@ def _inputs(shape, t: int, device: str, seed: int):
     dev = "cuda" if device == "cuda" else "cpu"
     return {"x": x.to(dev, torch.bfloat16), "ids": ids.to(dev), "rw": rw.to(dev), "w1": w1.to(dev, torch.bfloat16),
             "w2": w2.to(dev, torch.bfloat16)}
+
+
+def quantize_fp8_torch(w):
+    """(e4m3 bytes uint8, float32 scales per output channel) of [E, R, C] weights, on their device (as
+    ``schedules.kernels.grouped_experts.quantize_fp8``: scale = max|row| / 448, round to nearest even)."""
+    import torch
+
+    wf = w.float()
+    scale = (wf.abs().amax(-1) / 448.0).clamp_min(2.0**-24)
+    codes = (wf / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, scale
+
+
+def dequantize_fp8_torch(codes, scale):
+    import torch
+
+    return codes.view(torch.float8_e4m3fn).float() * scale[..., None]
 
 
 def hf_experts(x, ids, rw, w1, w2):
@@ -228,6 +255,20 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     vm.save_function("experts", "experts_timed", *args)
     res = vm.time_evaluator("experts_timed", dev, number=number, repeat=repeat)()
     ms = {"moec_grouped": float(np.median(np.asarray(res.results))) * 1e3}
+    # FP8 e4m3 weights: against the reference over the dequantized weights
+    (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
+    import tvm
+
+    args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
+    out8 = torch.from_dlpack(vm["experts_fp8"](*args8)).float()
+    ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
+    row["fp8_max_rel_error_vs_dequantized"] = float((out8 - ref8).abs().max()) / (float(ref8.abs().max()) or 1.0)
+    row["fp8_max_rel_error_vs_bf16_fp32"] = float((out8 - ref).abs().max()) / scale
+    row["passed"] = row["passed"] and row["fp8_max_rel_error_vs_dequantized"] < 2e-2
+    row["active_weight_bytes_fp8"] = active * 3 * d * i
+    vm.save_function("experts_fp8", "experts_fp8_timed", *args8)
+    res = vm.time_evaluator("experts_fp8_timed", dev, number=number, repeat=repeat)()
+    ms["moec_grouped_fp8"] = float(np.median(np.asarray(res.results))) * 1e3
     tin = [inp[n] for n in ("x", "ids", "rw", "w1", "w2")]
     ms["torch_hf_loop"] = _torch_ms(hf_experts, tin, device, max(1, number // 10), repeat)
     if compiled is not None:
@@ -236,7 +277,8 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
         except Exception as exc:  # noqa: BLE001 - report, keep the other numbers
             row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     row["ms"] = ms
-    row["GBps_active_weights"] = {k_: row["active_weight_bytes"] / v / 1e6 for k_, v in ms.items()}
+    row["GBps_active_weights"] = {k_: (row["active_weight_bytes_fp8"] if k_.endswith("fp8") else row["active_weight_bytes"]) / v / 1e6
+                                  for k_, v in ms.items()}
     print(json.dumps(row), flush=True)
     return row
 
