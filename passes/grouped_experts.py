@@ -34,10 +34,12 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from ..compiler.graph import DataflowGraph, const_scalar, dtype_of, is_static, shape_of
 from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported
 
 _OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
+# ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
+_ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
 
 
 @dataclass
@@ -115,7 +117,7 @@ class _Matcher:
         g = self.g
         e = self.alias(idx)
         for _ in range(8):
-            e = self.alias(g.strip(e, LAYOUT_OPS - {"relax.astype"}))
+            e = self.alias(g.strip(e, _ORDER_KEEPING))
             if g.op(e) == "relax.where":  # where(less(i, 0), add(i, E), i)
                 c, a, b = g.call(e).args
                 if (g.op(c) == "relax.less" and const_scalar(g.call(c).args[1]) == 0 and g.op(a) == "relax.add"
@@ -231,7 +233,7 @@ class _Matcher:
         rs = shape_of(rwc)
         if rs is None or len(rs) != 2 or rs[1] != 1:
             raise _Skip(f"{where}: the routing weight is not a [S, 1] column")
-        rw = self.alias(g.strip(rwc, LAYOUT_OPS - {"relax.astype"}))
+        rw = self.alias(g.strip(rwc, _ORDER_KEEPING))
         if shape_of(rw) is None or len(shape_of(rw)) != 2 or not (_eq(shape_of(rw)[0], t) and shape_of(rw)[1] == k):
             # the weights may be reshaped from [T, K] to [S] and then to [S, 1]: strip gave the [T, K] tensor
             raise _Skip(f"{where}: the routing weights do not come from a [T, K] tensor")

@@ -29,7 +29,7 @@ def _calls(func, name):
     return found
 
 
-def _entry(form="take", activation="silu_mul", weight_first=False, gate_second=False):
+def _entry(form="take", activation="silu_mul", weight_first=False, gate_second=False, permuted_weights=False):
     """``decode(x [T, D], router, w1, w2)`` with router top-k and gathered experts as an exporter writes them."""
     bb = relax.BlockBuilder()
     t = tvm.tirx.Var("t", "int64")
@@ -69,6 +69,8 @@ def _entry(form="take", activation="silu_mul", weight_first=False, gate_second=F
             else:
                 act = emit(relax.op.nn.gelu(g))
             h = emit(relax.op.multiply(act, u))
+            if permuted_weights:  # slot order k * T + t: not the slots' t * K + k
+                vals = emit(relax.op.permute_dims(vals, [1, 0]))
             rcol = emit(relax.op.reshape(vals, [t * K, 1]))
             if weight_first:  # routing weight on h, before the down projection: not the form matched
                 h = emit(relax.op.multiply(h, rcol))
@@ -114,8 +116,9 @@ def test_ir_before_after_and_numerics(kw):
 
 
 @pytest.mark.parametrize("kw,why", [({"activation": "gelu"}, "no silu\\(gate\\) \\* up"),
-                                    ({"weight_first": True}, "expected one relax.expand_dims")],
-                         ids=["gelu", "weight-before-down"])
+                                    ({"weight_first": True}, "expected one relax.expand_dims"),
+                                    ({"permuted_weights": True}, "do not come from a \\[T, K\\] tensor")],
+                         ids=["gelu", "weight-before-down", "permuted-routing-weights"])
 def test_ir_other_forms_stay_and_say_why(kw, why):
     before = _entry(**kw)
     p, after = _apply(before)
