@@ -31,8 +31,10 @@ Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
     read). Warp w owns one output column (gate and up rows j and I + j; or a row d of W2). Its tokens go
     in tiles of TB: the weight row is streamed once per tile with 16-byte vector loads (8 bf16 per lane),
     each lane accumulates TB (x2 for gate/up) float32 partial dot products, then warp shuffles reduce them
-    and lane 0 writes the tile's outputs. At decode batch sizes an expert has at most TB tokens, so each
-    weight byte of an active expert is read once. The grid depends on E and the weight shapes only, not
+    and lane 0 writes the tile's outputs. With up to TB (16) tokens per expert, as at decode batch sizes
+    (OLMoE at 128 tokens: 16 slots per expert on average), each weight byte of an active expert is read
+    once; more tokens re-read the row once per tile (from L2 when it still holds it). The grid depends on E
+    and the weight shapes only, not
     on T: nothing is padded to the worst case, token counts are dynamic.
   * combine: one block per token, threads over D.
 """
@@ -70,7 +72,7 @@ class GroupedExpertsSpec:
     ids_dtype: str = "int64"
     gate_first: bool = True  # W1 rows [0, I) are the gate (silu) half
     w_format: str = "float"  # "float": W1, W2 of w_dtype; "fp8": e4m3 bytes (uint8) + float32 scales per output channel
-    token_tile: int = 8  # TB: tokens of an expert per weight pass (CUDA form)
+    token_tile: int = 16  # TB: tokens of an expert per weight pass (CUDA form)
     warps: int = 4  # NW: warps per block of the GEMMs (CUDA form)
 
     def check(self) -> None:

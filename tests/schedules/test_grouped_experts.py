@@ -130,7 +130,11 @@ def test_cuda_forms_build_for_sm90():
     src = _cuda_modules(_build(OLMOE, "cuda").mod)[0].inspect_source("cuda")
     kernels = dict((n, int(b)) for b, n in re.findall(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src))
     assert kernels == {"moe_route_prep_kernel": 1024, "moe_gate_up_kernel": 128, "moe_down_kernel": 128, "moe_combine_kernel": 256}
-    body = lambda name: src[src.index(f"{name}(nv") if f"{name}(nv" in src else src.index(f"{name}("):][:20000]  # noqa: E731
+    def body(name):  # the kernel's definition: from its signature with a body to the next kernel
+        start = src.index("{", src.index(f"{name}(", src.index(f"{name}(") + 1) if src.count(f"{name}(") > 1 else src.index(f"{name}("))
+        end = src.find('extern "C"', start)
+        return src[start:end if end > 0 else len(src)]
+
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
         b = body(name)
         assert "uint4" in b and "__shfl_xor_sync" in b  # 16-byte weight loads, shuffle reductions
