@@ -20,10 +20,16 @@ def calibrate(*args, **kwargs):
     return _calibrate(*args, **kwargs)
 
 
+def tune(*args, **kwargs):
+    from .schedules.tune import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
 def load(*args, **kwargs):
     from .runtime.engine import load as _load
 
     return _load(*args, **kwargs)
 
 
-__all__ = ["calibrate", "compile", "load", "__version__"]
+__all__ = ["calibrate", "compile", "load", "tune", "__version__"]

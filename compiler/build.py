@@ -71,6 +71,8 @@ def compile(  # noqa: A001 - the public name users call
     calibration: str | Path | None = None,
     grouped_experts: bool = True,
     expert_weights: str | None = None,
+    tuning_db: str | Path | None = "auto",
+    _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
 
@@ -118,6 +120,12 @@ def compile(  # noqa: A001 - the public name users call
         Storage of the grouped experts' weights: the model's dtype (default), bfloat16, or FP8 e4m3 with one
         float32 scale per output channel (half the bytes of bf16; weights quantized at compile time).
         Needs ``grouped_experts``.
+    tuning_db : "auto" | "none" | str | Path
+        MetaSchedule records from ``moec tune`` (``moec.schedules.database``): "auto" uses the target's
+        default database (``~/.cache/moec/tuning/<target-key>/``) if it exists, a path that directory
+        (refused when tuned for another target), "none" only the rules. Kernels with records at a
+        token/batch bucket run tuned at that size; all others keep the dlight rules. The manifest's
+        ``tuning`` says which database and how many kernels, ``schedules`` each kernel's source.
 
     Returns
     -------
@@ -126,6 +134,12 @@ def compile(  # noqa: A001 - the public name users call
     from ..passes.pipeline import moec_pipeline
 
     tgt = make_target(target, arch)
+    tuning = None
+    if not _until_phase1:
+        from ..schedules.database import TunedSchedules, resolve_tuning_db
+
+        db_dir = resolve_tuning_db(tuning_db, tgt)
+        tuning = TunedSchedules(db_dir, tgt) if db_dir is not None else None
     if not isinstance(fuse_router_norm, bool):
         raise MoecError(f"fuse_router_norm must be True or False, got {fuse_router_norm!r}")
     if not isinstance(grouped_experts, bool):
@@ -198,7 +212,11 @@ def compile(  # noqa: A001 - the public name users call
         grouped = InsertGroupedExperts(tgt, imported.source_name, expert_weights,
                                        dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
-                                     cascade, fuse_router_norm=fuse, grouped_experts=grouped)
+                                     cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
+                                     phases=1 if _until_phase1 else 4)
+    if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
+        with tgt:
+            return pipeline(imported.mod), pipeline.entries, tgt
     t1 = time.perf_counter()
     try:
         executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
@@ -247,6 +265,8 @@ def compile(  # noqa: A001 - the public name users call
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "debug_dump": str(debug_dump) if debug_dump else None},
+            "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},
+            "schedules": pipeline.schedules.sources,
             "entry_functions": _entry_doc(tiered),
             "cuda_kernels": cuda_kernels,
             "token_input_dtype": str(imported.main.params[0].ty.dtype),

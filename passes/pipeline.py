@@ -33,19 +33,26 @@ def _dump(directory: Path | None, name: str):
     return _pass
 
 
-def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None) -> list:
-    """Phases 2-4: what every entry function goes through once phase 1 has built it."""
+def fusion_passes(entries: list[str]) -> list:
+    """Phase 2 alone (lower to TIR and fuse); tuning runs it on entries with static token/batch sizes."""
     return [
-        # Phase 2. Lower to TIR and fuse.
         relax.transform.LegalizeOps({"relax.topk": legalize_topk}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(entries),
+    ]
+
+
+def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None, schedules=None) -> list:
+    """Phases 2-4: what every entry function goes through once phase 1 has built it."""
+    return [
+        # Phase 2. Lower to TIR and fuse.
+        *fusion_passes(entries),
         _dump(dump, "phase2_fused"),
-        # Phase 3. Schedules for the target.
-        schedule_pass(target),
+        # Phase 3. Schedules for the target (tuned records first when given, then the dlight rules).
+        schedules if schedules is not None else schedule_pass(target),
         _dump(dump, "phase3_scheduled"),
         # Phase 4. Lower to the VM.
         relax.transform.RewriteDataflowReshape(),
@@ -78,8 +85,13 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
-                  fuse_router_norm: FuseRouterIntoNorm | None = None, grouped_experts=None):
+                  fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
+                  grouped_experts=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
+
+    ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
+    database's records in phase 3; the phase-3 pass is ``pass.schedules`` (its ``sources`` name each
+    kernel's schedule). ``phases=1`` stops after phase 1 (``moec tune`` takes its tasks from there).
 
     ``tiered`` selects the tiered FP8 + 2-bit cache (``InsertTieredKVAttention``) instead of the paged
     cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
@@ -106,8 +118,11 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([grouped_experts] if grouped_experts is not None else []),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),
-        *_lowering(target, entries, dump),
+        *([tuning.capture(entries)] if tuning is not None else []),
     ]
+    schedules = schedule_pass(target, tuning)
+    if phases > 1:
+        passes += _lowering(target, entries, dump, schedules)
     seq = tvm.transform.Sequential(passes, name="moec")
 
     @tvm.transform.module_pass(opt_level=0, name="moec")
@@ -115,4 +130,6 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         with target:
             return seq(mod)
 
+    _pipeline.schedules = schedules
+    _pipeline.entries = entries
     return _pipeline, insert
