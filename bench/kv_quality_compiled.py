@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--commit", default=None, help="git commit to record (default: this checkout's HEAD)")
     args = ap.parse_args()
 
     import moec
@@ -71,7 +72,7 @@ def main() -> int:
     if "bf16" in rows:
         for r in rows.values():
             r["perplexity_delta_vs_bf16"] = r["perplexity"] / rows["bf16"]["perplexity"] - 1
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "kv_quality_compiled", "command": " ".join(["python"] + sys.argv), "git_commit": commit,
               "device": platform.machine(), "model": {"dir": str(args.model), "size": meta.get("size")},
               "data": {"corpus": corpus.id, "split": "heldout", "context": args.context, "stride": args.stride,
