@@ -37,7 +37,51 @@ def cmd_compile(args) -> int:
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
-                 grouped_experts=args.grouped_experts, expert_weights=args.expert_weights)
+                 grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db)
+    if args.report_schedules:
+        from ..schedules.rules import format_schedule_report
+        from .artifact import read_manifest
+
+        print(format_schedule_report(read_manifest(args.output, verify=False)["schedules"]))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from ..schedules.tune import tune
+
+    _print_args(args)
+    only = [x for x in args.only.split(",") if x] if args.only else None
+    res = tune(args.model, target=args.target, arch=args.arch, trials=args.trials, buckets=args.buckets, database=args.db,
+               workers=args.workers, only=only, dry_run=args.dry_run, strategy=args.strategy, progress=True,
+               kv_cache=args.kv_cache, fuse_router_norm=args.fuse_router_norm, grouped_experts=args.grouped_experts,
+               cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep)
+    if args.dry_run:
+        print("\n".join(res["tasks"]))
+    print(f"[moec] {res['database']}: {res['tuned']} tasks tuned ({res['trials']} new trials), {res['skipped']} already "
+          f"tuned, of {len(res['tasks'])}; {res['seconds']:.1f}s")
+    return 0
+
+
+def cmd_schedules(args) -> int:
+    import tempfile
+
+    from ..schedules.rules import format_schedule_report
+    from .artifact import MANIFEST, read_manifest
+    from .build import compile as moec_compile
+
+    path = Path(args.model)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        manifest = read_manifest(path, verify=False)
+        if "schedules" not in manifest:
+            raise MoecError(f"{path}: the manifest has no schedule report (built before moec recorded one); recompile it")
+        sources = manifest["schedules"]
+    else:
+        with tempfile.TemporaryDirectory(prefix="moec-schedules-") as tmp:
+            moec_compile(path, Path(tmp) / "artifact", target=args.target, arch=args.arch, tuning_db=args.tuning_db,
+                         kv_cache=args.kv_cache, fuse_router_norm=args.fuse_router_norm,
+                         grouped_experts=args.grouped_experts)
+            sources = read_manifest(Path(tmp) / "artifact", verify=False)["schedules"]
+    print(json.dumps(sources, indent=2) if args.json else format_schedule_report(sources))
     return 0
 
 
@@ -197,7 +241,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-weights", choices=["bf16", "fp8"], default=None,
                    help="store the grouped experts' weights as bf16, or FP8 e4m3 with per-output-channel scales "
                         "(default: the model's dtype)")
+    p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
+                   help="MetaSchedule records from `moec tune`: auto (default) uses the target's database in the moec "
+                        "cache if there is one; kernels without records keep the dlight rules")
+    p.add_argument("--report-schedules", action="store_true", help="print each kernel's schedule source afterwards")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("tune", help="tune the model's kernels with MetaSchedule at static token/batch buckets")
+    p.add_argument("model", help="path to model.onnx or model.pt2 (as for compile)")
+    p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    p.add_argument("--arch", default=None, help="CUDA architecture, e.g. sm_90 (default for --target cuda)")
+    p.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per task")
+    p.add_argument("--buckets", default="1,16,128", help="token/batch sizes to tune at (prefill tokens, decode batch)")
+    p.add_argument("--db", default=None, help="database directory (default: <moec cache>/tuning/<target key>/)")
+    p.add_argument("--workers", type=int, default=1, help="builder processes (0: build in this process)")
+    p.add_argument("--strategy", choices=["evolutionary", "replay-trace"], default="evolutionary",
+                   help="MetaSchedule search: evolutionary with a cost model, or random samples of the space")
+    p.add_argument("--only", default=None, metavar="NAME[,NAME]", help="tune only kernels whose name contains one of these")
+    p.add_argument("--dry-run", action="store_true", help="list the tasks (e.g. for cuda without a GPU) and tune nothing")
+    p.add_argument("--kv-cache", choices=["paged", "bf16", "fp8", "tiered"], default="paged",
+                   help="as the model will be compiled (the kernels depend on it)")
+    p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cascade-groups", type=int, default=None, metavar="G")
+    p.add_argument("--cascade-keep", type=int, default=None, metavar="g")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("schedules", help="list each kernel of a compiled model with its schedule source")
+    p.add_argument("model", help="an artifact directory (reads its manifest) or a model file (compiled to a temporary directory)")
+    p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    p.add_argument("--arch", default=None)
+    p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none")
+    p.add_argument("--kv-cache", choices=["paged", "bf16", "fp8", "tiered"], default="paged")
+    p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", action="store_true", help="print the kernel -> source map as JSON")
+    p.set_defaults(func=cmd_schedules)
 
     p = sub.add_parser("calibrate", help="fit cascade-gating groups and coarse routers on calibration text")
     p.add_argument("model", help="trained model directory (PyTorch reference) or model.onnx / model.pt2")

@@ -154,10 +154,33 @@ class ApplySchedules:
                 for name, buckets in self.tuning.dispatched.items():
                     if name in sources and not sources[name].startswith("tuning-db"):
                         sources[name] = f"tuning-db (token/batch {','.join(map(str, buckets))}) else {sources[name]}"
-        self.sources = dict(sorted(sources.items()))
+        present = {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+        self.sources = dict(sorted((k, v) for k, v in sources.items() if k in present))  # dispatch drops dead reshapes
         return mod
 
 
 def schedule_pass(target: tvm.target.Target, tuning=None) -> tvm.transform.Pass:
     """The phase-3 pass for ``target``; its ``sources`` say how each PrimFunc got scheduled."""
     return ApplySchedules(target, tuning)
+
+
+def source_kind(source: str) -> str:
+    """kernel, tuning-db, dlight, fallback or default (the part before the first colon or space)."""
+    return re.split(r"[: ]", source, maxsplit=1)[0]
+
+
+def format_schedule_report(sources: dict[str, str]) -> str:
+    """One line per kernel (PrimFunc) with its schedule source, then the count of each kind."""
+    width = min(max((len(k) for k in sources), default=6), 64)
+    lines = [f"{'kernel':<{width}}  schedule"]
+    for name, src in sorted(sources.items()):
+        shown = name if len(name) <= width else name[: width - 3] + "..."
+        lines.append(f"{shown:<{width}}  {src}")
+    counts: dict[str, int] = {}
+    for src in sources.values():
+        counts[source_kind(src)] = counts.get(source_kind(src), 0) + 1
+    lines.append(f"{len(sources)} kernels: " + ", ".join(f"{counts[k]} {k}" for k in sorted(counts)))
+    fallback = sorted(k for k, v in sources.items() if source_kind(v) == "fallback")
+    if fallback:
+        lines.append(f"on dlight's fallback schedule (a matmul/reduction no rule took): {', '.join(fallback)}")
+    return "\n".join(lines)
