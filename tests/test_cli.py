@@ -85,3 +85,18 @@ def test_generate_and_edited_manifest(zoo, tmp_path):
     (art / "manifest.json").write_text(json.dumps(m))
     bad = moec("generate", art, "--prompt-ids", "1,2")
     assert bad.returncode == 2 and "SHA-256 does not match" in bad.stderr
+
+
+def test_tune_dry_run_for_cuda_and_foreign_tuning_db(zoo, tmp_path):
+    """``moec tune --target cuda`` lists its tasks without a GPU; compile refuses another target's database."""
+    src = zoo.source("tiny", "onnx")
+    dry = moec("tune", src, "--target", "cuda", "--arch", "sm_90", "--buckets", "1", "--dry-run", "--db", tmp_path / "db")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "matmul2@1" in dry.stdout.splitlines() and not (tmp_path / "db").exists()
+    from moec.compiler.targets import make_target
+    from moec.schedules.database import open_database
+
+    open_database(tmp_path / "cuda-db", make_target("cuda", "sm_90"), create=True)
+    bad = moec("compile", src, "-o", tmp_path / "art", "--tuning-db", tmp_path / "cuda-db")
+    assert bad.returncode == 2 and str(tmp_path / "cuda-db") in bad.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in bad.stderr and not (tmp_path / "art").exists()
