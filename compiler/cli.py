@@ -347,7 +347,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="decode latency (TPOT, TTFT) of moec and HF transformers side by side, on the "
+                                     "same random weights, over a grid of streams x contexts; JSON and a PNG plot")
+    p.add_argument("--shape", default="tiny-olmoe", help="named model shape: olmoe-1b-7b, tiny-olmoe")
+    p.add_argument("--streams", default="1,16,64,128", help="comma-separated concurrent streams")
+    p.add_argument("--contexts", default="512,1024,2048,4096", help="comma-separated context lengths (tokens)")
+    p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
+                   help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered, hf-eager, hf-compile")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
+    p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot", default=None, help="PNG of TPOT against context")
+    p.add_argument("--commit", default=None, help="git commit to record (default: this checkout's HEAD)")
+    p.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args) -> int:
+    from .serve_bench import main as bench_main
+
+    return bench_main(args)
 
 
 def main(argv=None) -> int:

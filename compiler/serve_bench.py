@@ -1,0 +1,335 @@
+"""``moec bench``: decode latency of moec and of HF transformers side by side, on the same weights.
+
+  moec bench --shape olmoe-1b-7b --streams 1,16,64,128 --contexts 512,1024,2048,4096
+             --systems moec-bf16,moec-fp8,moec-tiered,hf-compile --device cuda --json OUT.json --plot OUT.png
+
+For a named model shape (HF transformers' own class with seeded random weights: speed does not depend
+on the values), every system decodes the same random prompts at each grid point (streams S x context
+C): a prefill of ``C - steps`` tokens per stream, then ``steps`` greedy decode steps that end at
+context C. Per point it records TPOT (median and p99 over the timed steps), TTFT (the batch's
+prefill), decode tokens/s (S / median TPOT), device memory in use, KV-cache bytes per token of
+context and the bandwidth floor. Systems:
+
+  moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
+                                                    moec with that KV cache (artifacts kept in --work)
+  hf-eager                                          HF forward with a StaticCache
+  hf-compile                                        the same forward under torch.compile (CUDA graphs
+                                                    on the GPU: mode "reduce-overhead"), after warm-up
+
+The floor is the time to read, at the copy bandwidth measured in this run, what one decode step
+must read: the non-expert weights, the experts that S tokens activate under uniform routing
+(``E (1 - (1 - k/E)^S)`` per layer; routing of random weights is close to uniform), and the KV cache
+(S x C tokens at the system's bytes per token). Copy bandwidth counts bytes read plus bytes written.
+
+A system that fails at a point (out of memory, cache exhausted) records the error for that point and
+the run goes on. The JSON holds the command, git commit and device; the plot shows TPOT against
+context, one line per system and stream count.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MoecError
+
+SHAPES = {
+    # HF OlmoeConfig of OLMoE-1B-7B: 64 experts top-8, 16 layers, d 2048, 16 heads (no GQA), Dh 128
+    "olmoe-1b-7b": ("olmoe", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                                  max_position_embeddings=4352, norm_topk_prob=False)),
+    # a small OLMoE-like shape for trying the harness on a CPU
+    "tiny-olmoe": ("olmoe", dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                                 max_position_embeddings=1024, norm_topk_prob=False)),
+}
+SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "hf-eager", "hf-compile")
+
+
+def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+    """The HF model of ``shape`` with seeded random weights, on ``device`` in ``dtype``."""
+    import torch
+    import transformers as tf
+
+    if shape not in SHAPES:
+        raise MoecError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+    family, kw = SHAPES[shape]
+    cls, cfg_cls = {"olmoe": (tf.OlmoeForCausalLM, tf.OlmoeConfig)}[family]
+    cfg = cfg_cls(**kw, experts_implementation="batched_mm", attn_implementation="sdpa", pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(cfg)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write), best of several copies."""
+    import torch
+
+    n = nbytes // 2 if device == "cuda" else min(nbytes, 1 << 28) // 2
+    src = torch.empty(n // 2, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(8):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def _memory(device: str) -> int | None:
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(non-expert bytes, bytes of one layer's one expert, experts per layer)."""
+    expert = other = 0
+    num_experts = model.config.num_experts
+    layers = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert += nbytes
+        else:
+            other += nbytes
+    return other, expert // (layers * num_experts), num_experts
+
+
+def floor_ms(model, streams: int, context: int, kv_bytes_per_token: float, bandwidth: float) -> float:
+    cfg = model.config
+    other, one_expert, e = weight_bytes(model)
+    k = cfg.num_experts_per_tok
+    active = e * (1 - (1 - k / e) ** streams)
+    step = other + cfg.num_hidden_layers * active * one_expert + streams * context * kv_bytes_per_token
+    return 1e3 * step / bandwidth
+
+
+def _kv_elements(cfg) -> int:
+    """K and V elements per token of context, all layers."""
+    dh = cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * dh
+
+
+# ------------------------------------------------------------------ systems
+
+
+class _Moec:
+    def __init__(self, kind: str, model, source: Path, work: Path, device: str, max_streams: int, max_tokens: int) -> None:
+        import moec
+
+        self.kind = kind
+        cache = kind.split("-", 1)[1]
+        art = work / f"art-{cache}-{device}"
+        if not (art / "manifest.json").exists():
+            moec.compile(source, art, target="cuda" if device == "cuda" else "llvm", kv_cache=cache)
+        self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens)
+        self.cfg = model.config
+        self.cache = cache
+
+    def kv_bytes_per_token(self) -> float:
+        from ..runtime.kv_quant import bytes_per_element
+
+        e = self.engine
+        dh = self.cfg.hidden_size // self.cfg.num_attention_heads
+        if e.tiered is None:
+            dtype = e.manifest["options"]["kv_cache_dtype"]
+            per = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+        elif e.tiered.mode == "fp8":
+            per = bytes_per_element(1.0, dh, e.tiered.opts["t2_page"])["tier1"]
+        else:
+            t = e.tiered.tables
+            t1 = sum(s.t1_len for s in t.seqs.values())
+            total = sum(s.length for s in t.seqs.values())
+            per = bytes_per_element(t1 / max(total, 1), dh, e.tiered.opts["t2_page"])["blend"]
+        return per * _kv_elements(self.cfg)
+
+    def run(self, prompts: np.ndarray, steps: int) -> dict:
+        e = self.engine
+        t = time.perf_counter()
+        seqs, logits = e.prefill([list(p) for p in prompts])
+        ttft = time.perf_counter() - t
+        try:
+            times = []
+            nxt = logits.argmax(-1)
+            for _ in range(steps):
+                t = time.perf_counter()
+                logits = e.decode(seqs, list(nxt))
+                times.append(time.perf_counter() - t)
+                nxt = logits.argmax(-1)
+            kv = self.kv_bytes_per_token()
+        finally:
+            for s in seqs:
+                e.release(s)
+        return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv}
+
+
+class _HF:
+    def __init__(self, kind: str, model, device: str) -> None:
+        import torch
+
+        self.kind, self.model, self.device = kind, model, device
+        self.forward = model.forward
+        if kind == "hf-compile":
+            self.forward = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else "default",
+                                         dynamic=False)
+
+    def run(self, prompts: np.ndarray, steps: int) -> dict:
+        import torch
+        from transformers import StaticCache
+
+        cuda = self.device == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        b, n = prompts.shape
+        cache = StaticCache(config=self.model.config, max_cache_len=n + steps + 2)
+        ids = torch.from_numpy(prompts).to(self.device)
+        with torch.no_grad():
+            sync()
+            t = time.perf_counter()
+            out = self.model(input_ids=ids, cache=cache, cache_position=torch.arange(n, device=self.device), use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
+            ttft = time.perf_counter() - t
+            times = []
+            warm = 2 if self.kind == "hf-compile" else 0  # compilation and CUDA-graph capture, not timed
+            for i in range(steps + warm):
+                pos = torch.tensor([n + max(0, i - warm)], device=self.device)
+                t = time.perf_counter()
+                out = self.forward(input_ids=nxt, cache=cache, cache_position=pos, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True).clone()
+                sync()
+                if i >= warm:
+                    times.append(time.perf_counter() - t)
+        itemsize = next(self.model.parameters()).element_size()
+        return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": itemsize * _kv_elements(self.model.config)}
+
+
+# ------------------------------------------------------------------ driver
+
+
+def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
+              dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
+              progress: bool = True) -> dict:
+    """Run the grid for every system; returns the result document (see the module docstring)."""
+    import torch
+
+    for s in systems:
+        if s not in SYSTEMS:
+            raise MoecError(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoecError("--device cuda: no CUDA device is visible to torch")
+    if min(contexts) <= steps:
+        raise MoecError(f"every context must exceed the decode steps ({steps})")
+    work = Path(work) / f"{shape}-{dtype}"
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_hf(shape, dtype, device, seed)
+    bw = copy_bandwidth(device)
+    doc = {"shape": shape, "config": {k: v for k, v in SHAPES[shape][1].items()}, "dtype": dtype, "device_kind": device,
+           "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps,
+           "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
+    rng = np.random.default_rng(seed)
+    prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
+    source = None
+    for name in systems:
+        runs = doc["systems"][name] = {"points": []}
+        try:
+            if name.startswith("moec-"):
+                if source is None:
+                    from ..models.export import save_pt2
+
+                    source = work / "model.pt2"
+                    if not source.exists():
+                        save_pt2(model, model.config.vocab_size, source, max_seq=max(contexts) + 8)
+                system = _Moec(name, model, source, work, device, max(streams), max(streams) * (max(contexts) + 32))
+            else:
+                system = _HF(name, model, device)
+        except Exception as exc:  # noqa: BLE001 - a system that cannot be built is reported, the others run
+            runs["error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        for s in streams:
+            for c in contexts:
+                point = {"streams": s, "context": c}
+                before = _memory(device)
+                try:
+                    r = system.run(prompts[(s, c)], steps)
+                except Exception as exc:  # noqa: BLE001
+                    point["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    runs["points"].append(point)
+                    continue
+                ms = 1e3 * np.asarray(r["step_s"])
+                point.update({
+                    "tpot_ms_median": float(np.median(ms)), "tpot_ms_p99": float(np.percentile(ms, 99)),
+                    "ttft_ms": 1e3 * r["ttft_s"], "decode_tokens_per_s": s / (np.median(ms) / 1e3),
+                    "memory_bytes": _memory(device), "memory_bytes_before": before,
+                    "kv_bytes_per_token": r["kv_bytes_per_token"],
+                    "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),
+                })
+                runs["points"].append(point)
+                if progress:
+                    print(f"[bench] {name} streams {s} context {c}: TPOT {point['tpot_ms_median']:.2f} ms "
+                          f"(p99 {point['tpot_ms_p99']:.2f}, floor {point['floor_ms']:.2f}), TTFT {point['ttft_ms']:.1f} ms",
+                          flush=True)
+        del system
+    return doc
+
+
+def plot(doc: dict, path: str | Path) -> None:
+    """TPOT against context: one line per system and stream count (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = ["-", "--", ":", "-."]
+    for ci, (name, runs) in enumerate(doc["systems"].items()):
+        for si, s in enumerate(doc["grid"]["streams"]):
+            pts = [p for p in runs["points"] if p["streams"] == s and "tpot_ms_median" in p]
+            if pts:
+                ax.plot([p["context"] for p in pts], [p["tpot_ms_median"] for p in pts], styles[si % len(styles)],
+                        color=f"C{ci}", marker="o", label=f"{name}, {s} streams")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("TPOT, median (ms)")
+    ax.set_title(f"{doc['shape']} ({doc['dtype']}) on {doc.get('device', doc['device_kind'])}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    import torch
+
+    streams = [int(x) for x in args.streams.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).resolve().parent).stdout.strip()
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine())
+    doc = {"benchmark": "serve", "command": " ".join(["moec"] + list(getattr(args, "argv", sys.argv[1:]))), "git_commit": commit, "device": device, **doc}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plot:
+        plot(doc, args.plot)
+    return 0

@@ -1,0 +1,48 @@
+"""`moec bench` end to end on a tiny shape: the JSON schema, the plot file, refusals (not speed)."""
+
+import json
+
+import pytest
+
+from moec.compiler.cli import main
+from moec.compiler.serve_bench import SHAPES, _kv_elements, build_hf, floor_ms
+
+
+def test_bench_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--shape", "tiny-olmoe", "--streams", "1,2", "--contexts", "24,40", "--steps", "3",
+               "--systems", "moec-paged,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "serve" and doc["command"].startswith("moec bench") and doc["git_commit"]
+    assert doc["copy_bandwidth_GBps"] > 0
+    cfg = build_hf("tiny-olmoe").config
+    for name in ("moec-paged", "hf-eager"):
+        pts = doc["systems"][name]["points"]
+        assert [(p["streams"], p["context"]) for p in pts] == [(1, 24), (1, 40), (2, 24), (2, 40)]
+        for p in pts:
+            assert "error" not in p, p
+            assert 0 < p["tpot_ms_median"] <= p["tpot_ms_p99"] and p["ttft_ms"] > 0
+            assert p["kv_bytes_per_token"] == 4 * _kv_elements(cfg)  # float32 cache, both systems
+            assert p["decode_tokens_per_s"] == pytest.approx(p["streams"] / p["tpot_ms_median"] * 1e3)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_floor_grows_with_streams_and_context():
+    model = build_hf("tiny-olmoe")
+    kv = 4 * _kv_elements(model.config)
+    a, b, c = (floor_ms(model, s, n, kv, 1e11) for s, n in [(1, 64), (8, 64), (8, 512)])
+    assert a < b < c
+    # one stream activates top-k experts per layer: weights other than experts + k experts + its KV
+    assert SHAPES["tiny-olmoe"][1]["num_experts_per_tok"] == 2
+
+
+def test_bench_refusals(tmp_path, capsys):
+    base = ["bench", "--shape", "tiny-olmoe", "--streams", "1", "--contexts", "24", "--steps", "3",
+            "--work", str(tmp_path), "--json", str(tmp_path / "x.json")]
+    assert main(base + ["--systems", "vllm"]) == 2
+    assert "unknown system 'vllm'" in capsys.readouterr().err
+    assert main(base[:2] + ["llama-70b"] + base[3:] + ["--systems", "hf-eager"]) == 2
+    assert "unknown model shape" in capsys.readouterr().err
+    assert main(base[:-6] + ["--contexts", "3"] + base[-4:] + ["--systems", "hf-eager"]) == 2
+    assert not (tmp_path / "x.json").exists()
