@@ -141,6 +141,17 @@ def _norm_id(v, E):
     return T.if_then_else(i < 0, i + E, i)
 
 
+INT64_INDEX_ELEMENTS = 2**31  # stacked weights with at least this many elements are indexed in int64
+
+
+def _windex(shape):
+    """The weight buffer's shape, and how to index its expert axis: int64 where a flat index can pass 2^31."""
+    e, r, c = shape
+    if e * r * c < INT64_INDEX_ELEMENTS:
+        return shape, lambda i: i
+    return (T.int64(e), T.int64(r), T.int64(c)), lambda i: T.Cast("int64", i)
+
+
 def _in_range(e, E):
     return T.And(e >= 0, e < E)
 
@@ -269,6 +280,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
     fp8 = spec.w_format == "fp8"
+    wshape, ei = _windex((E, 2 * I, D))
 
     def swiglu(g, u):
         return T.Cast(spec.h_dtype, g / (T.float32(1) + T.exp(-g)) * u)
@@ -290,8 +302,8 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                         acc[0] = T.float32(0)
                         acc[1] = T.float32(0)
                         for d in T.serial(D):
-                            acc[0] = acc[0] + _f32(x[t, d]) * _wval(spec, w[e, g0 + j, d])
-                            acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[e, u0 + j, d])
+                            acc[0] = acc[0] + _f32(x[t, d]) * _wval(spec, w[ei(e), g0 + j, d])
+                            acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[ei(e), u0 + j, d])
                         h[p, j] = swiglu(acc[0] * scale(s1, e, g0 + j), acc[1] * scale(s1, e, u0 + j))
 
     cfg = launch_config(spec)["gate_up"]
@@ -324,9 +336,9 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 for it in T.serial(IT):
                                     if full or (it * 32 + lane) * VEC < D:
                                         for v in T.vectorized(VEC):
-                                            wg[v] = w[e, g0 + j, (it * 32 + lane) * VEC + v]
+                                            wg[v] = w[ei(e), g0 + j, (it * 32 + lane) * VEC + v]
                                         for v in T.vectorized(VEC):
-                                            wu[v] = w[e, u0 + j, (it * 32 + lane) * VEC + v]
+                                            wu[v] = w[ei(e), u0 + j, (it * 32 + lane) * VEC + v]
                                         for b in T.unroll(TB):
                                             if tok[b] >= 0:
                                                 for v in T.vectorized(VEC):
@@ -350,7 +362,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
             T.func_attr(attrs)
             N = T.int64()
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, (E, 2 * I, D), "uint8")
+            w = T.match_buffer(w_h, wshape, "uint8")
             s1 = T.match_buffer(s_h, (E, 2 * I), "float32")
             offsets = T.match_buffer(off_h, (E + 1,), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
@@ -362,7 +374,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
             T.func_attr(attrs)
             N = T.int64()
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, (E, 2 * I, D), spec.w_dtype)
+            w = T.match_buffer(w_h, wshape, spec.w_dtype)
             offsets = T.match_buffer(off_h, (E + 1,), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
@@ -375,6 +387,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
     check_supported(spec, target)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     fp8 = spec.w_format == "fp8"
+    wshape, ei = _windex((E, D, I))
 
     def scale(s2, e, d):
         return s2[e, d] if fp8 else T.float32(1)
@@ -391,7 +404,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                         p: T.let[T.int32] = offsets[e] + i
                         acc[0] = T.float32(0)
                         for c in T.serial(I):
-                            acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[e, d, c])
+                            acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[ei(e), d, c])
                         y[order[p], d] = acc[0] * scale(s2, e, d) * _f32(rw[order[p] // K, order[p] % K])
 
     cfg = launch_config(spec)["down"]
@@ -420,7 +433,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 for it in T.serial(IT):
                                     if full or (it * 32 + lane) * VEC < I:
                                         for v in T.vectorized(VEC):
-                                            wv[v] = w[e, d, (it * 32 + lane) * VEC + v]
+                                            wv[v] = w[ei(e), d, (it * 32 + lane) * VEC + v]
                                         for b in T.unroll(TB):
                                             if g * TB + b < cnt:
                                                 for v in T.vectorized(VEC):
@@ -445,7 +458,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
             T.func_attr(attrs)
             N = T.int64()
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, (E, D, I), "uint8")
+            w = T.match_buffer(w_h, wshape, "uint8")
             s2 = T.match_buffer(s_h, (E, D), "float32")
             offsets = T.match_buffer(off_h, (E + 1,), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
@@ -458,7 +471,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
             T.func_attr(attrs)
             N = T.int64()
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, (E, D, I), spec.w_dtype)
+            w = T.match_buffer(w_h, wshape, spec.w_dtype)
             offsets = T.match_buffer(off_h, (E + 1,), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)

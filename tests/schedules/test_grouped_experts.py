@@ -205,3 +205,23 @@ def test_cuda_fp8_builds_for_sm90():
     assert "uint2" in src  # 8 e4m3 bytes per lane and load (8 bf16 activations)
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+def test_int64_weight_indexing(monkeypatch):
+    """Stacked weights of 2^31 elements or more (e.g. 256 experts x 4096 x 7168) are indexed in int64: forced
+    here on small shapes, the llvm forms still match NumPy (float and FP8), the CUDA form's offsets are 64-bit."""
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels import grouped_experts as ge
+
+    monkeypatch.setattr(ge, "INT64_INDEX_ELEMENTS", 1)
+    spec = GroupedExpertsSpec(hidden=32, inter=16, experts=8, top_k=2, token_tile=4)
+    prim = ge.make_gate_up(spec)
+    assert "w: T.Buffer((T.int64(8), T.int64(32), T.int64(32))" in prim.script()
+    ex = tvm.compile(tvm.IRModule(make_grouped_experts(spec)), target=LLVM)
+    data = _data(spec, 9, seed=2)
+    _check(spec, _run(ex, spec, *data), *data, tol=2e-5)
+    monkeypatch.undo()  # a DeepSeek-V3-sized layer (256 x 4096 x 7168 gate/up weights): 64-bit offsets on CUDA
+    big = GroupedExpertsSpec(hidden=7168, inter=2048, experts=256, top_k=8, x_dtype="bfloat16", w_dtype="bfloat16",
+                             h_dtype="bfloat16")
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"g": ge.make_gate_up(big, "cuda")}), target=make_target("cuda", "sm_90")).mod)[0]
+    assert "w_ptr + (((((((int64_t)((int)blockIdx.y)) * (int64_t)29360128)" in src.inspect_source("cuda")
