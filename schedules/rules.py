@@ -135,17 +135,18 @@ class ApplySchedules:
                 if not isinstance(func, tirx.PrimFunc) or gv.name_hint in sources:
                     continue
                 hand = hand_kernel_source(gv.name_hint, func)
-                if hand is not None or is_scheduled(func):
+                if is_scheduled(func):
                     sources[gv.name_hint] = hand
                     continue
-                sources[gv.name_hint] = "default:llvm" if not self.rules else "unscheduled"
+                # hand-written TIR without a schedule of its own (TVM's CPU KV-cache kernels) gets the rules too
+                sources[gv.name_hint] = hand or ("default:llvm" if not self.rules else "unscheduled")
                 for rule in self.rules:
                     space = rule.apply(func, self.target, False)
                     if space is None:
                         continue
                     sch = space if isinstance(space, s_tir.Schedule) else space[0]
                     updated[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-                    sources[gv.name_hint] = rule_source(rule, func)
+                    sources[gv.name_hint] = rule_source(rule, func) + (f" on {hand}" if hand else "")
                     break
             for gv, func in updated.items():
                 mod[gv] = func
