@@ -14,6 +14,8 @@ import tvm
 from tvm import relax
 from tvm.ir.prim.expr import IntImm
 
+from .errors import MoecError
+
 LAYOUT_OPS = frozenset(
     {"relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.squeeze", "relax.astype"}
 )
@@ -147,3 +149,15 @@ def dtype_of(expr) -> str | None:
 
 def is_static(dim) -> bool:
     return isinstance(dim, (int, np.integer))
+
+
+def num_input_entries(mod, pass_name: str, source: str = "model") -> list:
+    """``(GlobalVar, Function)`` of every Relax function with a ``num_input`` attribute (model inputs
+    first, then the weights), by name; a ``MoecError`` naming ``pass_name`` if there is none."""
+    entries = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
+               and "num_input" in f.attrs]
+    if not entries:
+        raise MoecError(f"{source}: {pass_name} rewrites functions with a num_input attribute (model inputs first, "
+                        "then the weights), such as the entries InsertPagedKVAttention / InsertTieredKVAttention "
+                        "build; the module has none")
+    return sorted(entries, key=lambda e: e[0].name_hint)

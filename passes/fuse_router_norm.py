@@ -33,7 +33,7 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..compiler.moe_structure import _Analyzer
 from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router
 
@@ -342,16 +342,11 @@ class FuseRouterIntoNorm:
         self.kernels: dict[NormRouterSpec, str] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        entries = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
-                   and "num_input" in f.attrs]
-        if not entries:
-            raise MoecError(f"{self.source}: FuseRouterIntoNorm rewrites functions with a num_input attribute (model "
-                            "inputs first, then the weights), such as the entries InsertPagedKVAttention / "
-                            "InsertTieredKVAttention build; the module has none")
+        entries = num_input_entries(mod, "FuseRouterIntoNorm", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
         gvars: dict[NormRouterSpec, relax.GlobalVar] = {}
         out = mod
-        for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
+        for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)  # e.g. the routers CascadeGating replaced
             matcher = _Matcher(func, int(func.attrs["num_input"]), self.source, form)
             matches = matcher.run()

@@ -34,7 +34,7 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from ..compiler.graph import DataflowGraph, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported
 
 _OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
@@ -358,16 +358,11 @@ class InsertGroupedExperts:
         self.kernels: dict[tuple, str] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        entries = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None
-                   and "num_input" in f.attrs]
-        if not entries:
-            raise MoecError(f"{self.source}: InsertGroupedExperts rewrites functions with a num_input attribute (model "
-                            "inputs first, then the weights), such as the entries InsertPagedKVAttention / "
-                            "InsertTieredKVAttention build; the module has none")
+        entries = num_input_entries(mod, "InsertGroupedExperts", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
         gvars: dict[tuple, relax.GlobalVar] = {}
         found = []
-        for gv, func in sorted(entries, key=lambda e: e[0].name_hint):
+        for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)
             matcher = _Matcher(func, int(func.attrs["num_input"]), form)
             matches = matcher.run()

@@ -65,3 +65,17 @@ class ModelZoo:
         return self.artifacts[key]
 
 
+def prefill_and_decode(artifact, prompts=((5, 6, 7, 8, 9, 10, 11), (12, 13, 14)), steps=3):
+    """Greedy prefill then ``steps`` decode steps of a compiled artifact: (stacked logits, token histories)."""
+    import moec
+
+    engine = moec.load(artifact)
+    seqs, logits = engine.prefill([list(p) for p in prompts])
+    out, histories = [logits], [list(p) for p in prompts]
+    for _ in range(steps):
+        nxt = logits.argmax(-1)
+        for h, t in zip(histories, nxt):
+            h.append(int(t))
+        logits = engine.decode(seqs, nxt)
+        out.append(logits)
+    return np.stack(out), histories

@@ -19,6 +19,7 @@ from moec.passes.fuse_router_norm import FuseRouterIntoNorm
 from moec.schedules.kernels.norm_router import NormRouterSpec, launch_config, make_norm_router, reference
 
 from moec_testing import ATOL, torch_last_logits
+from moec_testing import prefill_and_decode as _run
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -250,17 +251,6 @@ def test_refusals(zoo):
 # ---------------------------------------------------------------------------- compiled models
 
 
-def _run(artifact, prompts=((5, 6, 7, 8, 9, 10, 11), (12, 13, 14)), steps=3):
-    engine = moec.load(artifact)
-    seqs, logits = engine.prefill([list(p) for p in prompts])
-    out, histories = [logits], [list(p) for p in prompts]
-    for _ in range(steps):
-        nxt = logits.argmax(-1)
-        for h, t in zip(histories, nxt):
-            h.append(int(t))
-        logits = engine.decode(seqs, nxt)
-        out.append(logits)
-    return np.stack(out), histories
 
 
 def test_compiled_fused_equals_unfused(zoo, tmp_path):

@@ -17,6 +17,7 @@ from moec.passes.grouped_experts import InsertGroupedExperts
 from moec.passes.legalize_topk import legalize_topk
 
 from moec_testing import ATOL, torch_last_logits
+from moec_testing import prefill_and_decode as _run
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 E, K, D, I = 8, 2, 16, 12  # experts, top-k, hidden, expert width
@@ -144,17 +145,6 @@ def test_refusals(zoo):
 # ---------------------------------------------------------------------------- compiled models
 
 
-def _run(artifact, prompts=((5, 6, 7, 8, 9, 10, 11), (12, 13, 14)), steps=3):
-    engine = moec.load(artifact)
-    seqs, logits = engine.prefill([list(p) for p in prompts])
-    out, histories = [logits], [list(p) for p in prompts]
-    for _ in range(steps):
-        nxt = logits.argmax(-1)
-        for h, t in zip(histories, nxt):
-            h.append(int(t))
-        logits = engine.decode(seqs, nxt)
-        out.append(logits)
-    return np.stack(out), histories
 
 
 def test_compiled_with_equals_without(zoo, tmp_path):
