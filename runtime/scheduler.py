@@ -121,6 +121,9 @@ class Scheduler:
 
     def __init__(self, engine, prefill_chunk: int | None = None, max_batch: int | None = None,
                  max_queue: int | None = None) -> None:
+        if engine.lengths:
+            raise MoecError(f"the engine holds {len(engine.lengths)} sequences already: a scheduler needs an engine "
+                            "(or a cache) of its own")
         self.engine = engine
         self.prefill_chunk = min(prefill_chunk or engine.prefill_chunk, engine.prefill_chunk)
         self.max_batch = min(max_batch or engine.max_batch, engine.max_batch)
@@ -273,6 +276,9 @@ class Scheduler:
         """Admit, prefill one chunk, decode one token per running stream; returns the new ``(rid, token)``s."""
         events: list[tuple[Hashable, int]] = []
         self._admit()
+        if self.queue and not self.running:  # nothing runs that could free room for the head of the queue
+            raise MoecError(f"request {self.queue[0].rid!r} cannot be admitted although no stream runs: the engine "
+                            f"holds {len(self.engine.lengths)} sequences this scheduler does not own")
         decoding = [s for s in self.running if s.state == "decode"]  # streams prefilled below join next step
         self._prefill_step(events)
         if decoding:
