@@ -114,15 +114,25 @@ def cmd_inspect(args) -> int:
 
 def cmd_generate(args) -> int:
     from ..runtime.engine import load
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.scheduler import Request, Scheduler
 
     engine = load(args.artifact, device=args.device)
-    prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+    try:
+        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+        stop = [int(t) for t in args.stop_ids.split(",") if t.strip()] if args.stop_ids else []
+    except ValueError as exc:
+        raise MoecError(f"--prompt-ids / --stop-ids take comma-separated integers: {exc}") from None
+    sched = Scheduler(engine)
+    handles = [sched.submit(Request(p, args.max_new_tokens, stop, rid=i, sampling=SamplingParams(
+        args.temperature, args.top_k, args.top_p, None if args.seed is None else args.seed + i))) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    out = engine.generate(prompts, args.max_new_tokens)
+    for rid, token in sched.stream():  # tokens as they come: "<prompt index>\t<token>"
+        print(f"{rid}\t{token}", flush=True)
     dt = time.perf_counter() - t0
-    for p, o in zip(prompts, out):
-        print(json.dumps({"prompt": p, "generated": o}))
-    print(f"[moec] {sum(map(len, out))} tokens in {dt * 1e3:.1f} ms", file=sys.stderr)
+    for p, h in zip(prompts, handles):
+        print(json.dumps({"prompt": p, "generated": h.tokens, "finish_reason": h.finish_reason}))
+    print(f"[moec] {sum(len(h.tokens) for h in handles)} tokens in {dt * 1e3:.1f} ms", file=sys.stderr)
     return 0
 
 
@@ -299,10 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("generate", help="greedy generation from a compiled artifact")
+    p = sub.add_parser("generate", help="generate from a compiled artifact, streaming tokens (continuous batching)")
     p.add_argument("artifact")
     p.add_argument("--prompt-ids", nargs="+", required=True, help="one comma-separated list of token ids per prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--stop-ids", default=None, help="comma-separated token ids that end a stream")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this mass")
+    p.add_argument("--seed", type=int, default=None, help="prompt i samples with seed SEED + i (default: unseeded)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(func=cmd_generate)
 

@@ -192,3 +192,30 @@ def test_soak_short(arts, cache):
     assert res["rss_growth_mb"] < 32
     if cache == "tiered":
         assert res["reranks"] > 10
+
+
+def test_generate_cli_streams_tokens(arts, capsys):
+    """``moec generate``: tokens stream as "<prompt>\\t<token>" lines, then one JSON line per prompt;
+    greedy equals ``Engine.generate``, a seed makes sampling reproducible, a request over the cache exits 2."""
+    import json
+
+    from moec.compiler.cli import main
+
+    art = str(arts["fp32"])
+
+    def run(*extra):
+        code = main(["generate", art, "--prompt-ids", "1,2,3", "4,5", "--max-new-tokens", "5", *extra])
+        out = capsys.readouterr()
+        lines = out.out.splitlines()
+        streamed = [tuple(map(int, x.split("\t"))) for x in lines if "\t" in x]
+        final = [json.loads(x) for x in lines if x.startswith("{")]
+        for i, f in enumerate(final):
+            assert [t for r, t in streamed if r == i] == f["generated"]
+        return code, [f["generated"] for f in final], out.err
+
+    code, greedy, _ = run()
+    assert code == 0 and greedy == moec.load(art).generate([[1, 2, 3], [4, 5]], 5)
+    sampled = run("--temperature", "1.0", "--top-k", "40", "--seed", "3")[1]
+    assert sampled == run("--temperature", "1.0", "--top-k", "40", "--seed", "3")[1] != greedy
+    code, _, err = run("--max-new-tokens", "9000")
+    assert code == 2 and "request 0 refused" in err.strip().splitlines()[-1]
