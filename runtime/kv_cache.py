@@ -129,6 +129,9 @@ class TieredPageTables:
         self.tier1_fraction, self.sink, self.recent = tier1_fraction, sink, recent
         self.seqs: dict[int, SequencePages] = {}
         self._free_slots = list(range(max_sequences - 1, -1, -1))
+        # per slot: (t1 pages, t2 pages) as int32 arrays, rebuilt only after a page is added or a re-rank
+        # moves pages, so a decode step does no host work proportional to the context length
+        self._arrays: dict[int, tuple] = {}
 
     # ---------------------------------------------------------------- sequences
     def add_sequence(self) -> int:
@@ -143,6 +146,7 @@ class TieredPageTables:
         self.t1.release(seq.t1_pages, slot)
         self.t2.release(seq.t2_pages, slot)
         del self.seqs[slot]
+        self._arrays.pop(slot, None)
         self._free_slots.append(slot)
 
     def _get(self, slot: int) -> SequencePages:
@@ -168,7 +172,9 @@ class TieredPageTables:
         for slot, n in counts.items():
             seq = self.seqs[slot]
             added[slot] = self.t1.alloc(need[slot], slot)
-            seq.t1_pages += added[slot]
+            if added[slot]:
+                seq.t1_pages += added[slot]
+                self._arrays.pop(slot, None)
             seq.t1_len += n
             seq.length += n
         return added
@@ -201,6 +207,7 @@ class TieredPageTables:
         self.t1.release(freed, slot)
         seq.t1_pages = seq.t1_pages[:still]
         seq.t2_pages += new
+        self._arrays.pop(slot, None)
         seq.t1_len = keep
         return RerankPlan(slot, keep, demote, tuple(new), tuple(freed))
 
@@ -211,8 +218,18 @@ class TieredPageTables:
 
         seq = self._get(slot)
         idx = np.arange(seq.t1_len - n, seq.t1_len)
-        pages = np.asarray(seq.t1_pages, np.int32)
+        pages = self.page_arrays(slot)[0]
         return (pages[idx // self.t1_page] * self.t1_page + idx % self.t1_page).astype(np.int32)
+
+    def page_arrays(self, slot: int) -> tuple["np.ndarray", "np.ndarray"]:
+        """The tier-1 and tier-2 page ids of ``slot`` as int32 arrays (cached; do not modify them)."""
+        import numpy as np
+
+        a = self._arrays.get(slot)
+        if a is None:
+            seq = self._get(slot)
+            a = self._arrays[slot] = (np.asarray(seq.t1_pages, np.int32), np.asarray(seq.t2_pages, np.int32))
+        return a
 
     def tables(self, slots: list[int]) -> dict[str, "np.ndarray"]:
         """Dense page tables of ``slots`` for the kernels: t1_table/t2_table (padded with page 0),
@@ -220,13 +237,14 @@ class TieredPageTables:
         import numpy as np
 
         seqs = [self._get(s) for s in slots]
+        arrays = [self.page_arrays(s) for s in slots]
         m1 = max([len(q.t1_pages) for q in seqs] + [1])
         m2 = max([len(q.t2_pages) for q in seqs] + [1])
         t1 = np.zeros((len(seqs), m1), np.int32)
         t2 = np.zeros((len(seqs), m2), np.int32)
-        for i, q in enumerate(seqs):
-            t1[i, : len(q.t1_pages)] = q.t1_pages
-            t2[i, : len(q.t2_pages)] = q.t2_pages
+        for i, (a1, a2) in enumerate(arrays):
+            t1[i, : len(a1)] = a1
+            t2[i, : len(a2)] = a2
         return {"t1_table": t1, "t1_len": np.array([q.t1_len for q in seqs], np.int32), "t2_table": t2,
                 "t2_np": np.array([len(q.t2_pages) for q in seqs], np.int32),
                 "length": np.array([q.length for q in seqs], np.int32)}
@@ -246,6 +264,9 @@ class TieredPageTables:
                 raise MoecError(f"sequence {slot}: {len(seq.t1_pages)} tier-1 pages for {seq.t1_len} tokens")
             if seq.t1_len + len(seq.t2_pages) * self.t2_page != seq.length:
                 raise MoecError(f"sequence {slot}: tiers hold {seq.t1_len} + {len(seq.t2_pages)} pages, length {seq.length}")
+            if slot in self._arrays and (self._arrays[slot][0].tolist() != seq.t1_pages
+                                         or self._arrays[slot][1].tolist() != seq.t2_pages):
+                raise MoecError(f"sequence {slot}: cached page arrays disagree with its page tables")
         for pool, table in ((self.t1, seen), (self.t2, seen2)):
             if len(table) + pool.free != pool.num_pages or set(table) != set(pool.owner):
                 raise MoecError(f"{pool.name}: {len(table)} owned + {pool.free} free != {pool.num_pages} pages")

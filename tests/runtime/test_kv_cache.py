@@ -74,3 +74,61 @@ def test_rerank_keeps_the_budget_in_whole_tier2_pages():
     t.append({s2: 60})
     assert t.plan_rerank(s2).demote == 0 and t.seqs[s2].t1_len == 60
     t.check()
+
+
+def test_cached_page_arrays_equal_a_fresh_rebuild():
+    """``tables()`` reuses per-sequence page arrays: after random appends, re-ranks, joins and leaves
+    its tables equal ones rebuilt from the page lists (and ``append_slots`` agrees with them)."""
+    import numpy as np
+
+    from moec.runtime.kv_cache import CacheExhausted, TieredPageTables
+
+    def fresh(pt, slots):
+        seqs = [pt.seqs[s] for s in slots]
+        m1 = max([len(q.t1_pages) for q in seqs] + [1])
+        m2 = max([len(q.t2_pages) for q in seqs] + [1])
+        t1 = np.zeros((len(seqs), m1), np.int32)
+        t2 = np.zeros((len(seqs), m2), np.int32)
+        for i, q in enumerate(seqs):
+            t1[i, : len(q.t1_pages)] = q.t1_pages
+            t2[i, : len(q.t2_pages)] = q.t2_pages
+        return t1, t2
+
+    rng = np.random.default_rng(0)
+    pt = TieredPageTables(60, 40, 8, 16, max_sequences=6, tier1_fraction=0.2, sink=2, recent=6)
+    live, checked = [], 0
+    for step in range(600):
+        op = rng.random()
+        if op < 0.08 and len(live) < 6:
+            live.append(pt.add_sequence())
+        elif op < 0.12 and live:
+            pt.remove_sequence(live.pop(int(rng.integers(len(live)))))
+        elif live:
+            slots = [s for s in live if rng.random() < 0.7] or live[:1]
+            counts = {s: int(rng.integers(1, 20)) if rng.random() < 0.2 else 1 for s in slots}
+            try:
+                pt.append(counts)
+            except CacheExhausted:
+                pt.remove_sequence(live.pop(0))
+                continue
+            for s in slots:
+                pages = pt.seqs[s].t1_pages
+                idx = np.arange(pt.seqs[s].t1_len - counts[s], pt.seqs[s].t1_len)
+                want = [pages[i // 8] * 8 + i % 8 for i in idx]
+                assert pt.append_slots(s, counts[s]).tolist() == want
+            if step % 5 == 0:
+                for s in live:
+                    try:
+                        pt.plan_rerank(s)
+                    except CacheExhausted:
+                        pass
+        if live:
+            order = list(rng.permutation(live))
+            tab = pt.tables(order)
+            t1, t2 = fresh(pt, order)
+            np.testing.assert_array_equal(tab["t1_table"], t1)
+            np.testing.assert_array_equal(tab["t2_table"], t2)
+            assert tab["t2_np"].tolist() == [len(pt.seqs[s].t2_pages) for s in order]
+            checked += 1
+        pt.check()
+    assert checked > 400 and pt._arrays  # the cache was in use
