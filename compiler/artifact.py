@@ -66,6 +66,18 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
+def read_json_document(path: Path, fmt: str, kind: str, error: type[Exception] = ArtifactError,
+                       corrupt: str = "corrupt") -> dict:
+    """The JSON object in ``path`` whose ``format`` is ``fmt``; ``error`` naming the file otherwise."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: {corrupt} ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise error(f"{path}: unknown {kind} format {doc.get('format') if isinstance(doc, dict) else None!r}, expected {fmt}")
+    return doc
+
+
 def read_manifest(directory: str | Path, verify: bool = True) -> dict:
     directory = Path(directory)
     if not directory.is_dir():
@@ -73,12 +85,7 @@ def read_manifest(directory: str | Path, verify: bool = True) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{path}: missing; {directory} is not a moec artifact")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: corrupt manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: unknown artifact format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT}")
+    manifest = read_json_document(path, FORMAT, "artifact", corrupt="corrupt manifest")
     for key in ("files", "target", "model", "entry_functions", "tvm_version"):
         if key not in manifest:
             raise ArtifactError(f"{path}: manifest lacks {key!r}")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import atomic_directory, sha256_file
+from .artifact import atomic_directory, read_json_document, sha256_file
 from .errors import MoecError
 
 FORMAT = "moec-calibration/1"
@@ -407,7 +407,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
     records, model_info = (_record_torch if trained else _record_tvm)(model, windows, batch_size, progress, device)
     if not records:
         raise MoecError(f"{model}: no MoE router found to calibrate")
-    e, hidden = records[0].num_experts, records[0].rows.shape[1]
+    e = records[0].num_experts
     if any(r.num_experts != e for r in records):
         raise MoecError(f"{model}: MoE layers with different expert counts: calibrate supports one count")
     if groups is None:
@@ -557,13 +557,7 @@ def load_calibration(path: str | Path) -> Calibration:
         raise MoecError(f"{root}: no such calibration directory (make one with `moec calibrate`)")
     if not f.is_file():
         raise MoecError(f"{f}: missing; {root} is not a moec calibration (make one with `moec calibrate`)")
-    try:
-        meta = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MoecError(f"{f}: corrupt ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise MoecError(f"{f}: unknown calibration format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                        f"expected {FORMAT}")
+    meta = read_json_document(f, FORMAT, "calibration", error=MoecError)
     try:
         files, groupings, model = meta["files"], meta["groupings"], meta["model"]
         model["num_layers"], model["hidden_size"], model["moe_layers"]  # noqa: B018 - presence check

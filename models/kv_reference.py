@@ -151,7 +151,7 @@ class _LayerCache:
         self.maxp = torch.zeros((b, hkv, cap), **f64)  # largest probability of one query
         self.since = torch.zeros((b, hkv, cap), **f64)  # mass since the last re-rank
         self.len = 0
-        self.rot = self._t(orthogonal_rotation(dh)) if policy.rotate else None
+        self.rot = orthogonal_rotation(dh) if policy.rotate else None  # applied on the host, to demoted pages
 
     def _t(self, a) -> torch.Tensor:
         return torch.as_tensor(a, device=self.device)
@@ -255,7 +255,7 @@ class _LayerCache:
 
     def _roundtrip2(self, x: np.ndarray, side: str, quantize, axis: int) -> torch.Tensor:
         """2-bit round trip of pages ``x [P, T, Dh]``, in the rotated basis when the policy says so."""
-        rot = self.rot.cpu().numpy() if self.rot is not None and side in self.policy.rotate else None
+        rot = self.rot if side in self.policy.rotate else None
         y = q.nf2_dequantize(*quantize(x if rot is None else x @ rot), axis=axis)
         return self._t(y if rot is None else y @ rot.T)
 
