@@ -7,11 +7,13 @@ torch.compile), with achieved bandwidth on the active experts' weight bytes agai
 
 Shapes (bf16 weights and activations, float32 routing weights): OLMoE (E 64, top-8, d 2048, I 1024) and
 Mixtral (E 8, top-2, d 4096, I 14336); ``--small`` adds / runs only a small one (E 8, top-2, d 256, I 128).
-Decode batches of 1, 16 and 128 tokens with random top-k ids (distinct per token) and softmax weights.
+Decode batches of 1, 16, 64 and 128 tokens with random top-k ids (distinct per token) and softmax weights.
 One build per shape serves every batch (T dynamic). The TVM function ``experts(x, ids, rw, w1, w2)`` is
 the four kernels exactly as ``InsertGroupedExperts`` emits them (route_prep, gate_up + SwiGLU, down x
-routing weight, combine), lowered by phases 2-4 of the "moec" pipeline; ``experts_fp8`` the same with FP8
-e4m3 weights and per-output-channel scales (``--expert-weights fp8``; bandwidth on its own bytes, half).
+routing weight, combine), lowered by phases 2-4 of the "moec" pipeline: on CUDA gate_up and down run on
+tensor cores (mma.sync); ``experts_warp`` is the same with ``tensor_cores=False`` (the warp-per-row form);
+``experts_fp8`` the same with FP8 e4m3 weights and per-output-channel scales (``--expert-weights fp8``;
+bandwidth on its own bytes, half).
 
 Correctness: the TVM output against a float32 PyTorch reference of the same function (h rounded to bf16
 as the kernel stores it), relative to the output's scale. Timings: TVM through the VM's
@@ -34,18 +36,20 @@ import numpy as np
 
 SHAPES = {"olmoe": (64, 8, 2048, 1024), "mixtral": (8, 2, 4096, 14336)}  # E, K, D, I
 SMALL = {"small": (8, 2, 256, 128)}
-BATCHES = (1, 16, 128)
+BATCHES = (1, 16, 64, 128)
 DTYPE = "bfloat16"
 
 
-def _spec(e: int, k: int, d: int, i: int, w_format: str = "float"):
+def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores: bool = True):
     from moec.schedules.kernels.grouped_experts import GroupedExpertsSpec
 
     return GroupedExpertsSpec(hidden=d, inter=i, experts=e, top_k=k, x_dtype=DTYPE, w_dtype=DTYPE, h_dtype=DTYPE,
-                              rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64", w_format=w_format)
+                              rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64", w_format=w_format,
+                              tensor_cores=tensor_cores)
 
 
-FUNCS = {"experts": "float", "experts_fp8": "fp8"}  # function -> weight format
+# function -> (weight format, tensor cores): the default build, FP8 weights, and the warp-per-row form
+FUNCS = {"experts": ("float", True), "experts_fp8": ("fp8", True), "experts_warp": ("float", False)}
 
 
 def build_module(shape, kind: str):
@@ -58,8 +62,8 @@ def build_module(shape, kind: str):
 
     e, k, d, i = shape
     bb = relax.BlockBuilder()
-    for fname, fmt in FUNCS.items():
-        spec = _spec(*shape, w_format=fmt)
+    for fname, (fmt, tc) in FUNCS.items():
+        spec = _spec(*shape, w_format=fmt, tensor_cores=tc)
         gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fmt}")
               for n, make in KERNELS.items()}
         t = tvm.tirx.Var("t", "int64")
@@ -255,6 +259,13 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     vm.save_function("experts", "experts_timed", *args)
     res = vm.time_evaluator("experts_timed", dev, number=number, repeat=repeat)()
     ms = {"moec_grouped": float(np.median(np.asarray(res.results))) * 1e3}
+    # the warp-per-row form (no tensor cores) on the same inputs
+    out_w = torch.from_dlpack(vm["experts_warp"](*args)).float()
+    row["warp_form_max_rel_error_vs_fp32"] = float((out_w - ref).abs().max()) / scale
+    row["passed"] = row["passed"] and row["warp_form_max_rel_error_vs_fp32"] < 2e-2
+    vm.save_function("experts_warp", "experts_warp_timed", *args)
+    res = vm.time_evaluator("experts_warp_timed", dev, number=number, repeat=repeat)()
+    ms["moec_grouped_warp_form"] = float(np.median(np.asarray(res.results))) * 1e3
     # FP8 e4m3 weights: against the reference over the dequantized weights
     (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     import tvm

@@ -72,6 +72,7 @@ def compile(  # noqa: A001 - the public name users call
     grouped_experts: bool = True,
     expert_weights: str | None = None,
     tuning_db: str | Path | None = "auto",
+    dense_gemm: bool = True,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -120,6 +121,10 @@ def compile(  # noqa: A001 - the public name users call
         Storage of the grouped experts' weights: the model's dtype (default), bfloat16, or FP8 e4m3 with one
         float32 scale per output channel (half the bytes of bf16; weights quantized at compile time).
         Needs ``grouped_experts``.
+    dense_gemm : bool
+        Run the linear layers (matmuls against a transposed bf16/fp16 weight: attention projections, LM head)
+        as ``dense_gemm`` kernels (``moec.passes.dense_gemm``; tensor cores on CUDA) that read the weight in its
+        stored layout, instead of transposing it on every call. On by default.
     tuning_db : "auto" | "none" | str | Path
         MetaSchedule records from ``moec tune`` (``moec.schedules.database``): "auto" uses the target's
         default database (``~/.cache/moec/tuning/<target-key>/``) if it exists, a path that directory
@@ -144,6 +149,8 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"fuse_router_norm must be True or False, got {fuse_router_norm!r}")
     if not isinstance(grouped_experts, bool):
         raise MoecError(f"grouped_experts must be True or False, got {grouped_experts!r}")
+    if not isinstance(dense_gemm, bool):
+        raise MoecError(f"dense_gemm must be True or False, got {dense_gemm!r}")
     if expert_weights not in (None, "bf16", "fp8"):
         raise MoecError(f"expert weights must be bf16 or fp8, got {expert_weights!r}")
     if expert_weights is not None and not grouped_experts:
@@ -211,9 +218,14 @@ def compile(  # noqa: A001 - the public name users call
 
         grouped = InsertGroupedExperts(tgt, imported.source_name, expert_weights,
                                        dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None)
+    dense = None
+    if dense_gemm:
+        from ..passes.dense_gemm import InsertDenseGEMM
+
+        dense = InsertDenseGEMM(tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
-                                     phases=1 if _until_phase1 else 4)
+                                     phases=1 if _until_phase1 else 4, dense_gemm=dense)
     if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
         with tgt:
             return pipeline(imported.mod), pipeline.entries, tgt
@@ -256,7 +268,8 @@ def compile(  # noqa: A001 - the public name users call
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
-            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None) + ["LegalizeOps", "FuseOps",
+            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None)
+            + ["InsertDenseGEMM"] * (dense is not None) + ["LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"],
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
@@ -264,6 +277,7 @@ def compile(  # noqa: A001 - the public name users call
                         "cascade": cascade.manifest() if cascade is not None else None,
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
+                        "dense_gemm": dense.manifest() if dense is not None else None,
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},
             "schedules": pipeline.schedules.sources,

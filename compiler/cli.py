@@ -37,7 +37,8 @@ def cmd_compile(args) -> int:
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
-                 grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db)
+                 grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
+                 dense_gemm=args.dense_gemm)
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
         from .artifact import read_manifest
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-weights", choices=["bf16", "fp8"], default=None,
                    help="store the grouped experts' weights as bf16, or FP8 e4m3 with per-output-channel scales "
                         "(default: the model's dtype)")
+    p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
+                   help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
+                        "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")
     p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
                    help="MetaSchedule records from `moec tune`: auto (default) uses the target's database in the moec "
                         "cache if there is one; kernels without records keep the dlight rules")

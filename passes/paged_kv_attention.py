@@ -96,10 +96,10 @@ class _PagedKVAttentionRewriter(relax.PyExprMutator, EntryRewriter):
         q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
         k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
         v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
-        qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
         dtype = self.kv_dtype or dtype_of(var)
-        if dtype != dtype_of(var):
-            qkv = self._emit(relax.op.astype(qkv, dtype))
+        # q, k and v in the cache's dtype (an export may leave one of them in float32, e.g. after a q/k norm)
+        q, k, v = (t if dtype_of(t) == dtype else self._emit(relax.op.astype(t, dtype)) for t in (q, k, v))
+        qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
         out = self._emit(
             relax.call_dps_packed(
                 ATTN_FUNC,

@@ -86,7 +86,7 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
                   fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
-                  grouped_experts=None):
+                  grouped_experts=None, dense_gemm=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
@@ -99,7 +99,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
     matmul (the coarse one after cascade gating) with its RMSNorm in the entries.
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
-    computation of the entries with the grouped expert GEMM kernels.
+    computation of the entries with the grouped expert GEMM kernels, and ``dense_gemm`` (an
+    ``InsertDenseGEMM`` pass, or None) each linear layer against a transposed 16-bit weight with ``dense_gemm``.
     """
     dump = Path(debug_dump) if debug_dump else None
     if tiered is not None:
@@ -116,6 +117,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         SimplifyPower(),
         *([fuse_router_norm] if fuse_router_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
+        *([dense_gemm] if dense_gemm is not None else []),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),
         *([tuning.capture(entries)] if tuning is not None else []),

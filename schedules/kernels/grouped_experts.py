@@ -74,8 +74,12 @@ class GroupedExpertsSpec:
     w_format: str = "float"  # "float": W1, W2 of w_dtype; "fp8": e4m3 bytes (uint8) + float32 scales per output channel
     token_tile: int = 16  # TB: tokens of an expert per weight pass (CUDA form)
     warps: int = 4  # NW: warps per block of the GEMMs (CUDA form)
+    tensor_cores: bool = True  # CUDA: mma.sync forms of gate_up / down where ``mma_eligible`` (else the warp-per-row form)
+    n_tiles: int = 0  # NT: 8-token tiles of an expert per weight pass of the mma forms (0: from E and K, ``mma_tiles``)
 
     def check(self) -> None:
+        if not isinstance(self.n_tiles, int) or isinstance(self.n_tiles, bool) or not 0 <= self.n_tiles <= 8:
+            raise MoecError(f"grouped_experts: n_tiles must be an integer in 0..8, got {self.n_tiles!r}")
         for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
             v = getattr(self, what)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -114,12 +118,21 @@ def launch_config(spec: GroupedExpertsSpec) -> dict:
     cthreads = min(256, max(32, 32 * -(-(spec.hidden // cvec) // 32)))
     return {
         "route_prep": {"blocks": (1, 1), "threads": 32 * PREP_WARPS},
-        "gate_up": {"blocks": (-(-spec.inter // nw), spec.experts), "threads": 32 * nw, "vec": vec_gu,
-                    "iters": -(-spec.hidden // (32 * vec_gu)), "token_tile": spec.token_tile},
-        "down": {"blocks": (-(-spec.hidden // nw), spec.experts), "threads": 32 * nw, "vec": vec_dn,
-                 "iters": -(-spec.inter // (32 * vec_dn)), "token_tile": spec.token_tile},
+        "gate_up": _mma_launch(spec, "gate_up") if mma_eligible(spec, "gate_up") else {
+            "form": "warp per row", "blocks": (-(-spec.inter // nw), spec.experts), "threads": 32 * nw, "vec": vec_gu,
+            "iters": -(-spec.hidden // (32 * vec_gu)), "token_tile": spec.token_tile},
+        "down": _mma_launch(spec, "down") if mma_eligible(spec, "down") else {
+            "form": "warp per row", "blocks": (-(-spec.hidden // nw), spec.experts), "threads": 32 * nw, "vec": vec_dn,
+            "iters": -(-spec.inter // (32 * vec_dn)), "token_tile": spec.token_tile},
         "combine": {"blocks": ("T", 1), "threads": cthreads, "vec": cvec, "iters": -(-spec.hidden // (cthreads * cvec))},
     }
+
+
+def _warp_launch(spec: GroupedExpertsSpec) -> dict:
+    """``launch_config`` of the warp-per-row forms (the llvm forms and CUDA without tensor cores)."""
+    from dataclasses import replace
+
+    return launch_config(replace(spec, tensor_cores=False))
 
 
 def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
@@ -256,6 +269,221 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
     return moe_route_prep
 
 
+# ---------------------------------------------------------------------------- tensor-core (mma.sync) forms
+
+MMA_K = 64  # reduction elements a warp takes per step: 4 mma.sync m16n8k16, 16 contiguous elements per lane
+_MMA_TYPE = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def mma_eligible(spec: GroupedExpertsSpec, kernel: str) -> bool:
+    """Whether the CUDA ``kernel`` ("gate_up" or "down") of ``spec`` has an mma.sync form: 16-bit float
+    weights with activations of the same dtype, the reduction a multiple of 64 and the rows of 16."""
+    if not spec.tensor_cores or spec.w_format != "float" or spec.w_dtype not in _MMA_TYPE:
+        return False
+    act, rows, red = (spec.x_dtype, spec.inter, spec.hidden) if kernel == "gate_up" else (spec.h_dtype, spec.hidden, spec.inter)
+    return act == spec.w_dtype and red % MMA_K == 0 and rows % 16 == 0
+
+
+def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
+    """``(NT, RT of gate_up, RT of down)``: 8-token tiles per weight pass, 16-row tiles per warp.
+
+    NT (``spec.n_tiles``, or by default the power of two that covers twice the mean tokens per expert at
+    128 tokens, ``2 * 128 * K / E``: 4 for OLMoE, 8 for Mixtral) bounds how often an expert's weights are
+    streamed: once per NT * 8 of its tokens. RT trades registers against reuse of the token operand."""
+    nt = spec.n_tiles
+    if nt == 0:
+        want, nt = 2 * 128 * spec.top_k / spec.experts, 1
+        while nt < 8 and nt * 8 < want:
+            nt *= 2
+    return nt, (2 if nt <= 4 else 1), (2 if nt <= 4 else 1)
+
+
+def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
+    nt, rt_gu, rt_dn = mma_tiles(spec)
+    rt, rows, red = (rt_gu, spec.inter, spec.hidden) if kernel == "gate_up" else (rt_dn, spec.hidden, spec.inter)
+    per_block = spec.warps * rt * 16
+    return {"form": "mma.sync m16n8k16", "blocks": (-(-rows // per_block), spec.experts), "threads": 32 * spec.warps,
+            "row_tiles": rt, "n_tiles": nt, "tokens_per_pass": 8 * nt, "steps": red // MMA_K}
+
+
+def _mma(a, a_off, b, b_off, c, c_off, ab: str):
+    return T.ptx_legacy.mma("m16n8k16", "row", "col", ab, ab, "fp32", a.data, a_off, b.data, b_off, c.data, c_off, False,
+                            dtype="float32")
+
+
+def _make_gate_up_mma(spec: GroupedExpertsSpec):
+    """gate_up on tensor cores. Warp w of block (jb, e) owns RT tiles of 16 rows j of the gate and the up
+    halves; an expert's tokens go NT * 8 at a time (one weight pass each). Each k-step of 64 lane l
+    (g = l // 4, q = l % 4) loads 16 contiguous elements of rows j0 + g and j0 + g + 8 at 16 q (two 16-byte
+    loads; a row's 64 elements are one 128-byte line across its 4 lanes) and the same 16 of token g of each
+    tile; the four m16n8k16 of the step take them as k = 16 q + 4 s + (0..3) for step s (fragment positions
+    2q, 2q + 1, 2q + 8, 2q + 9), the same permutation of k for both operands, so the sum is unchanged.
+    Accumulators float32; SwiGLU in the epilogue where the gate and up results of a (row, token) meet in
+    one lane."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+    wshape, ei = _windex((E, 2 * I, D))
+    NT, RT, _ = mma_tiles(spec)
+    cfg = _mma_launch(spec, "gate_up")
+    NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+
+    def swiglu(gv, uv):
+        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+        T.func_attr(_attrs("moe_gate_up"))
+        N = T.int64()
+        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+        w = T.match_buffer(w_h, wshape, wdt)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for jb in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("gate_up"):
+                        T.reads()
+                        T.writes()
+                        wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][row g|g+8][16]
+                        af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][step][8]
+                        xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
+                        tok = T.sblock_alloc_buffer((NT,), "int32", scope="local")
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = jb * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                            nv: T.let[T.int32] = cnt - ps * TOK
+                            for n in T.unroll(NT):
+                                tok[n] = T.if_then_else(n * 8 + g < nv, order[T.min(lo + ps * TOK + n * 8 + g, lo + cnt - 1)] // K, -1)
+                            for i in T.unroll(RT * 8 * NT):
+                                acc[i] = T.float32(0)
+                            for kc in T.serial(KC):
+                                for r in T.unroll(RT):
+                                    if rb + r * 16 < I:
+                                        for hf in T.unroll(2):
+                                            for rh in T.unroll(2):
+                                                for c in T.unroll(2):
+                                                    for v in T.vectorized(8):
+                                                        wa[((r * 2 + hf) * 2 + rh) * 16 + c * 8 + v] = w[
+                                                            ei(e), g0 + hf * (u0 - g0) + rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
+                                for n in T.unroll(NT):
+                                    if n * 8 < nv:
+                                        for c in T.unroll(2):
+                                            if tok[n] >= 0:
+                                                for v in T.vectorized(8):
+                                                    xb[n * 16 + c * 8 + v] = x[tok[n], kc * 64 + q * 16 + c * 8 + v]
+                                            else:
+                                                for v in T.vectorized(8):
+                                                    xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                                for r in T.unroll(RT):
+                                    for hf in T.unroll(2):
+                                        for st in T.unroll(4):
+                                            for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
+                                                af[((r * 2 + hf) * 4 + st) * 8 + a] = wa[((r * 2 + hf) * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+                                for r in T.unroll(RT):
+                                    if rb + r * 16 < I:
+                                        for hf in T.unroll(2):
+                                            for n in T.unroll(NT):
+                                                if n * 8 < nv:
+                                                    for st in T.unroll(4):
+                                                        T.evaluate(_mma(af, ((r * 2 + hf) * 4 + st) * 8, xb, n * 16 + 4 * st, acc,
+                                                                        ((r * 2 + hf) * NT + n) * 4, ab))
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < I:
+                                    for n in T.unroll(NT):
+                                        for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
+                                            if n * 8 + 2 * q + c % 2 < nv:
+                                                h[lo + ps * TOK + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = swiglu(
+                                                    acc[((r * 2) * NT + n) * 4 + c], acc[((r * 2 + 1) * NT + n) * 4 + c])
+
+    return moe_gate_up
+
+
+def _make_down_mma(spec: GroupedExpertsSpec):
+    """down on tensor cores, as ``_make_gate_up_mma`` with the rows d of W2 and the SwiGLU rows h of the
+    expert's tokens (contiguous in expert order) as the token operand; the epilogue scales each slot's
+    row by its routing weight and writes it at the slot's place."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    wshape, ei = _windex((E, D, I))
+    NT, _, RT = mma_tiles(spec)
+    cfg = _mma_launch(spec, "down")
+    NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+
+    @T.prim_func(s_tir=True)
+    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+        T.func_attr(_attrs("moe_down"))
+        N = T.int64()
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        w = T.match_buffer(w_h, wshape, wdt)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+        y = T.match_buffer(y_h, (N * K, D), "float32")
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for db in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("down"):
+                        T.reads()
+                        T.writes()
+                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
+                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
+                        hb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = db * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                            nv: T.let[T.int32] = cnt - ps * TOK
+                            for i in T.unroll(RT * 4 * NT):
+                                acc[i] = T.float32(0)
+                            for kc in T.serial(KC):
+                                for r in T.unroll(RT):
+                                    if rb + r * 16 < D:
+                                        for rh in T.unroll(2):
+                                            for c in T.unroll(2):
+                                                for v in T.vectorized(8):
+                                                    wa[(r * 2 + rh) * 16 + c * 8 + v] = w[ei(e), rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
+                                for n in T.unroll(NT):
+                                    if n * 8 < nv:
+                                        for c in T.unroll(2):
+                                            if n * 8 + g < nv:
+                                                for v in T.vectorized(8):
+                                                    hb[n * 16 + c * 8 + v] = h[lo + ps * TOK + n * 8 + g, kc * 64 + q * 16 + c * 8 + v]
+                                            else:
+                                                for v in T.vectorized(8):
+                                                    hb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                                for r in T.unroll(RT):
+                                    for st in T.unroll(4):
+                                        for a in T.unroll(8):
+                                            af[(r * 4 + st) * 8 + a] = wa[(r * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+                                for r in T.unroll(RT):
+                                    if rb + r * 16 < D:
+                                        for n in T.unroll(NT):
+                                            if n * 8 < nv:
+                                                for st in T.unroll(4):
+                                                    T.evaluate(_mma(af, (r * 4 + st) * 8, hb, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < D:
+                                    for n in T.unroll(NT):
+                                        for c in T.unroll(4):
+                                            if n * 8 + 2 * q + c % 2 < nv:
+                                                y[order[lo + ps * TOK + n * 8 + 2 * q + c % 2], rb + r * 16 + g + 8 * (c // 2)] = (
+                                                    acc[(r * NT + n) * 4 + c] * _f32(rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
+                                                                                      order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
+
+    return moe_down
+
+
 # ---------------------------------------------------------------------------- gate_up (+ SwiGLU) and down
 
 
@@ -277,6 +505,8 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
 
     h in expert order; ``s1`` (FP8 weights only) the per-output-channel scales."""
     check_supported(spec, target)
+    if target == "cuda" and mma_eligible(spec, "gate_up"):
+        return _make_gate_up_mma(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
     fp8 = spec.w_format == "fp8"
@@ -306,7 +536,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                             acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[ei(e), u0 + j, d])
                         h[p, j] = swiglu(acc[0] * scale(s1, e, g0 + j), acc[1] * scale(s1, e, u0 + j))
 
-    cfg = launch_config(spec)["gate_up"]
+    cfg = _warp_launch(spec)["gate_up"]
     NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
     full = D % (32 * VEC) == 0
 
@@ -385,6 +615,8 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
 def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
     """``down(h [T * K, I], w2 [E, D, I], [s2 [E, D],] offsets, order, rw [T, K], y [T * K, D] float32)``: y per slot."""
     check_supported(spec, target)
+    if target == "cuda" and mma_eligible(spec, "down"):
+        return _make_down_mma(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     fp8 = spec.w_format == "fp8"
     wshape, ei = _windex((E, D, I))
@@ -407,7 +639,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                             acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[ei(e), d, c])
                         y[order[p], d] = acc[0] * scale(s2, e, d) * _f32(rw[order[p] // K, order[p] % K])
 
-    cfg = launch_config(spec)["down"]
+    cfg = _warp_launch(spec)["down"]
     NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
     full = I % (32 * VEC) == 0
 

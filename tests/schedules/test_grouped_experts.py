@@ -119,33 +119,65 @@ OLMOE = GroupedExpertsSpec(hidden=2048, inter=1024, experts=64, top_k=8, **{k: "
     "x_dtype", "w_dtype", "h_dtype", "rw_dtype", "out_dtype")})
 
 
+def _kernel_bodies(src):
+    """Each kernel's definition in the CUDA source, by name."""
+    starts = [(m.start(), m.group(2)) for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src)]
+    return {name: src[a:(starts[i + 1][0] if i + 1 < len(starts) else len(src))] for i, (a, name) in enumerate(starts)}
+
+
 def test_cuda_forms_build_for_sm90():
     from tvm.support import nvcc
 
     from moec.compiler.build import _cuda_modules
 
     cfg = launch_config(OLMOE)
-    assert cfg["gate_up"]["blocks"] == (256, 64) and cfg["gate_up"]["vec"] == 8 and cfg["gate_up"]["iters"] == 8
-    assert cfg["down"]["blocks"] == (512, 64) and cfg["down"]["iters"] == 4
+    # tensor cores: 4 warps x 2 row tiles of 16 rows per block, 32 tokens (4 tiles of 8) per weight pass, k steps of 64
+    assert cfg["gate_up"] == {"form": "mma.sync m16n8k16", "blocks": (8, 64), "threads": 128, "row_tiles": 2, "n_tiles": 4,
+                              "tokens_per_pass": 32, "steps": 32}
+    assert cfg["down"]["blocks"] == (16, 64) and cfg["down"]["steps"] == 16
     src = _cuda_modules(_build(OLMOE, "cuda").mod)[0].inspect_source("cuda")
     kernels = dict((n, int(b)) for b, n in re.findall(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src))
     assert kernels == {"moe_route_prep_kernel": 1024, "moe_gate_up_kernel": 128, "moe_down_kernel": 128, "moe_combine_kernel": 256}
-    def body(name):  # the kernel's definition: from its signature with a body to the next kernel
-        start = src.index("{", src.index(f"{name}(", src.index(f"{name}(") + 1) if src.count(f"{name}(") > 1 else src.index(f"{name}("))
-        end = src.find('extern "C"', start)
-        return src[start:end if end > 0 else len(src)]
-
+    bodies = _kernel_bodies(src)
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
-        b = body(name)
-        assert "uint4" in b and "__shfl_xor_sync" in b  # 16-byte weight loads, shuffle reductions
+        b = bodies[name]
+        assert "uint4" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b  # 16-byte loads, tensor cores
+    # 2 row tiles x (gate, up) x 4 token tiles x 4 k steps; down: 2 x 4 x 4 (unrolled, each guarded by its tile's tokens)
+    assert bodies["moe_gate_up_kernel"].count("mma.sync") == 64 and bodies["moe_down_kernel"].count("mma.sync") == 32
     assert "__ballot_sync" in src and "__popc" in src and "atomicAdd" not in src  # deterministic, no atomics
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 
 
+def test_cuda_warp_form_where_no_tensor_cores():
+    """float32 weights, FP8 weights, a reduction that is not a multiple of 64 or ``tensor_cores=False`` keep the
+    warp-per-row form (16-byte loads, shuffle reductions); Mixtral's shape takes 8 token tiles per pass."""
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels.grouped_experts import mma_eligible, mma_tiles
+
+    bf = {k: "bfloat16" for k in ("x_dtype", "w_dtype", "h_dtype", "rw_dtype", "out_dtype")}
+    assert mma_eligible(OLMOE, "gate_up") and mma_eligible(OLMOE, "down")
+    assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8), "gate_up")  # float32
+    assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **{**bf, "x_dtype": "float32"}), "gate_up")
+    assert not mma_eligible(GroupedExpertsSpec(2048 + 32, 1024, 64, 8, **bf), "gate_up")
+    assert mma_eligible(GroupedExpertsSpec(2048 + 32, 1024, 64, 8, **bf), "down")  # its reduction is I
+    assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, w_format="fp8"), "down")
+    assert mma_tiles(GroupedExpertsSpec(4096, 14336, 8, 2, **bf)) == (8, 1, 1)
+    assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf)) == (1, 2, 2)
+    with pytest.raises(MoecError, match="n_tiles"):
+        GroupedExpertsSpec(64, 32, 8, 2, n_tiles=9).check()
+    off = GroupedExpertsSpec(2048, 1024, 64, 8, **bf, tensor_cores=False)
+    assert launch_config(off)["gate_up"]["form"] == "warp per row" and launch_config(off)["gate_up"]["blocks"] == (256, 64)
+    src = _cuda_modules(_build(off, "cuda").mod)[0].inspect_source("cuda")
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        b = _kernel_bodies(src)[name]
+        assert "uint4" in b and "__shfl_xor_sync" in b and "mma.sync" not in b
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 37, 128])
-def test_cuda_matches_numpy_on_gpu(t):
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("t", [1, 37, 128, 300])
+def test_cuda_matches_numpy_on_gpu(t, tensor_cores):
     from moec.runtime.engine import _load_cuda_runtime
 
     try:
@@ -154,8 +186,9 @@ def test_cuda_matches_numpy_on_gpu(t):
         pytest.skip("no CUDA device")
     if not tvm.cuda(0).exist:
         pytest.skip("no CUDA device")
+    # 300 tokens: 75 slots per expert on average, two passes of 64 (the mma form's 8 tiles) for most experts
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
-        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32")
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", tensor_cores=tensor_cores)
     data = _data(spec, t, seed=t)
     _check(spec, _run(_build(spec, "cuda"), spec, *data, dev=tvm.cuda()), *data, tol=3e-2)
 
@@ -224,4 +257,4 @@ def test_int64_weight_indexing(monkeypatch):
     big = GroupedExpertsSpec(hidden=7168, inter=2048, experts=256, top_k=8, x_dtype="bfloat16", w_dtype="bfloat16",
                              h_dtype="bfloat16")
     src = _cuda_modules(tvm.compile(tvm.IRModule({"g": ge.make_gate_up(big, "cuda")}), target=make_target("cuda", "sm_90")).mod)[0]
-    assert "w_ptr + (((((((int64_t)((int)blockIdx.y)) * (int64_t)29360128)" in src.inspect_source("cuda")
+    assert "w_ptr + ((((((((int64_t)((int)blockIdx.y)) * (int64_t)29360128)" in src.inspect_source("cuda")

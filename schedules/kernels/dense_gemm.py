@@ -1,0 +1,191 @@
+"""Dense GEMM of a linear layer (TIR): ``y[M, N] = x[M, K] @ W[N, K]^T``, the weight stored [out, in].
+
+Legend: M tokens (dynamic), N output features, K input features. ``x`` and ``W`` of one 16-bit float dtype
+(bfloat16 or float16), products accumulated in float32, ``y`` stored in ``out_dtype`` (float32 as the
+imported graph's ``matmul(..., out_dtype="float32")``, or the activations' dtype).
+
+Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda", tensor cores (``mma.sync``
+m16n8k16, the same lane layout as ``grouped_experts``' mma forms): a grid of (token passes, row blocks).
+Block (p, b) computes tokens [p TOK, p TOK + TOK) (TOK = 8 NT) against rows [b R, b R + R) of W (R = NW
+warps x RT tiles of 16 rows). Each k-step of 64 lane l (g = l // 4, q = l % 4) loads 16 contiguous
+elements of rows r + g and r + g + 8 (two 16-byte loads; a row's 64 elements are one 128-byte line across
+its 4 lanes) and the same 16 of token g of each 8-token tile; the four mma of the step read them as
+k = 16 q + 4 s + (0..3), one permutation of k for both operands. The token pass is the grid's fastest
+axis, so the blocks that share a weight slice run together and all but the first read it from L2: at
+decode sizes (M <= TOK) the weight is streamed from HBM once per step. Nothing is padded: M is dynamic,
+token tiles past M are skipped (warp-uniform), rows past N are not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+try:
+    from tvm.script import tirx as T
+except ImportError:  # runtime-only TVM
+    T = None
+
+from ...compiler.errors import MoecError
+from .grouped_experts import _MMA_TYPE, MMA_K, _mma
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """One linear layer's shapes and dtypes (one kernel per distinct spec)."""
+
+    out_features: int  # N
+    in_features: int  # K
+    x_dtype: str = "bfloat16"
+    w_dtype: str = "bfloat16"
+    out_dtype: str = "float32"
+    warps: int = 4  # NW
+    row_tiles: int = 1  # RT: 16-row tiles per warp
+    n_tiles: int = 4  # NT: 8-token tiles per block
+
+    def check(self) -> None:
+        for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
+            v = getattr(self, what)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise MoecError(f"dense_gemm: {what} must be a positive integer, got {v!r}")
+        for what in ("x_dtype", "w_dtype", "out_dtype"):
+            if getattr(self, what) not in DTYPES:
+                raise MoecError(f"dense_gemm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
+        if self.n_tiles > 8 or self.row_tiles > 4:
+            raise MoecError(f"dense_gemm: at most 8 token tiles and 4 row tiles (registers), got {self.n_tiles}, {self.row_tiles}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def eligible(spec: DenseSpec) -> str | None:
+    """None if the kernel takes ``spec``, else why not (the tensor-core form's conditions, on every target)."""
+    if spec.w_dtype not in _MMA_TYPE:
+        return f"weight dtype {spec.w_dtype} (tensor cores take bfloat16 or float16)"
+    if spec.x_dtype != spec.w_dtype:
+        return f"activations {spec.x_dtype} and weight {spec.w_dtype} differ in dtype"
+    if spec.in_features % MMA_K:
+        return f"{spec.in_features} input features are not a multiple of {MMA_K}"
+    if spec.out_features % 16:
+        return f"{spec.out_features} output features are not a multiple of 16"
+    return None
+
+
+def launch_config(spec: DenseSpec) -> dict:
+    rows = spec.warps * spec.row_tiles * 16
+    return {"form": "mma.sync m16n8k16", "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
+            "threads": 32 * spec.warps, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
+            "steps": spec.in_features // MMA_K}
+
+
+def _attrs() -> dict:
+    return {"tirx.is_scheduled": True, "global_symbol": "dense_gemm", "tirx.noalias": True}
+
+
+def make_dense(spec: DenseSpec, target: str = "llvm"):
+    """``dense_gemm(x [M, K], w [N, K], y [M, N])``."""
+    spec.check()
+    why = eligible(spec)
+    if why is not None:
+        raise MoecError(f"dense_gemm: {why}")
+    if target not in ("llvm", "cuda"):
+        raise MoecError(f"dense_gemm: target must be 'llvm' or 'cuda', got {target!r}")
+    N, K = spec.out_features, spec.in_features
+    odt = spec.out_dtype
+
+    if target == "llvm":
+        @T.prim_func(s_tir=True)
+        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+            T.func_attr(_attrs())
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+            w = T.match_buffer(w_h, (N, K), spec.w_dtype)
+            y = T.match_buffer(y_h, (M, N), odt)
+            for m in T.serial(M):
+                for n in T.serial(N):
+                    with T.sblock("dense"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        acc[0] = T.float32(0)
+                        for k in T.serial(K):
+                            acc[0] = acc[0] + T.Cast("float32", x[m, k]) * T.Cast("float32", w[n, k])
+                        y[m, n] = T.Cast(odt, acc[0])
+
+        return dense_gemm
+
+    NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
+    TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
+    NBY = -(-N // ROWS)
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+
+    @T.prim_func(s_tir=True)
+    def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr(_attrs())
+        M = T.int64()
+        x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+        w = T.match_buffer(w_h, (N, K), wdt)
+        y = T.match_buffer(y_h, (M, N), odt)
+        for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
+            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("dense"):
+                        T.reads()
+                        T.writes()
+                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
+                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
+                        xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
+                        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
+                        nv: T.let[T.int32] = T.Cast("int32", M) - p0
+                        for i in T.unroll(RT * 4 * NT):
+                            acc[i] = T.float32(0)
+                        for kc in T.serial(KC):
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < N:
+                                    for rh in T.unroll(2):
+                                        for c in T.unroll(2):
+                                            for v in T.vectorized(8):
+                                                wa[(r * 2 + rh) * 16 + c * 8 + v] = w[rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
+                            for n in T.unroll(NT):
+                                if n * 8 < nv:
+                                    for c in T.unroll(2):
+                                        if n * 8 + g < nv:
+                                            for v in T.vectorized(8):
+                                                xb[n * 16 + c * 8 + v] = x[p0 + n * 8 + g, kc * 64 + q * 16 + c * 8 + v]
+                                        else:
+                                            for v in T.vectorized(8):
+                                                xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                            for r in T.unroll(RT):
+                                for st in T.unroll(4):
+                                    for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
+                                        af[(r * 4 + st) * 8 + a] = wa[(r * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < N:
+                                    for n in T.unroll(NT):
+                                        if n * 8 < nv:
+                                            for st in T.unroll(4):
+                                                T.evaluate(_mma(af, (r * 4 + st) * 8, xb, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                        for r in T.unroll(RT):
+                            if rb + r * 16 < N:
+                                for n in T.unroll(NT):
+                                    for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
+                                        if n * 8 + 2 * q + c % 2 < nv:
+                                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+
+    return dense_gemm
+
+
+def reference(x, w, out_dtype="float32"):
+    """NumPy: float32 products and sums of the 16-bit inputs, stored in ``out_dtype``."""
+    import numpy as np
+
+    return (np.asarray(x, np.float32) @ np.asarray(w, np.float32).T).astype(out_dtype)
+
+
+__all__ = ["DenseSpec", "eligible", "launch_config", "make_dense", "reference"]

@@ -1,0 +1,192 @@
+"""InsertDenseGEMM and its kernel: linear layers against a transposed 16-bit weight."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import moec
+from moec.compiler.errors import MoecError
+from moec.compiler.targets import make_target
+from moec.passes.dense_gemm import InsertDenseGEMM
+from moec.schedules.kernels.dense_gemm import DenseSpec, eligible, launch_config, make_dense, reference
+
+from moec_testing import prefill_and_decode as _run
+
+LLVM = make_target("llvm")
+BF16 = ml_dtypes.bfloat16
+
+
+# ---------------------------------------------------------------------------- kernel
+
+
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_kernel_matches_numpy(m, out_dtype):
+    spec = DenseSpec(out_features=48, in_features=128, out_dtype=out_dtype)
+    ex = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec)}), target=LLVM)
+    rng = np.random.default_rng(m)
+    x, w = rng.standard_normal((m, 128)).astype(BF16), rng.standard_normal((48, 128)).astype(BF16)
+    y = tvm.runtime.tensor(np.zeros((m, 48), BF16 if out_dtype == "bfloat16" else np.float32))
+    ex["dense_gemm"](tvm.runtime.tensor(x), tvm.runtime.tensor(w), y)
+    ref = reference(x, w, np.float32)
+    tol = 1e-5 if out_dtype == "float32" else 1e-2
+    np.testing.assert_allclose(y.numpy().astype(np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_eligibility_and_refusals():
+    assert eligible(DenseSpec(2048, 2048)) is None
+    assert "float32" in eligible(DenseSpec(2048, 2048, x_dtype="float32", w_dtype="float32"))
+    assert "differ" in eligible(DenseSpec(2048, 2048, x_dtype="float32"))
+    assert "multiple of 64" in eligible(DenseSpec(2048, 2000))
+    assert "multiple of 16" in eligible(DenseSpec(2040, 2048))
+    with pytest.raises(MoecError, match="multiple of 64"):
+        make_dense(DenseSpec(64, 96))
+    with pytest.raises(MoecError, match="at most 8 token tiles"):
+        make_dense(DenseSpec(64, 64, n_tiles=9))
+    with pytest.raises(MoecError, match="target must be"):
+        make_dense(DenseSpec(64, 64), "rocm")
+
+
+def test_cuda_form_tensor_cores_and_nvcc():
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = DenseSpec(out_features=50304, in_features=2048)  # an LM head: 786 blocks of 64 rows
+    cfg = launch_config(spec)
+    assert cfg["blocks"] == ("ceil(M / 32)", 786) and cfg["threads"] == 128 and cfg["steps"] == 32
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda")}),
+                                    target=make_target("cuda", "sm_90")).mod)[0].inspect_source("cuda")
+    assert set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", src)) == {"dense_gemm_kernel"}
+    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16  # 4 token tiles x 4 k steps
+    assert "uint4" in src  # 16-byte loads of both operands
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+# ---------------------------------------------------------------------------- pass: IR before / after
+
+
+def _entry(x_dtype="bfloat16", w_dtype="bfloat16", k=128, n=64, bmm=False):
+    """``main(x [s, K], w [N, K])``: a linear layer as torch.export writes it (or as a batched matmul)."""
+    bb = relax.BlockBuilder()
+    s = tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType((s, k), x_dtype))
+    w = relax.Var("w", relax.TensorType((n, k), w_dtype))
+    with bb.function("main", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(w, [1, 0]))
+            if bmm:
+                x3 = bb.emit(relax.op.broadcast_to(relax.op.expand_dims(x, 0), relax.ShapeExpr([1, s, k])))
+                wt = bb.emit(relax.op.broadcast_to(wt, relax.ShapeExpr([1, k, n])))
+                y = bb.emit(relax.op.matmul(x3, wt, out_dtype="float32"))
+            else:
+                y = bb.emit(relax.op.matmul(x, wt, out_dtype="float32"))
+            out = bb.emit_output(relax.op.astype(y, x_dtype))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ops(func):
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call):
+            found.append(e.op.name_hint if isinstance(e.op, relax.GlobalVar) else e.op.name)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
+@pytest.mark.parametrize("bmm", [False, True])
+def test_ir_before_after(bmm):
+    before = _entry(bmm=bmm)
+    assert "relax.permute_dims" in _ops(before["main"]) and "relax.matmul" in _ops(before["main"])
+    p = InsertDenseGEMM(LLVM)
+    after = relax.transform.DeadCodeElimination(["main"])(p(before))
+    ops = _ops(after["main"])
+    assert "relax.matmul" not in ops and "relax.permute_dims" not in ops and "relax.call_tir" in ops
+    assert p.manifest() == {"replaced": {"main": 1}, "skipped": {"main": []}, "kernels": ["dense_gemm"]}
+    prim = after["dense_gemm"]
+    assert int(prim.attrs["op_pattern"]) == 8
+    # the call reads the weight as stored [N, K] and writes [M, N] float32 (then the graph's own cast)
+    call = [b.value for blk in after["main"].body.blocks for b in blk.bindings
+            if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"][0]
+    assert call.args[1][1].same_as(after["main"].params[1])
+    assert str(call.ty.dtype) == "float32" and [int(d) if isinstance(d, tvm.tirx.IntImm) else None
+                                                  for d in call.ty.shape.values][1] == 64
+    # numerics of the rewritten function: against the matmul it replaced
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 128)).astype(BF16), rng.standard_normal((64, 128)).astype(BF16)
+    outs = []
+    for mod in (before, after):
+        vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+        outs.append(vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy().astype(np.float32))
+    np.testing.assert_allclose(outs[1].reshape(outs[0].shape), outs[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kw,why", [(dict(x_dtype="float32", w_dtype="float32"), "float32"),
+                                    (dict(x_dtype="float32"), "differ in dtype"),
+                                    (dict(k=96), "multiple of 64")])
+def test_ir_ineligible_stays(kw, why):
+    before = _entry(**kw)
+    p = InsertDenseGEMM(LLVM)
+    after = p(before)
+    assert "relax.matmul" in _ops(after["main"]) and "dense_gemm" not in [gv.name_hint for gv in after.get_global_vars()]
+    assert p.replaced == {"main": 0} and len(p.skipped["main"]) == 1 and why in p.skipped["main"][0]
+
+
+def test_refusals():
+    with pytest.raises(MoecError, match="tvm.target.Target"):
+        InsertDenseGEMM("llvm")
+    with pytest.raises(MoecError, match="num_input"):
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((2, 64), "bfloat16"))
+        with bb.function("main", [x]):
+            bb.emit_func_output(x)
+        InsertDenseGEMM(LLVM).transform_module(bb.get(), None)
+    with pytest.raises(MoecError, match="dense_gemm must be True or False"):
+        moec.compile("unused.pt2", "/nonexistent/out", dense_gemm="yes")
+
+
+# ---------------------------------------------------------------------------- compiled bf16 model
+
+
+@pytest.fixture(scope="module")
+def bf16_olmoe(tmp_path_factory):
+    """HF OLMoE (the benchmark's tiny shape) in bfloat16, exported with torch.export."""
+    from moec.compiler.serve_bench import build_hf
+    from moec.models.export import save_pt2
+
+    model = build_hf("tiny-olmoe", "bfloat16", "cpu")
+    path = tmp_path_factory.mktemp("dense") / "model.pt2"
+    save_pt2(model, model.config.vocab_size, path, max_seq=64)
+    return model, path
+
+
+def test_compiled_bf16_model_uses_dense_gemm(bf16_olmoe, tmp_path):
+    import torch
+
+    model, path = bf16_olmoe
+    on = moec.compile(path, tmp_path / "on", target="llvm")
+    off = moec.compile(path, tmp_path / "off", target="llvm", dense_gemm=False)
+    mon, moff = (json.loads((a / "manifest.json").read_text()) for a in (on, off))
+    # per layer q, k, v, o (2 layers) and the LM head, in both entries
+    assert mon["options"]["dense_gemm"]["replaced"] == {"decode": 9, "prefill": 9} and "InsertDenseGEMM" in mon["passes"]
+    assert moff["options"]["dense_gemm"] is None
+    assert any(v == "kernel:schedules/kernels/dense_gemm.py" for v in mon["schedules"].values())
+    (lon, hist), (loff, _) = _run(on), _run(off)
+    scale = np.abs(loff).max()
+    # the same float32 sums in another order; bf16 activations between layers may round the other way
+    assert np.abs(lon - loff).max() <= 0.02 * scale
+    with torch.no_grad():
+        ref = model.float()(input_ids=torch.tensor([hist[0]])).logits[0, -1].numpy()
+    model.to(torch.bfloat16)
+    assert np.abs(lon[-1][0] - ref).max() <= 0.05 * np.abs(ref).max()
