@@ -22,6 +22,9 @@ import numpy as np
 
 MODELS = ["tiny", "tiny-shared-grouped", "hf-olmoe", "hf-mixtral", "hf-qwen2_moe"]
 PT2_MODELS = ["tiny", "hf-olmoe"]  # also compiled from torch.export (.pt2); artifact dir "<name>.pt2"
+# bfloat16 HF OLMoE (the benchmark's tiny shape) from torch.export: tensor-core dense and grouped expert
+# GEMMs; artifact -> KV cache. bf16: logits within 5% of their scale of torch's bf16 forward; tiered: reported
+BF16_MODELS = {"olmoe-bf16": "bf16", "olmoe-bf16-tiered": "tiered"}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 1, 4, 1, 5]]
 STEPS = 8
 
@@ -29,6 +32,12 @@ STEPS = 8
 def make_model(name):
     from moec.models import build_reference, get_config
     from moec.models.hf import tiny_hf_model
+
+    if name in BF16_MODELS:
+        from moec.compiler.serve_bench import build_hf
+
+        m = build_hf("tiny-olmoe", "bfloat16", "cpu")
+        return m, m.config.vocab_size
 
     if name.startswith("hf-"):
         m = tiny_hf_model(name[3:])
@@ -53,6 +62,12 @@ def prepare(out: Path) -> None:
             save_pt2(model, vocab, pt2_path)
             moec.compile(pt2_path, out / f"{name}.pt2-artifact", target="cuda", arch="sm_90", progress=True)
             pt2_path.unlink()
+    for name, cache in BF16_MODELS.items():
+        model, vocab = make_model(name)
+        pt2_path = out / f"{name}.pt2"
+        save_pt2(model, vocab, pt2_path, max_seq=64)
+        moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True)
+        pt2_path.unlink()
 
 
 def run(art_root: Path, json_out: Path | None, commit: str) -> int:
@@ -64,6 +79,7 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
     results = []
     ok = True
     runs = [(name, name, "onnx") for name in MODELS] + [(name, f"{name}.pt2-artifact", "pt2") for name in PT2_MODELS]
+    runs += [(name, name, "pt2") for name in BF16_MODELS if (art_root / name).is_dir()]
     for name, art, source in runs:
         model, _ = make_model(name)
         model = model.to(dev)
@@ -80,11 +96,12 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
 
         seqs, logits = engine.prefill(PROMPTS)
         hist = [list(p) for p in PROMPTS]
-        max_err, agree, steps = 0.0, 0, 0
+        max_err, agree, steps, scale = 0.0, 0, 0, 0.0
         for step in range(STEPS + 1):
             for i, h in enumerate(hist):
                 r = ref(h)
                 max_err = max(max_err, float(np.abs(logits[i] - r).max()))
+                scale = max(scale, float(np.abs(r).max()))
                 agree += int(logits[i].argmax() == r.argmax())
                 steps += 1
             if step == STEPS:
@@ -93,10 +110,13 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
             for h, t in zip(hist, nxt):
                 h.append(int(t))
             logits = engine.decode(seqs, nxt)
-        passed = max_err < 1e-3 and agree == steps
+        if name in BF16_MODELS:
+            passed = BF16_MODELS[name] == "tiered" or max_err < 0.05 * scale  # tiered: quantized cache, reported only
+        else:
+            passed = max_err < 1e-3 and agree == steps
         ok &= passed
         results.append({"model": name, "source": source, "max_abs_logit_error": max_err, "greedy_agreement": f"{agree}/{steps}",
-                        "load_seconds": round(load_s, 3), "passed": passed})
+                        "logit_scale": scale, "load_seconds": round(load_s, 3), "passed": passed})
         print(json.dumps(results[-1]), flush=True)
     doc = {
         "benchmark": "e2e_cuda",
@@ -107,7 +127,8 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
         "tvm_runtime_only": os.environ.get("TVM_USE_RUNTIME_LIB") == "1",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "tolerance": "max abs logit error < 1e-3 (fp32), greedy argmax agreement at every step",
+        "tolerance": "max abs logit error < 1e-3 (fp32), greedy argmax agreement at every step; bf16 models: error < 5% of "
+                     "the logit scale (tiered: reported, not checked)",
         "prompts": PROMPTS,
         "decode_steps": STEPS,
         "results": results,

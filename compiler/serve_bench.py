@@ -12,7 +12,9 @@ context and the bandwidth floor. Systems:
 
   moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
                                                     moec with that KV cache (artifacts kept in --work)
-  hf-eager                                          HF forward with a StaticCache
+  hf-eager                                          HF forward with a StaticCache, HF's default experts
+                                                    implementation (grouped_mm where torch has it), the
+                                                    prefill in chunks of 512 positions
   hf-compile                                        the same forward under torch.compile (CUDA graphs
                                                     on the GPU: mode "reduce-overhead"), after warm-up
 
@@ -135,14 +137,15 @@ def _kv_elements(cfg) -> int:
 
 
 class _Moec:
-    def __init__(self, kind: str, model, source: Path, work: Path, device: str, max_streams: int, max_tokens: int) -> None:
+    def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int) -> None:
         import moec
 
         self.kind = kind
         cache = kind.split("-", 1)[1]
         art = work / f"art-{cache}-{device}"
         if not (art / "manifest.json").exists():
-            moec.compile(source, art, target="cuda" if device == "cuda" else "llvm", kv_cache=cache)
+            moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
+                         kv_cache=cache, progress=True)
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens)
         self.cfg = model.config
         self.cache = cache
@@ -185,10 +188,21 @@ class _Moec:
 
 
 class _HF:
+    """HF transformers as people run it: its default experts implementation (``grouped_mm`` where torch has
+    it), a StaticCache, prefill in chunks of positions with only the last token's logits."""
+
+    PREFILL_CHUNK = 512  # positions per prefill forward (all streams at once)
+
     def __init__(self, kind: str, model, device: str) -> None:
         import torch
 
         self.kind, self.model, self.device = kind, model, device
+        self.experts = "batched_mm"
+        try:  # the export needs batched_mm (gathered weights); the baseline runs HF's default
+            model.set_experts_implementation("grouped_mm")
+            self.experts = "grouped_mm"
+        except Exception:  # noqa: BLE001 - older transformers / torch without grouped_mm: keep batched_mm
+            pass
         self.forward = model.forward
         if kind == "hf-compile":
             self.forward = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else "default",
@@ -206,7 +220,10 @@ class _HF:
         with torch.no_grad():
             sync()
             t = time.perf_counter()
-            out = self.model(input_ids=ids, cache=cache, cache_position=torch.arange(n, device=self.device), use_cache=True)
+            for c0 in range(0, n, self.PREFILL_CHUNK):
+                c1 = min(n, c0 + self.PREFILL_CHUNK)
+                out = self.model(input_ids=ids[:, c0:c1], cache=cache, cache_position=torch.arange(c0, c1, device=self.device),
+                                 use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             sync()
             ttft = time.perf_counter() - t
@@ -249,20 +266,28 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
-    source = None
-    for name in systems:
+    imported = []
+
+    def source():  # exported and imported once, for every moec system whose artifact is not in --work yet
+        if not imported:
+            from ..models.export import save_pt2
+            from .importers import import_model
+
+            pt2 = work / "model.pt2"
+            if not pt2.exists():
+                save_pt2(model, model.config.vocab_size, pt2, max_seq=max(contexts) + 8)
+            imported.append(import_model(pt2))
+        return imported[0]
+
+    # HF first: its StaticCache is freed (torch) before moec's engines take the device memory
+    for name in sorted(systems, key=lambda s: not s.startswith("hf-")):
         runs = doc["systems"][name] = {"points": []}
         try:
             if name.startswith("moec-"):
-                if source is None:
-                    from ..models.export import save_pt2
-
-                    source = work / "model.pt2"
-                    if not source.exists():
-                        save_pt2(model, model.config.vocab_size, source, max_seq=max(contexts) + 8)
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * (max(contexts) + 32))
             else:
                 system = _HF(name, model, device)
+                runs["experts_implementation"] = system.experts
         except Exception as exc:  # noqa: BLE001 - a system that cannot be built is reported, the others run
             runs["error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -289,7 +314,11 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     print(f"[bench] {name} streams {s} context {c}: TPOT {point['tpot_ms_median']:.2f} ms "
                           f"(p99 {point['tpot_ms_p99']:.2f}, floor {point['floor_ms']:.2f}), TTFT {point['ttft_ms']:.1f} ms",
                           flush=True)
+        if name.startswith("hf-") and system.experts != "batched_mm":
+            model.set_experts_implementation("batched_mm")  # the form the moec export reads
         del system
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return doc
 
 

@@ -1,0 +1,150 @@
+"""Linear layers on the GPU: moec's dense_gemm (tensor cores, weight as stored [N, K]) against torch's
+``F.linear`` (cuBLAS), with achieved bandwidth on the weight bytes against a device copy.
+
+  python bench/dense_gemm.py prepare .devcarry/dg                        # here: sm_90 fatbins, no GPU
+  python3 bench/dense_gemm.py run .devcarry/dg --json OUT --commit SHA    # GPU machine, runtime-only TVM
+
+Shapes (bf16): the OLMoE-1B-7B attention projection (2048 x 2048) and LM head (50304 x 2048), Mixtral's
+projection (4096 x 4096) and LM head (32000 x 4096); tokens M of 1, 16, 64, 128 (decode batches) and 4096
+(a prefill chunk). Output float32, as the imported graphs' ``matmul(..., out_dtype="float32")``.
+Correctness: against float32 torch over the same bf16 inputs, relative to the output's scale. Timing:
+the VM's ``time_evaluator`` for TVM, CUDA events for torch; medians of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grouped_experts import _device_name, _torch_ms, copy_bandwidth  # noqa: E402
+
+SHAPES = {"olmoe_proj": (2048, 2048), "olmoe_lm_head": (50304, 2048), "mixtral_proj": (4096, 4096),
+          "mixtral_lm_head": (32000, 4096)}  # N, K
+TOKENS = (1, 16, 64, 128, 4096)
+
+
+def build_module(kind: str):
+    """``<shape>(x [M, K] bf16, w [N, K] bf16) -> y [M, N] float32`` per shape."""
+    import tvm
+    from tvm import relax
+
+    from moec.schedules.kernels.dense_gemm import DenseSpec, make_dense
+
+    bb = relax.BlockBuilder()
+    for name, (n, k) in SHAPES.items():
+        prim = make_dense(DenseSpec(out_features=n, in_features=k), kind).without_attr("global_symbol").with_attr("op_pattern", 8)
+        gv = bb.add_func(prim, f"dense_{name}")
+        m = tvm.tirx.Var("m", "int64")
+        x = relax.Var("x", relax.TensorType((m, k), "bfloat16"))
+        w = relax.Var("w", relax.TensorType((n, k), "bfloat16"))
+        with bb.function(name, [x, w]):
+            with bb.dataflow():
+                y = bb.emit_output(relax.call_tir(gv, [x, w], out_ty=relax.TensorType([m, n], "float32")))
+            bb.emit_func_output(y)
+    return bb.get()
+
+
+def compile_module(target):
+    import tvm
+
+    from moec.passes.pipeline import lowering_pipeline
+
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    return tvm.compile(build_module(kind), target=target, relax_pipeline=lowering_pipeline(target, list(SHAPES)))
+
+
+def prepare(out: Path) -> None:
+    from moec.compiler.artifact import atomic_directory
+    from moec.compiler.build import _compile_cuda_kernels
+    from moec.compiler.targets import make_target
+
+    target = make_target("cuda", "sm_90")
+    with atomic_directory(out) as tmp:
+        ex = compile_module(target)
+        kernels = _compile_cuda_kernels(ex, target, tmp, progress=True)
+        ex.export_library(str(tmp / "lib.so"))
+        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels}, indent=2))
+
+
+def _vm(root: Path, device: str):
+    import tvm
+    from tvm.runtime.vm import VirtualMachine
+
+    if device == "cpu":
+        return VirtualMachine(compile_module(tvm.target.Target({"kind": "llvm"})), tvm.cpu(0)), tvm.cpu(0)
+    from moec.runtime.engine import _load_cuda_runtime, _register_fatbins
+
+    _load_cuda_runtime()
+    _register_fatbins(root, json.loads((root / "index.json").read_text()))
+    return VirtualMachine(tvm.runtime.load_module(str(root / "lib.so")), tvm.cuda(0)), tvm.cuda(0)
+
+
+def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
+    import torch
+    import tvm
+    from torch.nn import functional as F
+
+    n, k = SHAPES[name]
+    g = torch.Generator().manual_seed(m)
+    tdev = "cuda" if device == "cuda" else "cpu"
+    x = torch.randn(m, k, generator=g).to(tdev, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(tdev, torch.bfloat16)
+    args = [tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(w)]
+    out = torch.from_dlpack(vm[name](*args))
+    ref = x.float() @ w.float().T
+    err = float((out - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
+    vm.save_function(name, f"{name}_timed", *args)
+    res = vm.time_evaluator(f"{name}_timed", dev, number=number, repeat=repeat)()
+    ms = {"moec_dense_gemm": float(np.median(np.asarray(res.results))) * 1e3,
+          "torch_linear": _torch_ms(lambda a, b: F.linear(a, b), (x, w), device, number, repeat)}
+    wbytes = n * k * 2
+    row = {"shape": name, "N": n, "K": k, "tokens": m, "max_rel_error_vs_fp32": err, "passed": err < 1e-2, "ms": ms,
+           "weight_bytes": wbytes, "GBps_weights": {s: wbytes / v / 1e6 for s, v in ms.items()},
+           "TFLOPs": {s: 2 * m * n * k / v / 1e9 for s, v in ms.items()}}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree the kernels were built from")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    if args.step == "prepare":
+        prepare(args.dir)
+        return 0
+    import torch
+
+    doc = {"benchmark": "dense_gemm", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
+           "python": platform.python_version(), "torch": torch.__version__,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": _device_name(args.device),
+           "timing": "ms per call; medians of repeats"}
+    doc["copy_GBps"] = copy_bandwidth(args.device)
+    vm, dev = _vm(args.dir, args.device)
+    number, repeat = (20, 5) if args.device == "cuda" else (1, 2)
+    doc["rows"] = []
+    for name in args.shapes.split(","):
+        for m in args.tokens:
+            r = run_point(vm, dev, name, m, args.device, number, repeat)
+            r["fraction_of_copy"] = {s: v / doc["copy_GBps"] for s, v in r["GBps_weights"].items()}
+            doc["rows"].append(r)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(doc, indent=2))
+    return 0 if all(r["passed"] for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
