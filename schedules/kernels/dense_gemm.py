@@ -136,6 +136,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                         wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
                         af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
                         xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
@@ -161,6 +162,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                                         else:
                                             for v in T.vectorized(8):
                                                 xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                            for i in T.unroll(NT * 16):  # the vector loads may type xb as uint4: mma reads a bf16 copy
+                                xf[i] = xb[i]
                             for r in T.unroll(RT):
                                 for st in T.unroll(4):
                                     for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
@@ -170,7 +173,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                                     for n in T.unroll(NT):
                                         if n * 8 < nv:
                                             for st in T.unroll(4):
-                                                T.evaluate(_mma(af, (r * 4 + st) * 8, xb, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                                                T.evaluate(_mma(af, (r * 4 + st) * 8, xf, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
                         for r in T.unroll(RT):
                             if rb + r * 16 < N:
                                 for n in T.unroll(NT):

@@ -349,6 +349,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                         wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][row g|g+8][16]
                         af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][step][8]
                         xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
                         tok = T.sblock_alloc_buffer((NT,), "int32", scope="local")
                         lane: T.let[T.int32] = tx % 32
@@ -381,6 +382,8 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                                             else:
                                                 for v in T.vectorized(8):
                                                     xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                                for i in T.unroll(NT * 16):  # the vector loads may type xb as uint4: mma reads a bf16 copy
+                                    xf[i] = xb[i]
                                 for r in T.unroll(RT):
                                     for hf in T.unroll(2):
                                         for st in T.unroll(4):
@@ -392,7 +395,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                                             for n in T.unroll(NT):
                                                 if n * 8 < nv:
                                                     for st in T.unroll(4):
-                                                        T.evaluate(_mma(af, ((r * 2 + hf) * 4 + st) * 8, xb, n * 16 + 4 * st, acc,
+                                                        T.evaluate(_mma(af, ((r * 2 + hf) * 4 + st) * 8, xf, n * 16 + 4 * st, acc,
                                                                         ((r * 2 + hf) * NT + n) * 4, ab))
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -435,6 +438,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                         wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
                         af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
                         hb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
@@ -462,6 +466,8 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                                             else:
                                                 for v in T.vectorized(8):
                                                     hb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
+                                for i in T.unroll(NT * 16):  # the vector loads may type hb as uint4: mma reads a bf16 copy
+                                    xf[i] = hb[i]
                                 for r in T.unroll(RT):
                                     for st in T.unroll(4):
                                         for a in T.unroll(8):
@@ -471,7 +477,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                                         for n in T.unroll(NT):
                                             if n * 8 < nv:
                                                 for st in T.unroll(4):
-                                                    T.evaluate(_mma(af, (r * 4 + st) * 8, hb, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                                                    T.evaluate(_mma(af, (r * 4 + st) * 8, xf, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
                             for r in T.unroll(RT):
                                 if rb + r * 16 < D:
                                     for n in T.unroll(NT):

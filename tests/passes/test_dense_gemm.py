@@ -67,6 +67,9 @@ def test_cuda_form_tensor_cores_and_nvcc():
     assert set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", src)) == {"dense_gemm_kernel"}
     assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16  # 4 token tiles x 4 k steps
     assert "uint4" in src  # 16-byte loads of both operands
+    # ... into 16-bit arrays: a uint4-typed operand array would scale mma's fragment offsets by 16 bytes
+    assert not re.search(r"uint4 \w+_ptr\[", src)
+    assert set(re.findall(r"\(unsigned \*\)\((\w+)_ptr \+", src)) == {"af", "xb"}
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 

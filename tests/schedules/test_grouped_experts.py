@@ -144,6 +144,8 @@ def test_cuda_forms_build_for_sm90():
         assert "uint4" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b  # 16-byte loads, tensor cores
     # 2 row tiles x (gate, up) x 4 token tiles x 4 k steps; down: 2 x 4 x 4 (unrolled, each guarded by its tile's tokens)
     assert bodies["moe_gate_up_kernel"].count("mma.sync") == 64 and bodies["moe_down_kernel"].count("mma.sync") == 32
+    # the operands mma reads are 16-bit arrays (a uint4-typed array would scale the fragment offsets by 16 bytes)
+    assert not re.search(r"uint4 \w+_ptr\[", src) and re.findall(r"\(unsigned \*\)\((\w+)_ptr \+", src)
     assert "__ballot_sync" in src and "__popc" in src and "atomicAdd" not in src  # deterministic, no atomics
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
