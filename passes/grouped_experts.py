@@ -16,13 +16,46 @@ experts, torch.export and ONNX)::
     y    = squeeze(matmul(take(W2, idx), expand_dims(h, -1)))                # S, D    W2 [E, D, I] weight
     out  = sum(reshape(y * reshape(rw, [S, 1]), [T, K, D]), axis=1)         # T, D    rw [T, K]
 
+with float casts (``astype``) allowed between these steps, as reduced-precision exports write them. The
+torch.export of HF OLMoE in bfloat16 (TVM's importer gives every matmul a float32 result) reads::
+
+    gu  = squeeze(matmul(take(W1, idx), xs[.., None], out_dtype=float32))     # float32, not rounded
+    g, u = split(gu)                                                          # float32
+    a   = astype(g, float32);  act = astype(astype(a * sigmoid(a), bfloat16), float32)   # silu(g) rounded
+    h   = act * u                                                             # float32
+    y   = squeeze(matmul(astype(take(W2, idx), float32), expand_dims(h, -1))) # float32
+    out = sum(reshape(y * astype(reshape(astype(rw, bfloat16), [S, 1]), float32), [T, K, D]), axis=1)
+
+A cast that widens (bfloat16/float16 -> float32, or to its own dtype) is exact; one that narrows rounds.
+How the kernels treat each rounding of the graph:
+
+  * gathered weights: only widening casts (the kernels read the weights in their dtype, as float32);
+  * routing weights: the kernels read the tensor after the last narrowing cast (rw above: bfloat16), so
+    its rounding is kept exactly;
+  * h: stored in ``h_dtype``, the one narrow dtype h is held in between the product and the down
+    projection (float32 if none; two different narrow dtypes on the way are not matched), so a rounding of
+    h is kept exactly;
+  * anywhere else (gu or its halves, silu(g) or its input, y, the weighted slots) the graph rounds and the
+    kernels do not: they compute gate/up, silu(g) * u, the down projection, the routing weight product and
+    the sum over slots in float32. ``rounding`` (and the manifest) lists each such narrowing cast per entry;
+    it does not list ops that the graph computes in a narrow dtype (a bfloat16 matmul result, as other
+    exports write it), which the kernels compute in float32 as well.
+
+In the bfloat16 OLMoE form above the one such rounding is silu(g): the graph rounds it to bfloat16 (a
+relative error of at most 2^-8 per element) before the product, the kernels keep it in float32. The
+compiled unfused graph keeps that round trip on CUDA (its fused SwiGLU kernel casts to ``nv_bfloat16`` and
+back) but not on llvm (there TVM's BF16ComputeLegalize keeps a kernel's bfloat16 intermediates in
+float32), so builds with and without this pass agree to float32 rounding on llvm and differ by that
+rounding on CUDA.
+
 Guarantees after: each match is four ``call_tir`` of ``schedules.kernels.grouped_experts`` (llvm or
 CUDA form by target): ``route_prep(ids) -> (offsets, order)``, ``gate_up(x, W1, offsets, order) -> h``,
 ``down(h, W2, offsets, order, rw) -> y`` (per slot, float32) and ``combine(y, ids) -> out``; every user
 of ``out`` reads the last. The gathered bindings are left dead for the dead-code elimination after
 phase 1. Each active expert's weights are read once for all of its tokens instead of once per
-(token, slot). Results equal the unfused graph's up to float rounding (float32 accumulation). An MoE
-layer whose experts take another form stays unchanged, and ``skipped`` says why.
+(token, slot). Results equal the unfused graph's up to float rounding (float32 accumulation, and the
+roundings of the graph the kernels do not make, listed above). An MoE layer whose experts take another
+form stays unchanged, and ``skipped`` says why.
 """
 
 from __future__ import annotations
@@ -40,6 +73,23 @@ from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, che
 _OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
+_FLOATS = frozenset({"float32", "float16", "bfloat16"})
+
+
+def _exact_in(dtype: str) -> set:
+    """The float dtypes that hold every value of ``dtype`` exactly."""
+    return {dtype, "float32"}
+
+
+def _roundings(chain: list[str]) -> tuple[list[str], set]:
+    """The narrowing casts along a chain of float dtypes (the first the source's): the dtypes the value is
+    rounded to, in order, and the dtypes that hold the result exactly."""
+    exact, rounded = _exact_in(chain[0]), []
+    for dt in chain[1:]:
+        if dt not in exact:
+            rounded.append(dt)
+            exact = _exact_in(dt)
+    return rounded, exact
 
 
 @dataclass
@@ -53,6 +103,7 @@ class _Match:
     spec: GroupedExpertsSpec
     where: str
     down: relax.Var  # the down projection's matmul
+    rounding: list[str]  # roundings of the graph that the kernels do not make (they keep float32)
 
 
 class _Skip(Exception):
@@ -93,13 +144,51 @@ class _Matcher:
             raise _Skip(f"{what}: expected one {op or 'user'}, found {[self.g.op(u) or type(self.g.value[u]).__name__ for u in us]}")
         return us[0]
 
+    def float_cast(self, v):
+        """The source of ``v`` if it is a float-to-float astype, else None."""
+        g = self.g
+        if g.op(v) != "relax.astype":
+            return None
+        src = self.alias(g.call(v).args[0])
+        if dtype_of(src) in _FLOATS and dtype_of(v) in _FLOATS:
+            return src
+        return None
+
+    def uncast(self, v):
+        """``(source, dtypes)``: ``v`` followed back through float casts; dtypes from the source's to ``v``'s."""
+        v = self.alias(v)
+        chain = [dtype_of(v)]
+        while (src := self.float_cast(v)) is not None:
+            v = src
+            chain.append(dtype_of(v))
+        return v, chain[::-1]
+
+    def casts_down(self, var):
+        """``(last, dtypes)``: ``var`` followed forward through its only users while they are float casts."""
+        chain = [dtype_of(var)]
+        while True:
+            us = self.users(var)
+            if len(us) != 1 or self.float_cast(us[0]) is None:
+                return var, chain
+            var = us[0]
+            chain.append(dtype_of(var))
+
+    def note(self, rounding: list, chain: list[str], what: str) -> None:
+        """Record where the graph rounds (a narrowing cast along ``chain``) and the kernels do not."""
+        for dt in _roundings(chain)[0]:
+            rounding.append(f"{what} rounded to {dt}")
+
     def weight(self, expr):
         expr = self.alias(expr)
         return expr if expr in self.g.weight_set else None
 
     def gathered(self, expr):
-        """``(W, idx)`` if ``expr`` is take(W, idx, axis=0) or gather_nd(W, idx [S, 1]) of a rank-3 weight."""
-        g, v = self.g, self.alias(expr)
+        """``(W, idx)`` if ``expr`` is take(W, idx, axis=0) or gather_nd(W, idx [S, 1]) of a rank-3 weight,
+        possibly cast to a dtype that holds W's values exactly (bf16 -> float32)."""
+        g = self.g
+        v, chain = self.uncast(expr)
+        if _roundings(chain)[0]:
+            return None
         op, call = g.op(v), g.call(v)
         if op == "relax.take" and int(call.attrs.axis) == 0:
             w = self.weight(call.args[0])
@@ -170,6 +259,31 @@ class _Matcher:
                 return b
         return None
 
+    def downstream(self, var, depth: int) -> list:
+        """The bindings that read ``var`` within ``depth`` steps (breadth first, each once)."""
+        seen, frontier, out = {var}, [var], []
+        for _ in range(depth):
+            nxt = []
+            for v in frontier:
+                for u in self.users(v):
+                    if u not in seen:
+                        seen.add(u)
+                        nxt.append(u)
+                        out.append(u)
+            frontier = nxt
+        return out
+
+    def routing_weights(self, col):
+        """The tensor behind the [S, 1] routing weight column: through order-keeping layout ops and
+        widening casts, up to the last narrowing cast (the kernels read its result, so its rounding stays)."""
+        g, e = self.g, self.alias(col)
+        while True:
+            e = self.alias(g.strip(e, _ORDER_KEEPING))
+            src = self.float_cast(e)
+            if src is None or _roundings([dtype_of(src), dtype_of(e)])[0]:
+                return e
+            e = src
+
     # ------------------------------------------------------------ one candidate
     def match(self, m1) -> _Match:
         g = self.g
@@ -191,8 +305,11 @@ class _Matcher:
         x = self.hidden_of(xcol, t, k, d)
         if x is None:
             raise _Skip(f"{where}: its input is not the hidden state [T, D] broadcast over the K slots")
+        rounding: list[str] = []
         sq = self.only_user(m1, "relax.squeeze", where)
-        sp = self.only_user(sq, "relax.split", where)
+        sqc, chain = self.casts_down(sq)
+        self.note(rounding, chain, "gate/up output")
+        sp = self.only_user(sqc, "relax.split", where)
         halves = {}
         for u in self.users(sp):
             item = g.value[u]
@@ -201,21 +318,49 @@ class _Matcher:
             halves[item.index] = u
         if set(halves) != {0, 1} or len(sp.ty.fields) != 2 or any(shape_of(v)[-1] != i for v in halves.values()):
             raise _Skip(f"{where}: the gate/up output is not split into two halves of {i}")
-        # h = silu(gate) * up
+        # h = silu(gate) * up, with float casts anywhere on the way
         prod = None
         for gate_idx in (0, 1):
-            for u in self.users(halves[gate_idx]):
-                for u2 in self.users(u) + [u]:
-                    if g.op(u2) == "relax.multiply" and self.silu_of(u2) is None:
-                        a, b = (self.alias(v) for v in g.call(u2).args)
-                        for s_, o_ in ((a, b), (b, a)):
-                            if o_.same_as(halves[1 - gate_idx]) and self.silu_of(s_) is not None and self.silu_of(s_).same_as(halves[gate_idx]):
-                                prod, gate_first = u2, gate_idx == 0
+            for u2 in self.downstream(halves[gate_idx], 6):
+                if g.op(u2) != "relax.multiply" or self.silu_of(u2) is not None:
+                    continue
+                a, b = g.call(u2).args
+                for s_, o_ in ((a, b), (b, a)):
+                    up, up_chain = self.uncast(o_)
+                    act, act_chain = self.uncast(s_)
+                    if not up.same_as(halves[1 - gate_idx]) or self.silu_of(act) is None:
+                        continue
+                    gate, gate_chain = self.uncast(self.silu_of(act))
+                    if gate.same_as(halves[gate_idx]):
+                        prod, gate_first = u2, gate_idx == 0
+                        chains = (("gate half", gate_chain), ("silu(gate)", act_chain), ("up half", up_chain))
         if prod is None:
             raise _Skip(f"{where}: no silu(gate) * up over the two halves")
-        h3 = self.only_user(prod, "relax.expand_dims", where)
-        m2 = self.only_user(h3, "relax.matmul", where)
-        if not self.alias(g.call(m2).args[1]).same_as(h3):
+        for what, chain in chains:
+            self.note(rounding, chain, what)
+        # h: float casts and one expand_dims(-1) on the way to the down projection's right operand
+        hv, h_chain, h3 = prod, ["float32", dtype_of(prod)], None  # the product as if computed in float32
+        while True:
+            us = self.users(hv)
+            nxt = us[0] if len(us) == 1 else None
+            if nxt is not None and self.float_cast(nxt) is not None:
+                h_chain.append(dtype_of(nxt))
+            elif nxt is not None and h3 is None and g.op(nxt) == "relax.expand_dims":
+                if [int(a) for a in g.call(nxt).attrs.axis] not in ([-1], [2]):
+                    raise _Skip(f"{where}: h is not expanded to a column [S, I, 1]")
+                h3 = nxt
+            else:
+                break
+            hv = nxt
+        if h3 is None:
+            self.only_user(prod, "relax.expand_dims", where)  # raises, naming what reads h instead
+            raise _Skip(f"{where}: h does not reach the down projection as a column [S, I, 1]")
+        h_round, h_exact = _roundings(h_chain)
+        if len(set(h_round)) > 1:
+            raise _Skip(f"{where}: h is rounded to {' then '.join(h_round)} on its way to the down projection")
+        h_dtype = min(h_exact - {"float32"}, default="float32")
+        m2 = self.only_user(hv, "relax.matmul", where)
+        if not self.alias(g.call(m2).args[1]).same_as(hv):
             raise _Skip(f"{where}: the down projection does not read h as its right operand")
         gd = self.gathered(g.call(m2).args[0])
         if gd is None:
@@ -227,25 +372,31 @@ class _Matcher:
         if ids2 is None or not ids2.same_as(ids):
             raise _Skip(f"{where}: gate/up and down gather by different indices")
         sq2 = self.only_user(m2, "relax.squeeze", where)
-        mul = self.only_user(sq2, "relax.multiply", where)
+        sq2c, chain = self.casts_down(sq2)
+        self.note(rounding, chain, "down output")
+        mul = self.only_user(sq2c, "relax.multiply", where)
         a, b = (self.alias(v) for v in g.call(mul).args)
-        rwc = b if a.same_as(sq2) else a
+        rwc = b if a.same_as(sq2c) else a
         rs = shape_of(rwc)
         if rs is None or len(rs) != 2 or rs[1] != 1:
             raise _Skip(f"{where}: the routing weight is not a [S, 1] column")
-        rw = self.alias(g.strip(rwc, _ORDER_KEEPING))
+        rw = self.routing_weights(rwc)
         if shape_of(rw) is None or len(shape_of(rw)) != 2 or not (_eq(shape_of(rw)[0], t) and shape_of(rw)[1] == k):
             # the weights may be reshaped from [T, K] to [S] and then to [S, 1]: strip gave the [T, K] tensor
             raise _Skip(f"{where}: the routing weights do not come from a [T, K] tensor")
-        r3 = self.only_user(mul, "relax.reshape", where)
+        mulc, chain = self.casts_down(mul)
+        self.note(rounding, chain, "weighted slots")
+        r3 = self.only_user(mulc, "relax.reshape", where)
         if not (len(shape_of(r3)) == 3 and _eq(shape_of(r3)[0], t) and shape_of(r3)[1:] == (k, d)):
             raise _Skip(f"{where}: the weighted slots are not reshaped to [T, K, D]")
-        out = self.only_user(r3, "relax.sum", where)
+        r3c, chain = self.casts_down(r3)
+        self.note(rounding, chain, "weighted slots")
+        out = self.only_user(r3c, "relax.sum", where)
         sc = g.call(out)
         if [int(a) for a in sc.attrs.axis] not in ([1], [-2]) or bool(sc.attrs.keepdims):
             raise _Skip(f"{where}: the slots are not summed over axis 1")
         spec = GroupedExpertsSpec(hidden=int(d), inter=int(i), experts=int(e), top_k=int(k), x_dtype=dtype_of(x),
-                                  w_dtype=dtype_of(w1), h_dtype=dtype_of(prod), rw_dtype=dtype_of(rw),
+                                  w_dtype=dtype_of(w1), h_dtype=h_dtype, rw_dtype=dtype_of(rw),
                                   out_dtype=dtype_of(out), ids_dtype=dtype_of(ids), gate_first=gate_first)
         if dtype_of(w2) != dtype_of(w1):
             raise _Skip(f"{where}: gate/up ({dtype_of(w1)}) and down ({dtype_of(w2)}) weights differ in dtype")
@@ -253,7 +404,8 @@ class _Matcher:
             check_supported(spec, self.form)
         except MoecError as exc:
             raise _Skip(f"{where}: {exc}") from None
-        return _Match(out=out, x=x, ids=ids, rw=rw, w1=w1, w2=w2, spec=spec, where=where, down=m2)
+        return _Match(out=out, x=x, ids=ids, rw=rw, w1=w1, w2=w2, spec=spec, where=where, down=m2,
+                      rounding=[f"{where}: {r} by the graph, kept in float32 by the kernels" for r in rounding])
 
     def run(self) -> list[_Match]:
         g = self.g
@@ -355,6 +507,7 @@ class InsertGroupedExperts:
         self._arrays: dict[str, object] = {}  # converted arrays by (new) weight name
         self.replaced: dict[str, int] = {}
         self.skipped: dict[str, list[str]] = {}
+        self.rounding: dict[str, list[str]] = {}  # per entry: roundings of the graph the kernels do not make
         self.kernels: dict[tuple, str] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -368,6 +521,7 @@ class InsertGroupedExperts:
             matches = matcher.run()
             self.replaced[gv.name_hint] = len(matches)
             self.skipped[gv.name_hint] = matcher.skipped
+            self.rounding[gv.name_hint] = [r for m in matches for r in m.rounding]
             found.append((gv, func, matches))
         convert = self._plan_conversion(found) if self.expert_weights is not None else []
         out = mod
@@ -464,11 +618,13 @@ class InsertGroupedExperts:
         return out_names, out
 
     def manifest(self) -> dict:
-        """Expert layers replaced per entry, the kernels (one set per distinct spec), and what was skipped."""
+        """Expert layers replaced per entry, the kernels (one set per distinct spec), what was skipped, and
+        where the graph rounds what the kernels keep in float32."""
         kernels = []
         for spec in dict.fromkeys(s for s, _ in self.kernels):
             kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
         return {"replaced": dict(self.replaced), "kernels": kernels, "skipped": {k: v for k, v in self.skipped.items() if v},
+                "rounding": {k: v for k, v in self.rounding.items() if v},
                 "expert_weights": self.expert_weights, "converted": dict(self.converted)}
 
 
