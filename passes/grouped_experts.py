@@ -48,6 +48,12 @@ back) but not on llvm (there TVM's BF16ComputeLegalize keeps a kernel's bfloat16
 float32), so builds with and without this pass agree to float32 rounding on llvm and differ by that
 rounding on CUDA.
 
+On CUDA, with 16-bit weights and activations of their dtype, the kernels add one rounding where the
+graph keeps float32 h (as this form does): h is stored in the weights' dtype, the operand type of the
+tensor-core down projection (``schedules.kernels.grouped_experts.mma_eligible``), a relative error of at
+most 2^-8 per element, the rounding the model's own bfloat16 forward makes (its SwiGLU output is a bfloat16
+tensor). ``rounding`` lists it too.
+
 Guarantees after: each match is four ``call_tir`` of ``schedules.kernels.grouped_experts`` (llvm or
 CUDA form by target): ``route_prep(ids) -> (offsets, order)``, ``gate_up(x, W1, offsets, order) -> h``,
 ``down(h, W2, offsets, order, rw) -> y`` (per slot, float32) and ``combine(y, ids) -> out``; every user
@@ -68,7 +74,7 @@ from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
 from ..compiler.graph import DataflowGraph, const_scalar, dtype_of, is_static, num_input_entries, shape_of
-from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported
+from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
 
 _OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
@@ -404,8 +410,16 @@ class _Matcher:
             check_supported(spec, self.form)
         except MoecError as exc:
             raise _Skip(f"{where}: {exc}") from None
-        return _Match(out=out, x=x, ids=ids, rw=rw, w1=w1, w2=w2, spec=spec, where=where, down=m2,
-                      rounding=[f"{where}: {r} by the graph, kept in float32 by the kernels" for r in rounding])
+        notes = [f"{where}: {r} by the graph, kept in float32 by the kernels" for r in rounding]
+        from dataclasses import replace
+
+        narrow = replace(spec, h_dtype=spec.w_dtype)
+        if self.form == "cuda" and h_dtype == "float32" and h_dtype != spec.w_dtype and mma_eligible(narrow, "down"):
+            # tensor cores take h in the weights' dtype: the one rounding the kernels add (see the docstring)
+            spec = narrow
+            notes.append(f"{where}: h rounded to {spec.w_dtype} by the kernels for the tensor-core down projection "
+                         "(the graph keeps it in float32)")
+        return _Match(out=out, x=x, ids=ids, rw=rw, w1=w1, w2=w2, spec=spec, where=where, down=m2, rounding=notes)
 
     def run(self) -> list[_Match]:
         g = self.g

@@ -254,6 +254,31 @@ def test_ir_bf16_torch_export_form():
             assert diff.max() > 1e-4  # the graph really rounds silu(g) there: the bound is not vacuous
 
 
+def test_cuda_bf16_form_stores_h_in_bf16_for_tensor_cores(monkeypatch):
+    """On CUDA the same form's h is stored as bfloat16 when that lets the down projection run on tensor cores (its
+    operand type), and the manifest lists that rounding next to the graph's; llvm keeps float32 h (above), and so
+    does CUDA where the shapes take no tensor cores (I = 12)."""
+    import sys
+
+    from moec.schedules.kernels.grouped_experts import mma_eligible
+
+    cuda = make_target("cuda", "sm_90")
+    p, _ = _apply(_entry_bf16(), cuda)
+    assert {s.h_dtype for s, _ in p.kernels} == {"float32"} and len(p.rounding["decode"]) == 1
+    monkeypatch.setattr(sys.modules[__name__], "D", 64)
+    monkeypatch.setattr(sys.modules[__name__], "I", 64)
+    p, after = _apply(_entry_bf16(), cuda)
+    assert p.replaced == {"decode": 1}
+    (spec,) = {s for s, _ in p.kernels}
+    assert spec.h_dtype == "bfloat16" and mma_eligible(spec, "gate_up") and mma_eligible(spec, "down")
+    notes = p.rounding["decode"]
+    assert len(notes) == 2 and "silu(gate) rounded to bfloat16 by the graph" in notes[0]
+    assert re.fullmatch(r"expert matmul \w+: h rounded to bfloat16 by the kernels for the tensor-core down projection "
+                        r"\(the graph keeps it in float32\)", notes[1]), notes[1]
+    gate_up = [c for c in _calls(after["decode"], "relax.call_tir") if c.args[0].name_hint == "moe_gate_up"][0]
+    assert str(gate_up.ty.dtype) == "bfloat16"
+
+
 def test_ir_bf16_rounded_h_and_weights():
     """h rounded to bfloat16 on its way to the down projection: stored as bfloat16 by the gate_up kernel (kept
     exactly, not listed as a rounding); a rounding cast of a gathered weight: not matched (the kernels read the
