@@ -87,6 +87,12 @@ class DataflowGraph:
     def calls_of(self, name: str) -> list[relax.Var]:
         return [b.var for b in self.bindings if op_name(b.value) == name]
 
+    def alias(self, expr):
+        """``expr`` followed through alias bindings (``y = x``) to the variable that holds the value."""
+        while isinstance(expr, relax.Var) and isinstance(self.value.get(expr), relax.Var):
+            expr = self.value[expr]
+        return expr
+
     def strip(self, expr, ops=LAYOUT_OPS):
         """Follow producers through ``ops`` (first argument) and return the first other expr."""
         while isinstance(expr, relax.Var):
@@ -142,6 +148,14 @@ def shape_of(expr) -> tuple | None:
     return tuple(int(d.value) if isinstance(d, IntImm) else d for d in dims)
 
 
+def prod(dims):
+    """Product of dims, static (int) or symbolic (PrimExpr): an int when all are static."""
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
 def dtype_of(expr) -> str | None:
     dtype = getattr(getattr(expr, "ty", None), "dtype", None)
     return str(dtype) if dtype is not None else None
@@ -161,3 +175,24 @@ def num_input_entries(mod, pass_name: str, source: str = "model") -> list:
                         "then the weights), such as the entries InsertPagedKVAttention / InsertTieredKVAttention "
                         "build; the module has none")
     return sorted(entries, key=lambda e: e[0].name_hint)
+
+
+OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves a hand-written kernel alone
+
+
+class KernelCache:
+    """Hand-written PrimFuncs added to a module once per key, marked opaque to FuseOps, across the entries a
+    pass rewrites one BlockBuilder at a time. ``make(key)`` builds the PrimFunc, ``name(key)`` its name hint;
+    ``names`` (a dict the pass may own) maps each key to the name the module gave it."""
+
+    def __init__(self, make, name, names: dict | None = None) -> None:
+        self.make, self.name = make, name
+        self.gvars: dict = {}
+        self.names = {} if names is None else names
+
+    def get(self, builder, key):
+        if key not in self.gvars:
+            prim = self.make(key).without_attr("global_symbol").with_attr("op_pattern", OPAQUE)
+            self.gvars[key] = builder.add_func(prim, self.name(key))
+            self.names[key] = self.gvars[key].name_hint
+        return self.gvars[key]

@@ -23,42 +23,36 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import DataflowGraph, dtype_of, num_input_entries, shape_of
+from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, shape_of
 from ..schedules.kernels.dense_gemm import DenseSpec, eligible, make_dense
 
-_OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernel alone
-
-
-def _alias(g: DataflowGraph, expr):
-    while isinstance(expr, relax.Var) and isinstance(g.value.get(expr), relax.Var):
-        expr = g.value[expr]
-    return expr
 
 
 def _match(g: DataflowGraph, mv):
-    """``(x, W, spec)`` of a matmul against a transposed weight, or ``(None, None, reason)``."""
+    """``((x, W, spec), None)`` for a linear layer the kernel takes; ``(None, why not)`` for one it does not;
+    ``(None, None)`` for a matmul of another form."""
     call = g.call(mv)
-    x, wt = (_alias(g, a) for a in call.args)
+    x, wt = (g.alias(a) for a in call.args)
     while g.op(wt) == "relax.broadcast_to" and all(d == 1 for d in shape_of(wt)[:-2]):  # a bmm's [1, K, N]
-        wt = _alias(g, g.call(wt).args[0])
+        wt = g.alias(g.call(wt).args[0])
     if g.op(wt) != "relax.permute_dims":
-        return None, None, None  # not a linear layer's form: nothing to report
+        return None, None  # not a linear layer's form: nothing to report
     pc = g.call(wt)
-    w = _alias(g, pc.args[0])
+    w = g.alias(pc.args[0])
     if w not in g.weight_set:
-        return None, None, None
+        return None, None
     axes = pc.attrs.axes
     ws, xs = shape_of(w), shape_of(x)
     if ws is None or len(ws) != 2 or (axes is not None and [int(a) for a in axes] != [1, 0]):
-        return None, None, f"matmul {mv.name}: weight {w.name} is not a 2-D matrix transposed [1, 0]"
+        return None, f"matmul {mv.name}: weight {w.name} is not a 2-D matrix transposed [1, 0]"
     n, k = ws
     if xs is None or len(xs) < 2 or xs[-1] != k:
-        return None, None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
+        return None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
     spec = DenseSpec(out_features=int(n), in_features=int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv))
     why = eligible(spec)
     if why is not None or spec.out_dtype not in ("float32", "float16", "bfloat16"):
-        return None, None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"
-    return x, w, spec
+        return None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"
+    return (x, w, spec), None
 
 
 @relax.expr_functor.mutator
@@ -76,7 +70,8 @@ class _Rewriter(relax.PyExprMutator):
         x, w, spec = m
         bb = self.builder_
         xs = shape_of(x)
-        rows = Analyzer().simplify(_prod(xs[:-1]))
+        rows = prod(xs[:-1])
+        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
         x2 = self.visit_expr(x)
         if len(xs) != 2:
             x2 = bb.emit(relax.op.reshape(x2, [rows, spec.in_features]))
@@ -85,13 +80,6 @@ class _Rewriter(relax.PyExprMutator):
         if len(xs) != 2:
             y = bb.emit(relax.op.reshape(y, list(xs[:-1]) + [spec.out_features]))
         self.set_var_remap(binding.var, y)
-
-
-def _prod(dims):
-    out = tvm.tirx.IntImm("int64", 1)
-    for d in dims:
-        out = out * (d if not isinstance(d, int) else tvm.tirx.IntImm("int64", d))
-    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="InsertDenseGEMM")
@@ -120,31 +108,23 @@ class InsertDenseGEMM:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        gvars: dict[DenseSpec, relax.GlobalVar] = {}
+        kernels = KernelCache(lambda spec: make_dense(spec, form), lambda spec: "dense_gemm", self.kernels)
         out = mod
         for gv, func in num_input_entries(mod, "InsertDenseGEMM", self.source):
             g = DataflowGraph(func, int(func.attrs["num_input"]))
             matches, skipped = {}, []
             for mv in g.calls_of("relax.matmul"):
-                x, w, spec = _match(g, mv)
-                if x is not None:
-                    matches[mv] = (x, w, spec)
-                elif spec is not None:
-                    skipped.append(spec)
+                match, why = _match(g, mv)
+                if match is not None:
+                    matches[mv] = match
+                elif why is not None:
+                    skipped.append(why)
             self.replaced[gv.name_hint] = len(matches)
             self.skipped[gv.name_hint] = skipped
             if not matches:
                 continue
             rewriter = _Rewriter(out, matches, None)
-
-            def kernel(spec, rewriter=rewriter):
-                if spec not in gvars:
-                    prim = make_dense(spec, form).without_attr("global_symbol").with_attr("op_pattern", _OPAQUE)
-                    gvars[spec] = rewriter.builder_.add_func(prim, "dense_gemm")
-                    self.kernels[spec] = gvars[spec].name_hint
-                return gvars[spec]
-
-            rewriter.kernel = kernel
+            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

@@ -33,12 +33,11 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, num_input_entries, shape_of
+from ..compiler.graph import LAYOUT_OPS, DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, prod, shape_of
 from ..compiler.moe_structure import _Analyzer
 from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router
 
 _SCORE_OPS = frozenset({"relax.nn.softmax", "relax.sigmoid"})
-_OPAQUE = 8  # relay OpPatternKind kOpaque: FuseOps leaves the hand-written kernel alone
 
 
 @dataclass
@@ -293,7 +292,7 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
         bb, s = self.builder_, m.spec
         x = self.visit_expr(m.x)
         lead = list(shape_of(x)[:-1])
-        t = Analyzer().simplify(_prod(lead))
+        t = Analyzer().simplify(prod(lead))
         if len(lead) != 1:
             x = bb.emit(relax.op.reshape(x, [t, s.hidden]))  # T, D
         w = self._materialize(m.weight)
@@ -312,13 +311,6 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
             logits = bb.emit(relax.op.reshape(logits, list(shape_of(m.logits))))
         self.replaced[m.logits] = logits
         return y
-
-
-def _prod(dims):
-    out = 1
-    for d in dims:
-        out = out * d
-    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRouterIntoNorm")
@@ -344,7 +336,7 @@ class FuseRouterIntoNorm:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         entries = num_input_entries(mod, "FuseRouterIntoNorm", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        gvars: dict[NormRouterSpec, relax.GlobalVar] = {}
+        kernels = KernelCache(lambda spec: make_norm_router(spec, form), lambda spec: "norm_router", self.kernels)
         out = mod
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)  # e.g. the routers CascadeGating replaced
@@ -355,15 +347,7 @@ class FuseRouterIntoNorm:
             if not matches:
                 continue
             rewriter = _FuseRouterNormRewriter(out, matcher.g, matches, None)
-
-            def kernel(spec, rewriter=rewriter):
-                if spec not in gvars:
-                    prim = make_norm_router(spec, form).without_attr("global_symbol").with_attr("op_pattern", _OPAQUE)
-                    gvars[spec] = rewriter.builder_.add_func(prim, "norm_router")
-                    self.kernels[spec] = gvars[spec].name_hint
-                return gvars[spec]
-
-            rewriter.kernel = kernel
+            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

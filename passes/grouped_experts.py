@@ -66,17 +66,16 @@ form stays unchanged, and ``skipped`` says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import DataflowGraph, const_scalar, dtype_of, is_static, num_input_entries, shape_of
+from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
 
-_OPAQUE = 8  # OpPatternKind kOpaque: FuseOps leaves the hand-written kernels alone
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
 _FLOATS = frozenset({"float32", "float16", "bfloat16"})
@@ -126,15 +125,11 @@ def _eq(a, b) -> bool:
 class _Matcher:
     def __init__(self, func: relax.Function, num_inputs: int, form: str) -> None:
         self.g = DataflowGraph(func, num_inputs)
+        self.alias = self.g.alias
         self.form = form
         self.skipped: list[str] = []
 
     # ------------------------------------------------------------ helpers
-    def alias(self, expr):
-        while isinstance(expr, relax.Var) and isinstance(self.g.value.get(expr), relax.Var):
-            expr = self.g.value[expr]
-        return expr
-
     def users(self, var):
         out = []
         for u in self.g.users.get(var, []):
@@ -411,8 +406,6 @@ class _Matcher:
         except MoecError as exc:
             raise _Skip(f"{where}: {exc}") from None
         notes = [f"{where}: {r} by the graph, kept in float32 by the kernels" for r in rounding]
-        from dataclasses import replace
-
         narrow = replace(spec, h_dtype=spec.w_dtype)
         if self.form == "cuda" and h_dtype == "float32" and h_dtype != spec.w_dtype and mma_eligible(narrow, "down"):
             # tensor cores take h in the weights' dtype: the one rounding the kernels add (see the docstring)
@@ -527,7 +520,7 @@ class InsertGroupedExperts:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         entries = num_input_entries(mod, "InsertGroupedExperts", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        gvars: dict[tuple, relax.GlobalVar] = {}
+        kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form), lambda key: f"moe_{key[1]}", self.kernels)
         found = []
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)
@@ -555,15 +548,7 @@ class InsertGroupedExperts:
                         if self.converted[n]["scale"] else None) for n in convert}
             rewriter = _GroupedExpertsRewriter(out, matches, None, conv)
 
-            def kernel(spec, name, rewriter=rewriter):
-                key = (spec, name)
-                if key not in gvars:
-                    prim = KERNELS[name](spec, form).without_attr("global_symbol").with_attr("op_pattern", _OPAQUE)
-                    gvars[key] = rewriter.builder_.add_func(prim, f"moe_{name}")
-                    self.kernels[key] = gvars[key].name_hint
-                return gvars[key]
-
-            rewriter.kernel = kernel
+            rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(b, (spec, name))
             new_func = rewriter.visit_expr(func)
             if conv:
                 new_func = relax.analysis.remove_all_unused(new_func)
@@ -608,8 +593,6 @@ class InsertGroupedExperts:
         return order
 
     def _converted_match(self, m: _Match) -> _Match:
-        from dataclasses import replace
-
         if m.w1.name not in self.converted or m.w2.name not in self.converted:
             return m
         if self.expert_weights == "bf16":

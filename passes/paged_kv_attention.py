@@ -93,12 +93,11 @@ class _PagedKVAttentionRewriter(relax.PyExprMutator, EntryRewriter):
         self.cache = cache
 
     def _attention(self, layer_id: int, a, var) -> relax.Expr:
-        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim)
-        k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim)
-        v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim)
-        dtype = self.kv_dtype or dtype_of(var)
         # q, k and v in the cache's dtype (an export may leave one of them in float32, e.g. after a q/k norm)
-        q, k, v = (t if dtype_of(t) == dtype else self._emit(relax.op.astype(t, dtype)) for t in (q, k, v))
+        dtype = self.kv_dtype or dtype_of(var)
+        q = self._heads(a.q, a.q_layout, a.num_heads, a.head_dim, dtype)
+        k = self._heads(a.k, a.k_layout, a.num_kv_heads, a.head_dim, dtype)
+        v = self._heads(a.v, a.v_layout, a.num_kv_heads, a.head_dim, dtype)
         qkv = self._emit(relax.op.concat([q, k, v], axis=1))  # N, H + 2 Hkv, Dh
         out = self._emit(
             relax.call_dps_packed(

@@ -26,7 +26,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
-from .grouped_experts import _MMA_TYPE, MMA_K, _mma
+from .grouped_experts import _MMA_TYPE, MMA_K, _mma_mainloop
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -119,6 +119,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
     NBY = -(-N // ROWS)
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_mainloop()
 
     @T.prim_func(s_tir=True)
     def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -144,36 +145,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                         rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
                         p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
                         nv: T.let[T.int32] = T.Cast("int32", M) - p0
-                        for i in T.unroll(RT * 4 * NT):
-                            acc[i] = T.float32(0)
-                        for kc in T.serial(KC):
-                            for r in T.unroll(RT):
-                                if rb + r * 16 < N:
-                                    for rh in T.unroll(2):
-                                        for c in T.unroll(2):
-                                            for v in T.vectorized(8):
-                                                wa[(r * 2 + rh) * 16 + c * 8 + v] = w[rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
-                            for n in T.unroll(NT):
-                                if n * 8 < nv:
-                                    for c in T.unroll(2):
-                                        if n * 8 + g < nv:
-                                            for v in T.vectorized(8):
-                                                xb[n * 16 + c * 8 + v] = x[p0 + n * 8 + g, kc * 64 + q * 16 + c * 8 + v]
-                                        else:
-                                            for v in T.vectorized(8):
-                                                xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
-                            for i in T.unroll(NT * 16):  # the vector loads may type xb as uint4: mma reads a bf16 copy
-                                xf[i] = xb[i]
-                            for r in T.unroll(RT):
-                                for st in T.unroll(4):
-                                    for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
-                                        af[(r * 4 + st) * 8 + a] = wa[(r * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
-                            for r in T.unroll(RT):
-                                if rb + r * 16 < N:
-                                    for n in T.unroll(NT):
-                                        if n * 8 < nv:
-                                            for st in T.unroll(4):
-                                                T.evaluate(_mma(af, (r * 4 + st) * 8, xf, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                        mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < N,
+                                 lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
                         for r in T.unroll(RT):
                             if rb + r * 16 < N:
                                 for n in T.unroll(NT):

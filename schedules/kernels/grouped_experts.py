@@ -311,6 +311,52 @@ def _mma(a, a_off, b, b_off, c, c_off, ab: str):
                             dtype="float32")
 
 
+def _mma_mainloop():
+    """The k loop of the mma forms (gate_up, down and ``dense_gemm``), as a TIR macro.
+
+    ``tiles`` tiles of 16 weight rows per warp (tile t's first row ``tile_row(t)``, read if ``tile_ok(t)``), NT
+    token tiles of 8, ``steps`` k-steps of 64. Each step lane (g, q) loads 16 contiguous elements at 16 q of rows
+    ``tile_row(t) + g`` and ``+ g + 8`` (``w_at(row, k)``) and of token g of each tile n with tokens (n * 8 < nv;
+    ``x_at(n, k)`` where ``x_ok(n)``, else zeros), then issues the four m16n8k16 of each (tile, token tile): the
+    fragments read k = 16 q + 4 s + (0..3) at step s for both operands. ``acc[(t * NT + n) * 4 + c]`` holds the
+    float32 result of row ``tile_row(t) + g + 8 (c // 2)`` and token ``n * 8 + 2 q + c % 2``."""
+
+    @T.macro
+    def mainloop(wa, af, xb, xf, acc, g, q, nv, tiles, nt, steps, tile_row, tile_ok, w_at, x_ok, x_at, ab):
+        for i in T.unroll(tiles * 4 * nt):
+            acc[i] = T.float32(0)
+        for kc in T.serial(steps):
+            for t in T.unroll(tiles):
+                if tile_ok(t):
+                    for rh in T.unroll(2):
+                        for c in T.unroll(2):
+                            for v in T.vectorized(8):
+                                wa[(t * 2 + rh) * 16 + c * 8 + v] = w_at(tile_row(t) + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v)
+            for n in T.unroll(nt):
+                if n * 8 < nv:
+                    for c in T.unroll(2):
+                        if x_ok(n):
+                            for v in T.vectorized(8):
+                                xb[n * 16 + c * 8 + v] = x_at(n, kc * 64 + q * 16 + c * 8 + v)
+                        else:
+                            for v in T.vectorized(8):
+                                xb[n * 16 + c * 8 + v] = T.Cast(xb.dtype, 0)
+            for i in T.unroll(nt * 16):  # the vector loads may type xb as uint4: mma reads a 16-bit copy
+                xf[i] = xb[i]
+            for t in T.unroll(tiles):
+                for st in T.unroll(4):
+                    for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
+                        af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+            for t in T.unroll(tiles):
+                if tile_ok(t):
+                    for n in T.unroll(nt):
+                        if n * 8 < nv:
+                            for st in T.unroll(4):
+                                T.evaluate(_mma(af, (t * 4 + st) * 8, xf, n * 16 + 4 * st, acc, (t * nt + n) * 4, ab))
+
+    return mainloop
+
+
 def _make_gate_up_mma(spec: GroupedExpertsSpec):
     """gate_up on tensor cores. Warp w of block (jb, e) owns RT tiles of 16 rows j of the gate and the up
     halves; an expert's tokens go NT * 8 at a time (one weight pass each). Each k-step of 64 lane l
@@ -327,6 +373,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     cfg = _mma_launch(spec, "gate_up")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_mainloop()
 
     def swiglu(gv, uv):
         return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
@@ -362,41 +409,10 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             for n in T.unroll(NT):
                                 tok[n] = T.if_then_else(n * 8 + g < nv, order[T.min(lo + ps * TOK + n * 8 + g, lo + cnt - 1)] // K, -1)
-                            for i in T.unroll(RT * 8 * NT):
-                                acc[i] = T.float32(0)
-                            for kc in T.serial(KC):
-                                for r in T.unroll(RT):
-                                    if rb + r * 16 < I:
-                                        for hf in T.unroll(2):
-                                            for rh in T.unroll(2):
-                                                for c in T.unroll(2):
-                                                    for v in T.vectorized(8):
-                                                        wa[((r * 2 + hf) * 2 + rh) * 16 + c * 8 + v] = w[
-                                                            ei(e), g0 + hf * (u0 - g0) + rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
-                                for n in T.unroll(NT):
-                                    if n * 8 < nv:
-                                        for c in T.unroll(2):
-                                            if tok[n] >= 0:
-                                                for v in T.vectorized(8):
-                                                    xb[n * 16 + c * 8 + v] = x[tok[n], kc * 64 + q * 16 + c * 8 + v]
-                                            else:
-                                                for v in T.vectorized(8):
-                                                    xb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
-                                for i in T.unroll(NT * 16):  # the vector loads may type xb as uint4: mma reads a bf16 copy
-                                    xf[i] = xb[i]
-                                for r in T.unroll(RT):
-                                    for hf in T.unroll(2):
-                                        for st in T.unroll(4):
-                                            for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
-                                                af[((r * 2 + hf) * 4 + st) * 8 + a] = wa[((r * 2 + hf) * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
-                                for r in T.unroll(RT):
-                                    if rb + r * 16 < I:
-                                        for hf in T.unroll(2):
-                                            for n in T.unroll(NT):
-                                                if n * 8 < nv:
-                                                    for st in T.unroll(4):
-                                                        T.evaluate(_mma(af, ((r * 2 + hf) * 4 + st) * 8, xf, n * 16 + 4 * st, acc,
-                                                                        ((r * 2 + hf) * NT + n) * 4, ab))
+                            mainloop(wa, af, xb, xf, acc, g, q, nv, 2 * RT, NT, KC,
+                                     lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
+                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(e), row, k],
+                                     lambda n: tok[n] >= 0, lambda n, k: x[tok[n], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
                                     for n in T.unroll(NT):
@@ -418,6 +434,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_mainloop()
 
     @T.prim_func(s_tir=True)
     def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
@@ -448,36 +465,9 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         for ps in T.serial((cnt + TOK - 1) // TOK):
                             nv: T.let[T.int32] = cnt - ps * TOK
-                            for i in T.unroll(RT * 4 * NT):
-                                acc[i] = T.float32(0)
-                            for kc in T.serial(KC):
-                                for r in T.unroll(RT):
-                                    if rb + r * 16 < D:
-                                        for rh in T.unroll(2):
-                                            for c in T.unroll(2):
-                                                for v in T.vectorized(8):
-                                                    wa[(r * 2 + rh) * 16 + c * 8 + v] = w[ei(e), rb + r * 16 + rh * 8 + g, kc * 64 + q * 16 + c * 8 + v]
-                                for n in T.unroll(NT):
-                                    if n * 8 < nv:
-                                        for c in T.unroll(2):
-                                            if n * 8 + g < nv:
-                                                for v in T.vectorized(8):
-                                                    hb[n * 16 + c * 8 + v] = h[lo + ps * TOK + n * 8 + g, kc * 64 + q * 16 + c * 8 + v]
-                                            else:
-                                                for v in T.vectorized(8):
-                                                    hb[n * 16 + c * 8 + v] = T.Cast(wdt, 0)
-                                for i in T.unroll(NT * 16):  # the vector loads may type hb as uint4: mma reads a bf16 copy
-                                    xf[i] = hb[i]
-                                for r in T.unroll(RT):
-                                    for st in T.unroll(4):
-                                        for a in T.unroll(8):
-                                            af[(r * 4 + st) * 8 + a] = wa[(r * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
-                                for r in T.unroll(RT):
-                                    if rb + r * 16 < D:
-                                        for n in T.unroll(NT):
-                                            if n * 8 < nv:
-                                                for st in T.unroll(4):
-                                                    T.evaluate(_mma(af, (r * 4 + st) * 8, xf, n * 16 + 4 * st, acc, (r * NT + n) * 4, ab))
+                            mainloop(wa, af, hb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < D,
+                                     lambda row, k: w[ei(e), row, k], lambda n: n * 8 + g < nv,
+                                     lambda n, k: h[lo + ps * TOK + n * 8 + g, k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < D:
                                     for n in T.unroll(NT):
