@@ -269,7 +269,7 @@ def compile(  # noqa: A001 - the public name users call
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
             + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None)
-            + ["InsertDenseGEMM"] * (dense is not None) + ["LegalizeOps", "FuseOps",
+            + ["InsertDenseGEMM"] * (dense is not None) + ["AddGreedySampler", "LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"],
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
@@ -297,11 +297,13 @@ def _entry_doc(tiered) -> dict:
             "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
             "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
             "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
+            "argmax": "argmax(logits[1,b,V]) -> tokens[1,b] int32 (greedy, on the device)",
         }
     cache = "q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B+1], t1_table[B,M1], t2_table[B,M2], t2_np[B], *pools"
     doc = {
         "prefill": f"prefill(input_ids[1,N], logit_pos[b] int32, {cache}, *weights) -> (logits[1,b,V], *pools)",
         "decode": f"decode(input_ids[1,N], {cache}, *weights) -> (logits[1,N,V], *pools)",
+        "argmax": "argmax(logits[1,N,V]) -> tokens[1,N] int32 (greedy, on the device)",
     }
     if tiered.mode == "tiered":
         doc["rerank"] = "rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools"

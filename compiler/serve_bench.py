@@ -31,6 +31,7 @@ context, one line per system and stream count.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import platform
 import subprocess
@@ -137,6 +138,24 @@ def _kv_elements(cfg) -> int:
 # ------------------------------------------------------------------ systems
 
 
+def _share_weights(art: Path, work: Path) -> None:
+    """Hard-link ``art``'s weights file to an identical one (same SHA-256 in the manifests) of another
+    artifact in ``work``: the cache kinds share the model's weights, which need not be on disk twice."""
+    import os
+
+    from .artifact import MANIFEST, WEIGHTS
+
+    digest = json.loads((art / MANIFEST).read_text())["files"][WEIGHTS]
+    for other in sorted(work.glob("art-*")):
+        if other == art or not (other / MANIFEST).exists() or (other / WEIGHTS).samefile(art / WEIGHTS):
+            continue
+        if json.loads((other / MANIFEST).read_text())["files"].get(WEIGHTS) == digest:
+            tmp = art / (WEIGHTS + ".link")
+            os.link(other / WEIGHTS, tmp)
+            os.replace(tmp, art / WEIGHTS)
+            return
+
+
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int) -> None:
         import moec
@@ -147,6 +166,7 @@ class _Moec:
         if not (art / "manifest.json").exists():
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True)
+            _share_weights(art, work)
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens)
         self.cfg = model.config
         self.cache = cache
@@ -176,11 +196,10 @@ class _Moec:
         try:
             times = []
             nxt = logits.argmax(-1)
-            for _ in range(steps):
+            for _ in range(steps):  # greedy on the device: the step ends with b token ids on the host
                 t = time.perf_counter()
-                logits = e.decode(seqs, list(nxt))
+                nxt = e.decode_greedy(seqs, list(nxt))
                 times.append(time.perf_counter() - t)
-                nxt = logits.argmax(-1)
             kv = self.kv_bytes_per_token()
         finally:
             for s in seqs:
@@ -247,8 +266,12 @@ class _HF:
 
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
-              progress: bool = True) -> dict:
-    """Run the grid for every system; returns the result document (see the module docstring)."""
+              progress: bool = True, checkpoint=None) -> dict:
+    """Run the grid for every system; returns the result document (see the module docstring).
+
+    ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
+    stopped from outside still leaves what it measured."""
+    checkpoint = checkpoint or (lambda _doc: None)
     import torch
 
     for s in systems:
@@ -273,6 +296,11 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         from .importers import import_model
 
         pt2 = work / "model.pt2"
+        if next(model.parameters()).device.type != "cpu":
+            # exported from the host (the importer reads host tensors); HF's systems have run by now, and the
+            # floors only need the parameter sizes, so the weights stay there and free the device for moec
+            model.to("cpu")
+            torch.cuda.empty_cache()
         if not pt2.exists():
             save_pt2(model, model.config.vocab_size, pt2, max_seq=max(contexts) + 8)
         return import_model(pt2)
@@ -288,16 +316,22 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 runs["experts_implementation"] = system.experts
         except Exception as exc:  # noqa: BLE001 - a system that cannot be built is reported, the others run
             runs["error"] = f"{type(exc).__name__}: {exc}"
+            checkpoint(doc)
             continue
+        checkpoint(doc)
         for s in streams:
             for c in contexts:
                 point = {"streams": s, "context": c}
                 before = _memory(device)
+                if progress:
+                    print(f"[bench] {name} streams {s} context {c}: prefill {s} x {c - steps} tokens, then {steps} "
+                          "decode steps", flush=True)
                 try:
                     r = system.run(prompts[(s, c)], steps)
                 except Exception as exc:  # noqa: BLE001
                     point["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     runs["points"].append(point)
+                    checkpoint(doc)
                     continue
                 ms = 1e3 * np.asarray(r["step_s"])
                 point.update({
@@ -308,6 +342,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),
                 })
                 runs["points"].append(point)
+                checkpoint(doc)
                 if progress:
                     print(f"[bench] {name} streams {s} context {c}: TPOT {point['tpot_ms_median']:.2f} ms "
                           f"(p99 {point['tpot_ms_p99']:.2f}, floor {point['floor_ms']:.2f}), TTFT {point['ttft_ms']:.1f} ms",
@@ -315,6 +350,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         if name.startswith("hf-") and system.experts != "batched_mm":
             model.set_experts_implementation("batched_mm")  # the form the moec export reads
         del system
+        if name == "hf-compile":
+            torch._dynamo.reset()  # drops the compiled graphs and their CUDA-graph memory pools
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return doc
@@ -350,13 +388,25 @@ def main(args) -> int:
 
     streams = [int(x) for x in args.streams.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work)
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    device = torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine())
-    doc = {"benchmark": "serve", "command": " ".join(["moec"] + list(getattr(args, "argv", sys.argv[1:]))), "git_commit": commit, "device": device, **doc}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.device == "cuda" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = platform.processor() or platform.machine()
+    head = {"benchmark": "serve", "command": " ".join(["moec"] + list(getattr(args, "argv", sys.argv[1:]))),
+            "git_commit": commit, "device": device}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(doc, complete=False):
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({**head, **doc, "complete": complete}, indent=2))
+        tmp.replace(out)
+
+    doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
+                    checkpoint=write)
+    write(doc, complete=True)
     if args.plot:
-        plot(doc, args.plot)
+        plot({**head, **doc}, args.plot)
     return 0

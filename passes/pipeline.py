@@ -15,6 +15,7 @@ from tvm import relax
 
 from ..schedules.rules import schedule_pass
 from .cascade_gating import CascadeGating
+from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
 from .fuse_router_norm import FuseRouterIntoNorm
 from .legalize_topk import legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
@@ -105,10 +106,10 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     dump = Path(debug_dump) if debug_dump else None
     if tiered is not None:
         insert = InsertTieredKVAttention(num_inputs, target, tiered, source)
-        entries = ["prefill", "decode"] + (["rerank"] if tiered.mode == "tiered" else [])
+        entries = ["prefill", "decode", ARGMAX] + (["rerank"] if tiered.mode == "tiered" else [])
     else:
         insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
-        entries = ["prefill", "decode", "create_kv_cache"]
+        entries = ["prefill", "decode", ARGMAX, "create_kv_cache"]
     passes = [
         # Phase 1. Decode-ready entry points (attention -> paged KV cache); optional cascade routers first,
         # optional norm + router fusion in the entries last.
@@ -118,6 +119,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([fuse_router_norm] if fuse_router_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),
+        AddGreedySampler(target, source),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),
         *([tuning.capture(entries)] if tuning is not None else []),

@@ -115,6 +115,7 @@ class Engine:
         self.tiered = None
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
+        self._argmax = self.vm["argmax"] if "argmax" in manifest.get("entry_functions", {}) else None
         self.lengths: dict[int, int] = {}
         self._next_id = 0
         if self.kv_cache in ("fp8", "tiered"):
@@ -167,7 +168,8 @@ class Engine:
                 f"{self.max_total_tokens}-token cache; release sequences or load with a larger max_total_tokens"
             )
 
-    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None) -> np.ndarray:
+    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False):
+        """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor."""
         tvm = self._tvm
         counts = [len(t) for t in tokens_per_seq]
         for s in seq_ids:
@@ -180,7 +182,7 @@ class Engine:
             out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos)
             for s, c in zip(seq_ids, counts):
                 self.lengths[s] += c
-            return out
+            return out if on_device else out.numpy()[0]
         self._reserve(seq_ids, counts)
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
@@ -194,7 +196,7 @@ class Engine:
             self._end(self.cache)
         for s, c in zip(seq_ids, counts):
             self.lengths[s] += c
-        return out.numpy()[0]
+        return out if on_device else out.numpy()[0]
 
     # ----------------------------------------------------------- public API
     def prefill(self, token_id_lists, seq_ids=None, logit_positions=None):
@@ -260,9 +262,22 @@ class Engine:
 
     def decode(self, seq_ids, tokens) -> np.ndarray:
         """Append one token per sequence; returns logits[b, V]."""
+        return self._decode_step(seq_ids, tokens, on_device=False)
+
+    def decode_greedy(self, seq_ids, tokens) -> np.ndarray:
+        """Append one token per sequence; returns each sequence's greedy next token (int64 ``[b]``).
+
+        The argmax runs on the device (the artifact's ``argmax`` entry), so only ``b`` token ids cross
+        to the host; an artifact built before that entry existed takes the argmax of host logits."""
+        if self._argmax is None:
+            return self.decode(seq_ids, tokens).argmax(-1)
+        logits = self._decode_step(seq_ids, tokens, on_device=True)
+        return self._argmax(logits).numpy()[0].astype(np.int64)
+
+    def _decode_step(self, seq_ids, tokens, on_device: bool):
         if len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
-        out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens])
+        out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens], on_device=on_device)
         if self.tiered is not None:
             self.tiered.after_decode_step()
         return out
@@ -282,8 +297,7 @@ class Engine:
                 active = active_next
                 if step + 1 == max_new_tokens or not active:
                     break
-                logits = self.decode([seq_ids[i] for i in active], nxt_tokens)
-                nxt = logits.argmax(-1)
+                nxt = self.decode_greedy([seq_ids[i] for i in active], nxt_tokens)
             return outs
         finally:
             for s in seq_ids:
@@ -343,7 +357,7 @@ class _TieredState:
     def _tensor(self, a):
         return self.e._tvm.runtime.tensor(np.ascontiguousarray(a), self.e.device)
 
-    def forward(self, fn, seq_ids, counts, flat, logit_pos) -> np.ndarray:
+    def forward(self, fn, seq_ids, counts, flat, logit_pos):
         pt = self.tables
         slots = [self.slot[s] for s in seq_ids]
         before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots}
@@ -363,8 +377,7 @@ class _TieredState:
         if logit_pos is not None:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))
         args += [self._tensor(a) for a in cache] + self.pools
-        out = fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place)
-        return out.numpy()[0]
+        return fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place): logits on the device
 
     def after_decode_step(self) -> None:
         self.steps += 1

@@ -282,10 +282,15 @@ class Scheduler:
         decoding = [s for s in self.running if s.state == "decode"]  # streams prefilled below join next step
         self._prefill_step(events)
         if decoding:
-            logits = self.engine.decode([s.seq for s in decoding], [s.tokens[-1] for s in decoding])
+            seqs, fed = [s.seq for s in decoding], [s.tokens[-1] for s in decoding]
             self.decode_calls += 1
-            for row, s in enumerate(decoding):
-                self._emit(s, s.sampler(logits[row]), events)
+            if all(s.sampler.params.greedy for s in decoding):  # argmax on the device: b ids come back, not b x V
+                for s, tok in zip(decoding, self.engine.decode_greedy(seqs, fed)):
+                    self._emit(s, int(tok), events)
+            else:
+                logits = self.engine.decode(seqs, fed)
+                for row, s in enumerate(decoding):
+                    self._emit(s, s.sampler(logits[row]), events)
         self.steps += 1
         return events
 

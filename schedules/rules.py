@@ -59,6 +59,7 @@ HAND_KERNELS = {
     "topk_select": "passes/legalize_topk.py",
     "moe": "schedules/kernels/grouped_experts.py",  # moe_<kernel> from passes/grouped_experts.py
     "dense_gemm": "schedules/kernels/dense_gemm.py",  # from passes/dense_gemm.py
+    "argmax_rows": "schedules/kernels/sampling.py",  # from passes/device_sampling.py
 }
 TVM_KV_KERNELS = "tvm.relax.frontend.nn.llm (paged KV cache kernels)"
 FALLBACK_RULES = ("Fallback",)  # rules that only make a kernel run (one thread per element), not fast

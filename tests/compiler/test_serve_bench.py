@@ -11,10 +11,16 @@ from moec.compiler.serve_bench import SHAPES, _kv_elements, build_hf, floor_ms
 def test_bench_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--shape", "tiny-olmoe", "--streams", "1,2", "--contexts", "24,40", "--steps", "3",
-               "--systems", "moec-paged,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out), "--plot", str(png)])
+               "--systems", "moec-paged,hf-eager,moec-bf16", "--work", str(tmp_path / "work"), "--json", str(out), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert doc["benchmark"] == "serve" and doc["command"].startswith("moec bench") and doc["git_commit"]
+    assert doc["benchmark"] == "serve" and doc["command"].startswith("moec bench") and doc["git_commit"] and doc["complete"]
+    # the two cache kinds share the model's weights file on disk (one hard-linked to the other)
+    work = tmp_path / "work" / "tiny-olmoe-float32"
+    a, b = (work / f"art-{k}-cpu" / "weights.safetensors" for k in ("paged", "bf16"))
+    assert a.samefile(b) and a.stat().st_nlink == 2
+    assert list(doc["systems"]) == ["hf-eager", "moec-paged", "moec-bf16"]  # HF first, then in the order given
+    assert doc["systems"]["moec-bf16"]["points"][0]["kv_bytes_per_token"] == 2 * _kv_elements(build_hf("tiny-olmoe").config)
     assert doc["copy_bandwidth_GBps"] > 0
     cfg = build_hf("tiny-olmoe").config
     for name in ("moec-paged", "hf-eager"):

@@ -219,3 +219,18 @@ def test_generate_cli_streams_tokens(arts, capsys):
     assert sampled == run("--temperature", "1.0", "--top-k", "40", "--seed", "3")[1] != greedy
     code, _, err = run("--max-new-tokens", "9000")
     assert code == 2 and "request 0 refused" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("cache", ["bf16", "tiered"])
+def test_greedy_on_device_equals_argmax_of_logits(arts, cache):
+    """``decode_greedy`` (the artifact's argmax entry on the device) picks the argmax of the logits ``decode``
+    returns, step for step through re-ranks of the tiered cache, on two engines fed the same tokens."""
+    a, b = moec.load(arts[cache]), moec.load(arts[cache])
+    sa, la = a.prefill(PROMPTS[:3])
+    sb, _ = b.prefill(PROMPTS[:3])
+    nxt = la.argmax(-1)
+    for _ in range(9):  # rerank_every=4: two re-ranks on the way
+        logits = a.decode(sa, list(nxt))
+        got = b.decode_greedy(sb, list(nxt))
+        np.testing.assert_array_equal(got, logits.argmax(-1))
+        nxt = got
