@@ -196,9 +196,9 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         stats0 = self._emit(relax.op.zeros(relax.ShapeExpr([n, h, 2]), "float32"))
         pools_read = [p[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")]
         res = self._emit(relax.call_tir_inplace(
-            k.attention, [q] + pools_read + [c["t1_table"], c["t2_table"], c["t2_np"], c["q_row"], c["q_t1"], out0, stats0,
-                                             _i32(layer_id), scale],
-            inplace_indices=[16, 17], out_ty=[relax.TensorType((n, h, d), "float32"), relax.TensorType((n, h, 2), "float32")]))
+            k.attention, [q] + pools_read + [c["t1_table"], c["t2_table"], c["t2_np"], c["q_row"], c["q_t1"], c["q_indptr"],
+                                             out0, stats0, _i32(layer_id), scale],
+            inplace_indices=[17, 18], out_ty=[relax.TensorType((n, h, d), "float32"), relax.TensorType((n, h, 2), "float32")]))
         out = self._emit(relax.TupleGetItem(res, 0))
         stats = self._emit(relax.TupleGetItem(res, 1))
         p["t1_mass"] = self._emit(relax.call_tir_inplace(

@@ -39,15 +39,17 @@ MASS_CHUNK = 128
 def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                           target: str = "llvm"):
     """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda"."""
+    if target == "cuda":
+        return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G, D4 = H // HKV, head_dim // 4
-    gpu = target == "cuda"
 
     @T.prim_func(s_tir=True)
     def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                          t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
                          t2vsig_h: T.handle, t1tab_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle, qrow_h: T.handle,
-                         qt1_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32, sm_scale: T.float32):
+                         qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
+                         sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
         NL, N, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (N, H, D), "float32")
@@ -66,11 +68,12 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
         q_row = T.match_buffer(qrow_h, (N,), "int32")
         q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        T.match_buffer(indptr_h, (B + 1,), "int32")  # the CUDA form's query tiles; the serial loop needs no tiling
         out = T.match_buffer(out_h, (N, H, D), "float32")
         stats = T.match_buffer(stats_h, (N, H, 2), "float32")
 
-        for n in T.thread_binding(N, thread="blockIdx.x") if gpu else T.serial(N):
-            for h in T.thread_binding(H, thread="threadIdx.x") if gpu else T.serial(H):
+        for n in T.serial(N):
+            for h in T.serial(H):
                 with T.sblock("attn"):
                     T.reads()
                     T.writes()
@@ -124,9 +127,10 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
 
 def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
     """The importance (column-sum) PrimFunc for ``target`` "llvm" or "cuda"."""
+    if target == "cuda":
+        return _mass_cuda(num_heads, num_kv_heads, head_dim, t1_page)
     H, HKV, D, PS1, C = num_heads, num_kv_heads, head_dim, t1_page, MASS_CHUNK
     G = H // HKV
-    gpu = target == "cuda"
 
     @T.prim_func(s_tir=True)
     def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
@@ -142,10 +146,10 @@ def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: 
         stats = T.match_buffer(stats_h, (N, H, 2), "float32")
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
 
-        for b in T.thread_binding(B1 - 1, thread="blockIdx.x") if gpu else T.serial(B1 - 1):
-            for hk in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
-                for c in T.thread_binding(T.ceildiv(M1 * PS1, C), thread="blockIdx.z") if gpu else T.serial(T.ceildiv(M1 * PS1, C)):
-                    for tx in T.thread_binding(C, thread="threadIdx.x") if gpu else T.serial(C):
+        for b in T.serial(B1 - 1):
+            for hk in T.serial(HKV):
+                for c in T.serial(T.ceildiv(M1 * PS1, C)):
+                    for tx in T.serial(C):
                         with T.sblock("mass"):
                             T.reads()
                             T.writes()
@@ -164,5 +168,266 @@ def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: 
                                         acc[0] += T.exp2(acc[1] - stats[n, hk * G + g, 0]) / stats[n, hk * G + g, 1]
                             if (q_indptr[b + 1] > q_indptr[b]) & (i < q_t1[T.max(q_indptr[b + 1] - 1, 0)]):
                                 t1_mass[layer, page, hk, slot] += acc[0]
+
+    return tiered_mass
+
+
+# ---------------------------------------------------------------------------- CUDA: tiled forms
+#
+# Attention: a block per (table row b, tile of QT consecutive queries of that row, query head h), DG threads
+# per query, each owning D / DG dims in float4 groups (thread dg: groups dg, dg + DG, ...: the DG threads of a
+# query read one contiguous 16 * DG bytes of a shared-memory row, the queries of a warp the same bytes).
+# The row's keys stream through shared memory KT tokens at a time, dequantized once there for all QT
+# queries: first its tier-2 pages, then its tier-1 tokens up to the tile's longest visible prefix. Scores
+# are summed across the DG threads with shuffles; an online softmax per tile of keys.
+#
+# Mass: a block per (row b, tile of KT tier-1 tokens, KV head), DG threads per token holding the token's
+# dequantized key in registers; the row's queries stream through shared memory QT at a time per query head
+# of the KV head, with their (max, sum) statistics. Each token's thread group sums its probabilities; no
+# atomics (each token is owned by one group).
+
+QT, KT, DG = 32, 32, 4
+
+
+def cuda_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the tiled CUDA forms cannot take these heads, or None."""
+    if head_dim % (4 * DG):
+        return f"head dim {head_dim} is not a multiple of {4 * DG}"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not split into {num_kv_heads} KV heads"
+    return None
+
+
+def _check_cuda(num_heads, num_kv_heads, head_dim):
+    why = cuda_supported(num_heads, num_kv_heads, head_dim)
+    if why is not None:
+        raise ValueError(f"tiered attention (CUDA): {why}")
+
+
+def _shfl(v, o):
+    return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+
+def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int):
+    _check_cuda(num_heads, num_kv_heads, head_dim)
+    H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
+    G, D4 = H // HKV, head_dim // 4
+    NT = QT * DG
+    DPT = D // DG  # dims per thread
+    NG = DPT // 4  # float4 groups per thread
+    LD = KT * D // NT  # elements of a K (and of a V) tile each thread dequantizes
+    T2T = -(-PS2 // KT)  # key tiles per tier-2 page
+    RED = (DG - 1).bit_length()
+
+    @T.prim_func(s_tir=True)
+    def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
+                         t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
+                         t2vsig_h: T.handle, t1tab_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle, qrow_h: T.handle,
+                         qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
+                         sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
+        NL, N, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (N, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
+        t2_np = T.match_buffer(t2np_h, (B,), "int32")
+        T.match_buffer(qrow_h, (N,), "int32")  # rows come from q_indptr here
+        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        q_indptr = T.match_buffer(indptr_h, (B + 1,), "int32")
+        out = T.match_buffer(out_h, (N, H, D), "float32")
+        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+
+        for b in T.thread_binding(B, thread="blockIdx.x"):
+            for qt in T.thread_binding(T.ceildiv(N, QT), thread="blockIdx.y"):
+                for h in T.thread_binding(H, thread="blockIdx.z"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("attn"):
+                            T.reads()
+                            T.writes()
+                            ks_s = T.sblock_alloc_buffer((KT, D), "float32", scope="shared")
+                            vs_s = T.sblock_alloc_buffer((KT, D), "float32", scope="shared")
+                            vis_s = T.sblock_alloc_buffer((QT,), "int32", scope="shared")
+                            qr = T.sblock_alloc_buffer((DPT,), "float32", scope="local")
+                            acc = T.sblock_alloc_buffer((DPT,), "float32", scope="local")
+                            sc = T.sblock_alloc_buffer((KT,), "float32", scope="local")
+                            kv4 = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            ml = T.sblock_alloc_buffer((4,), "float32", scope="local")  # max, sum, tile max, tile sum
+                            ext = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the tile's longest tier-1 prefix
+                            q0: T.let[T.int32] = q_indptr[b] + qt * QT
+                            end: T.let[T.int32] = q_indptr[b + 1]
+                            hk: T.let[T.int32] = h // G
+                            qi: T.let[T.int32] = tx // DG
+                            dg: T.let[T.int32] = tx % DG
+                            n: T.let[T.int32] = T.min(q0 + qi, N - 1)
+                            live: T.let[T.bool] = q0 + qi < end
+                            if q0 < end:
+                                if tx < QT:
+                                    vis_s[tx] = T.if_then_else(q0 + tx < end, q_t1[T.min(q0 + tx, N - 1)], 0)
+                                for g in T.unroll(NG):
+                                    for v in T.vectorized(4):
+                                        qr[g * 4 + v] = q[n, h, (dg + DG * g) * 4 + v] * sm_scale * T.float32(LOG2E)
+                                for i in T.unroll(DPT):
+                                    acc[i] = T.float32(0)
+                                ml[0] = T.float32(-1e30)
+                                ml[1] = T.float32(0)
+                                T.tvm_storage_sync("shared")
+                                ext[0] = 0
+                                for i in T.serial(QT):
+                                    ext[0] = T.max(ext[0], vis_s[i])
+                                my_t1: T.let[T.int32] = T.if_then_else(live, q_t1[n], 0)
+                                # tiles of keys: the row's tier-2 pages (every query sees all), then its tier-1 tokens
+                                for kt in T.serial(t2_np[b] * T2T + T.ceildiv(ext[0], KT)):
+                                    is2: T.let[T.bool] = kt < t2_np[b] * T2T
+                                    j0: T.let[T.int32] = T.if_then_else(is2, (kt % T2T) * KT, (kt - t2_np[b] * T2T) * KT)
+                                    pg2: T.let[T.int32] = t2_table[b, T.min(kt // T2T, M2 - 1)]
+                                    T.tvm_storage_sync("shared")
+                                    for r in T.serial(LD):
+                                        e: T.let[T.int32] = r * NT + tx
+                                        j: T.let[T.int32] = e // D
+                                        d: T.let[T.int32] = e % D
+                                        if is2:
+                                            if j0 + j < PS2:
+                                                ks_s[j, d] = T.Cast("float32", t2_kmu[layer, pg2, hk, d]) + T.Cast(
+                                                    "float32", t2_ksig[layer, pg2, hk, d]) * _nf2_level(t2_k[layer, pg2, hk, j0 + j, d // 4], d)
+                                                vs_s[j, d] = T.Cast("float32", t2_vmu[layer, pg2, hk, j0 + j]) + T.Cast(
+                                                    "float32", t2_vsig[layer, pg2, hk, j0 + j]) * _nf2_level(t2_v[layer, pg2, hk, j0 + j, d // 4], d)
+                                            else:
+                                                ks_s[j, d] = T.float32(0)
+                                                vs_s[j, d] = T.float32(0)
+                                        else:
+                                            tok: T.let[T.int32] = T.min(j0 + j, M1 * PS1 - 1)
+                                            pg1: T.let[T.int32] = t1_table[b, tok // PS1]
+                                            sl: T.let[T.int32] = tok % PS1
+                                            ks_s[j, d] = _fp8_to_f32(t1_k[layer, pg1, hk, sl, d]) * T.Cast("float32", t1_ks[layer, pg1, hk, sl])
+                                            vs_s[j, d] = _fp8_to_f32(t1_v[layer, pg1, hk, sl, d]) * T.Cast("float32", t1_vs[layer, pg1, hk, sl])
+                                    T.tvm_storage_sync("shared")
+                                    ml[2] = T.float32(-1e30)
+                                    for j in T.unroll(KT):
+                                        sc[j] = T.float32(0)
+                                        for g in T.unroll(NG):
+                                            for v in T.vectorized(4):
+                                                kv4[v] = ks_s[j, (dg + DG * g) * 4 + v]
+                                            for v in T.unroll(4):
+                                                sc[j] = sc[j] + qr[g * 4 + v] * kv4[v]
+                                        for rr in T.unroll(RED):
+                                            sc[j] = sc[j] + _shfl(sc[j], T.shift_left(1, rr))
+                                        ok: T.let[T.bool] = T.if_then_else(is2, j0 + j < PS2, j0 + j < my_t1)
+                                        sc[j] = T.if_then_else(ok, sc[j], T.float32(-3e38))
+                                        ml[2] = T.max(ml[2], sc[j])
+                                    new_m: T.let[T.float32] = T.max(ml[0], ml[2])
+                                    alpha: T.let[T.float32] = T.exp2(ml[0] - new_m)
+                                    ml[1] = ml[1] * alpha
+                                    for i in T.unroll(DPT):
+                                        acc[i] = acc[i] * alpha
+                                    for j in T.unroll(KT):
+                                        p: T.let[T.float32] = T.if_then_else(sc[j] > T.float32(-1e38), T.exp2(sc[j] - new_m), T.float32(0))
+                                        ml[1] = ml[1] + p
+                                        for g in T.unroll(NG):
+                                            for v in T.vectorized(4):
+                                                kv4[v] = vs_s[j, (dg + DG * g) * 4 + v]
+                                            for v in T.unroll(4):
+                                                acc[g * 4 + v] = acc[g * 4 + v] + p * kv4[v]
+                                    ml[0] = new_m
+                                if live:
+                                    for g in T.unroll(NG):
+                                        for v in T.vectorized(4):
+                                            out[n, h, (dg + DG * g) * 4 + v] = T.if_then_else(
+                                                ml[1] > T.float32(0), acc[g * 4 + v] / ml[1], T.float32(0))
+                                    if dg == 0:
+                                        stats[n, h, 0] = ml[0]
+                                        stats[n, h, 1] = ml[1]
+
+    return tiered_attention
+
+
+def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
+    _check_cuda(num_heads, num_kv_heads, head_dim)
+    H, HKV, D, PS1 = num_heads, num_kv_heads, head_dim, t1_page
+    G = H // HKV
+    NT = KT * DG
+    DPT = D // DG
+    NG = DPT // 4
+    LQ = QT * D // NT  # query elements each thread loads per tile
+    RED = (DG - 1).bit_length()
+
+    @T.prim_func(s_tir=True)
+    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
+                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
+        NL, N, B, B1, P1, M1 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (N, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
+        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+
+        for b in T.thread_binding(B1 - 1, thread="blockIdx.x"):
+            for c in T.thread_binding(T.ceildiv(M1 * PS1, KT), thread="blockIdx.y"):
+                for hk in T.thread_binding(HKV, thread="blockIdx.z"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("mass"):
+                            T.reads()
+                            T.writes()
+                            qs_s = T.sblock_alloc_buffer((QT, D), "float32", scope="shared")
+                            st_s = T.sblock_alloc_buffer((QT, 2), "float32", scope="shared")
+                            vis_s = T.sblock_alloc_buffer((QT,), "int32", scope="shared")
+                            kr = T.sblock_alloc_buffer((DPT,), "float32", scope="local")
+                            q4 = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")  # mass, score
+                            q_lo: T.let[T.int32] = q_indptr[b]
+                            q_hi: T.let[T.int32] = q_indptr[b + 1]
+                            ext: T.let[T.int32] = T.if_then_else(q_hi > q_lo, q_t1[T.max(q_hi - 1, 0)], 0)
+                            kj: T.let[T.int32] = tx // DG
+                            dg: T.let[T.int32] = tx % DG
+                            i: T.let[T.int32] = c * KT + kj
+                            tok: T.let[T.int32] = T.min(i, M1 * PS1 - 1)
+                            page: T.let[T.int32] = t1_table[b, tok // PS1]
+                            slot: T.let[T.int32] = tok % PS1
+                            if c * KT < ext:
+                                kscale: T.let[T.float32] = T.Cast("float32", t1_ks[layer, page, hk, slot]) * sm_scale * T.float32(LOG2E)
+                                for g in T.unroll(NG):
+                                    for v in T.unroll(4):
+                                        kr[g * 4 + v] = _fp8_to_f32(t1_k[layer, page, hk, slot, (dg + DG * g) * 4 + v]) * kscale
+                                acc[0] = T.float32(0)
+                                for gh in T.serial(G):
+                                    for t in T.serial(T.ceildiv(q_hi - q_lo, QT)):
+                                        T.tvm_storage_sync("shared")
+                                        for r in T.serial(LQ):
+                                            e: T.let[T.int32] = r * NT + tx
+                                            qn: T.let[T.int32] = T.min(q_lo + t * QT + e // D, N - 1)
+                                            qs_s[e // D, e % D] = q[qn, hk * G + gh, e % D]
+                                        if tx < QT:
+                                            qn2: T.let[T.int32] = q_lo + t * QT + tx
+                                            vis_s[tx] = T.if_then_else(qn2 < q_hi, q_t1[T.min(qn2, N - 1)], 0)
+                                            st_s[tx, 0] = stats[T.min(qn2, N - 1), hk * G + gh, 0]
+                                            st_s[tx, 1] = stats[T.min(qn2, N - 1), hk * G + gh, 1]
+                                        T.tvm_storage_sync("shared")
+                                        for qj in T.unroll(QT):
+                                            acc[1] = T.float32(0)
+                                            for g in T.unroll(NG):
+                                                for v in T.vectorized(4):
+                                                    q4[v] = qs_s[qj, (dg + DG * g) * 4 + v]
+                                                for v in T.unroll(4):
+                                                    acc[1] = acc[1] + kr[g * 4 + v] * q4[v]
+                                            for rr in T.unroll(RED):
+                                                acc[1] = acc[1] + _shfl(acc[1], T.shift_left(1, rr))
+                                            acc[1] = T.exp2(acc[1] - st_s[qj, 0]) / st_s[qj, 1]
+                                            q4[0] = T.Cast("float32", vis_s[qj])  # the query's visible prefix (exact below 2^24)
+                                            acc[0] = acc[0] + T.if_then_else(T.Cast("float32", i) < q4[0], acc[1], T.float32(0))
+                                if dg == 0 and i < ext:
+                                    t1_mass[layer, page, hk, slot] += acc[0]
 
     return tiered_mass
