@@ -223,6 +223,14 @@ class _HF:
             self.experts = "grouped_mm"
         except Exception:  # noqa: BLE001 - older transformers / torch without grouped_mm: keep batched_mm
             pass
+        import inspect
+
+        # the cache argument's name differs between transformers releases; an unknown keyword would be swallowed
+        # by **kwargs and every step would attend to its own tokens only
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        if self.cache_kw not in params:
+            raise MoecError(f"{type(model).__name__}.forward takes neither cache nor past_key_values")
         self.forward = model.forward
         if kind == "hf-compile":
             self.forward = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else "default",
@@ -242,17 +250,19 @@ class _HF:
             t = time.perf_counter()
             for c0 in range(0, n, self.PREFILL_CHUNK):
                 c1 = min(n, c0 + self.PREFILL_CHUNK)
-                out = self.model(input_ids=ids[:, c0:c1], cache=cache, cache_position=torch.arange(c0, c1, device=self.device),
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=ids[:, c0:c1], cache_position=torch.arange(c0, c1, device=self.device),
+                                 use_cache=True, logits_to_keep=1, **{self.cache_kw: cache})
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             sync()
             ttft = time.perf_counter() - t
+            if int(cache.get_seq_length()) != n:
+                raise MoecError(f"HF's StaticCache holds {int(cache.get_seq_length())} tokens after a {n}-token prefill")
             times = []
             warm = 2 if self.kind == "hf-compile" else 0  # compilation and CUDA-graph capture, not timed
             for i in range(steps + warm):
                 pos = torch.tensor([n + max(0, i - warm)], device=self.device)
                 t = time.perf_counter()
-                out = self.forward(input_ids=nxt, cache=cache, cache_position=pos, use_cache=True)
+                out = self.forward(input_ids=nxt, cache_position=pos, use_cache=True, **{self.cache_kw: cache})
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True).clone()
                 sync()
                 if i >= warm:

@@ -36,6 +36,30 @@ def _topk(node, importer):
 EXTRA_CONVERTERS = {"amax.default": _amax, "topk.default": _topk}
 
 
+def _host_tensor(value: torch.Tensor):
+    """A weight as a TVM host tensor, bfloat16 included, through NumPy (bfloat16 as ``ml_dtypes``): the same
+    path with every torch build (DLPack export of bfloat16, and ``Tensor.numpy()`` of it, vary between builds)."""
+    import ml_dtypes
+    import tvm
+
+    t = value.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return tvm.runtime.tensor(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return tvm.runtime.tensor(t.numpy())
+
+
+def _importer():
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    class Importer(ExportedProgramImporter):
+        _convert_pytorch_tensor_to_tvm = staticmethod(_host_tensor)
+
+    return Importer()
+
+
 def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
@@ -51,14 +75,12 @@ def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:
 
 def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<ExportedProgram>", source_hash: str | None = None) -> ImportedModel:
     from tvm.relax.frontend import detach_params
-    from tvm.relax.frontend.torch import from_exported_program
 
     ep = ep.run_decompositions()
     _check_ops(ep, name)
     user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-    try:
-        mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                    custom_convert_map=EXTRA_CONVERTERS, run_ep_decomposition=False)  # decomposed above
+    try:  # TVM's from_exported_program with the weights converted by _host_tensor (decomposed above)
+        mod = _importer().from_exported_program(ep, True, True, False, EXTRA_CONVERTERS)  # keep params as inputs, unwrap
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
