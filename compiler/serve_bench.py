@@ -190,13 +190,15 @@ class _Moec:
 
     def run(self, prompts: np.ndarray, steps: int) -> dict:
         e = self.engine
+        self.phase = f"prefill of {len(prompts)} x {prompts.shape[1]} tokens"
         t = time.perf_counter()
         seqs, logits = e.prefill([list(p) for p in prompts])
         ttft = time.perf_counter() - t
         try:
             times = []
             nxt = logits.argmax(-1)
-            for _ in range(steps):  # greedy on the device: the step ends with b token ids on the host
+            for i in range(steps):  # greedy on the device: the step ends with b token ids on the host
+                self.phase = f"decode step {i}"
                 t = time.perf_counter()
                 nxt = e.decode_greedy(seqs, list(nxt))
                 times.append(time.perf_counter() - t)
@@ -340,6 +342,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     r = system.run(prompts[(s, c)], steps)
                 except Exception as exc:  # noqa: BLE001
                     point["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    point["failed_in"] = getattr(system, "phase", None)
+                    point["memory_bytes_at_error"] = _memory(device)
+                    point["memory_bytes_before"] = before
                     runs["points"].append(point)
                     checkpoint(doc)
                     continue

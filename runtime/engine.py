@@ -24,9 +24,10 @@ from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error user
 
 _CUDA_RUNTIME_LOADED = False
 _FATBINS: dict[str, bytes] = {}
+_CUDA_COMPILE = "tvm_callback_cuda_compile"
 
 
-def _register_fatbins(directory: Path, manifest: dict) -> None:
+def _register_fatbins(directory: Path, manifest: dict):
     """Serve the artifact's ahead-of-time fatbins to TVM's CUDA loader (matched by source SHA-256).
 
     TVM's CUDA module asks ``tvm_callback_cuda_compile`` for device code when it is loaded; answering
@@ -41,6 +42,7 @@ def _register_fatbins(directory: Path, manifest: dict) -> None:
         raise ArtifactError(f"{directory / 'manifest.json'}: CUDA artifact lists no compiled kernels (cuda_kernels)")
     for k in kernels:
         _FATBINS[k["source_sha256"]] = (directory / k["file"]).read_bytes()
+    previous = tvm_ffi.get_global_func(_CUDA_COMPILE, allow_missing=True)
 
     def serve(code, *_):
         digest = hashlib.sha256(str(code).encode()).hexdigest()
@@ -48,7 +50,16 @@ def _register_fatbins(directory: Path, manifest: dict) -> None:
             raise ArtifactError(f"{directory}: no precompiled fatbin for a CUDA module (source {digest[:12]}): stale artifact, recompile")
         return bytes(_FATBINS[digest])
 
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", serve, override=True)
+    tvm_ffi.register_global_func(_CUDA_COMPILE, serve, override=True)
+
+    def restore() -> None:
+        """Give the callback back (the compiler's nvcc, in a process that compiles too) once the library is loaded."""
+        if previous is not None:
+            tvm_ffi.register_global_func(_CUDA_COMPILE, previous, override=True)
+        else:
+            tvm_ffi.remove_global_func(_CUDA_COMPILE)
+
+    return restore
 
 
 def _load_cuda_runtime() -> None:
@@ -78,9 +89,6 @@ class Engine:
             raise MoecError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
         if want != kind:
             raise ArtifactError(f"{directory / 'manifest.json'}: artifact built for target {kind!r}, cannot run on device {device!r}")
-        if device == "cuda":
-            _load_cuda_runtime()
-            _register_fatbins(directory, manifest)
         import tvm
         import tvm_ffi
 
@@ -90,13 +98,22 @@ class Engine:
             )
         self._tvm, self._shape = tvm, tvm_ffi.Shape
         self.device = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
+        restore = None
+        if device == "cuda":
+            _load_cuda_runtime()
+            restore = _register_fatbins(directory, manifest)
         try:
             lib = tvm.runtime.load_module(str(directory / LIBRARY))
+            from tvm.runtime.vm import VirtualMachine
+
+            self.vm = VirtualMachine(lib, self.device)
+        except ArtifactError:
+            raise
         except Exception as exc:
             raise ArtifactError(f"{directory / LIBRARY}: cannot load the compiled library: {str(exc).splitlines()[-1] if str(exc) else exc}") from None
-        from tvm.runtime.vm import VirtualMachine
-
-        self.vm = VirtualMachine(lib, self.device)
+        finally:
+            if restore is not None:
+                restore()
         from safetensors.numpy import load_file
 
         stored = load_file(str(directory / WEIGHTS))

@@ -130,3 +130,33 @@ def test_runtime_only_mode(zoo):
     assert out.returncode == 0, out.stderr[-2000:]
     expected = moec.load(art).generate([[1, 2, 3]], 4)[0]
     assert out.stdout.strip().splitlines()[-1] == str(expected)
+
+
+def test_fatbin_callback_is_given_back_after_loading(tmp_path):
+    """A CUDA artifact's fatbins answer TVM's CUDA compile callback only while its library loads: afterwards
+    the callback the process had (the compiler's nvcc in a process that also compiles) is back, or none is."""
+    import hashlib
+
+    import tvm_ffi
+
+    from moec.runtime.engine import _CUDA_COMPILE, _register_fatbins
+
+    (tmp_path / "k.fatbin").write_bytes(b"FATBIN")
+    manifest = {"cuda_kernels": [{"file": "k.fatbin", "source_sha256": hashlib.sha256(b"src").hexdigest()}]}
+    before = tvm_ffi.get_global_func(_CUDA_COMPILE, allow_missing=True)
+    try:
+        tvm_ffi.register_global_func(_CUDA_COMPILE, lambda code, *a: b"NVCC:" + str(code).encode(), override=True)
+        restore = _register_fatbins(tmp_path, manifest)
+        serve = tvm_ffi.get_global_func(_CUDA_COMPILE)
+        assert bytes(serve("src")) == b"FATBIN"
+        with pytest.raises(Exception, match="no precompiled fatbin"):
+            serve("other source")
+        restore()
+        assert bytes(tvm_ffi.get_global_func(_CUDA_COMPILE)("x")) == b"NVCC:x"
+        tvm_ffi.remove_global_func(_CUDA_COMPILE)
+        restore = _register_fatbins(tmp_path, manifest)
+        restore()
+        assert tvm_ffi.get_global_func(_CUDA_COMPILE, allow_missing=True) is None
+    finally:
+        if before is not None:
+            tvm_ffi.register_global_func(_CUDA_COMPILE, before, override=True)
