@@ -242,6 +242,8 @@ def compile(  # noqa: A001 - the public name users call
     # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
     structure = insert.structure if cascade is None else cascade.structure
     _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
+    if grouped is not None:
+        _warn_unreplaced_experts(grouped.manifest(), len(structure.moe_layers), imported.source_name)
     weight_names, weight_arrays = imported.weight_names(), imported.weights
     if grouped is not None:  # expert weights converted to bf16 / fp8 (and their scales) take their places
         weight_names, weight_arrays = grouped.converted_weights(weight_names, weight_arrays)
@@ -289,6 +291,22 @@ def compile(  # noqa: A001 - the public name users call
         write_manifest(tmp, manifest)
     _log(progress, f"wrote {output_dir} in {time.perf_counter() - t0:.1f}s total")
     return Path(output_dir)
+
+
+def _warn_unreplaced_experts(manifest: dict, moe_layers: int, source: str) -> None:
+    """Warn when an entry keeps recognised MoE layers in the imported form: that form gathers a weight matrix per
+    routed token (T x top-k x 3 x D x I elements a layer), slow at decode and out of memory for long prefills."""
+    import warnings
+
+    for entry, n in manifest["replaced"].items():
+        if n < moe_layers:
+            why = "; ".join(manifest["skipped"].get(entry, [])[:3]) or "no reason recorded"
+            warnings.warn(f"{source}: {entry}: {moe_layers - n} of {moe_layers} MoE layers are not on the grouped expert "
+                          f"kernels and gather one weight matrix per routed token ({why})", UnreplacedExperts, stacklevel=3)
+
+
+class UnreplacedExperts(UserWarning):
+    """Recognised MoE layers left in the imported (per-token weight gather) form."""
 
 
 def _entry_doc(tiered) -> dict:

@@ -70,6 +70,7 @@ from dataclasses import dataclass, replace
 
 import tvm
 from tvm import relax
+from tvm.ir.prim.expr import IntImm
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
@@ -95,6 +96,16 @@ def _roundings(chain: list[str]) -> tuple[list[str], set]:
             rounded.append(dt)
             exact = _exact_in(dt)
     return rounded, exact
+
+
+def _int_value(expr) -> int | None:
+    """An integer scalar argument (an IntImm, a PrimValue holding one, or a one-element constant), else None."""
+    if not isinstance(expr, IntImm) and isinstance(getattr(expr, "value", None), IntImm):
+        expr = expr.value
+    if isinstance(expr, IntImm):
+        return int(expr.value)
+    v = const_scalar(expr)
+    return int(v) if v is not None and float(v).is_integer() else None
 
 
 @dataclass
@@ -203,11 +214,17 @@ class _Matcher:
         return None
 
     def ids_of(self, idx, num_experts: int):
-        """The [T, K] integer ids behind a gather index: through layout ops and ONNX's wrap of negatives."""
+        """The [T, K] integer ids behind a gather index: through layout ops, ONNX's wrap of negatives and a
+        clamp to the expert range (``clip(i, 0, E - 1)``, which transformers adds; top-k ids are in range)."""
         g = self.g
         e = self.alias(idx)
         for _ in range(8):
             e = self.alias(g.strip(e, _ORDER_KEEPING))
+            if g.op(e) == "relax.clip":
+                lo, hi = (_int_value(a) for a in g.call(e).args[1:3])
+                if lo is not None and hi is not None and lo <= 0 and hi >= num_experts - 1:
+                    e = g.call(e).args[0]
+                    continue
             if g.op(e) == "relax.where":  # where(less(i, 0), add(i, E), i)
                 c, a, b = g.call(e).args
                 if (g.op(c) == "relax.less" and const_scalar(g.call(c).args[1]) == 0 and g.op(a) == "relax.add"

@@ -137,7 +137,7 @@ def test_ir_other_forms_stay_and_say_why(kw, why):
 BF16_ULP = 2.0**-8  # bfloat16 round-to-nearest: relative error at most 2^-8 (8 significant bits)
 
 
-def _entry_bf16(round_silu=True, round_h=False, round_w2=False):
+def _entry_bf16(round_silu=True, round_h=False, round_w2=False, clamp=None):
     """``decode(x, router, w1, w2)``, all bfloat16, in the form of the phase-1 IR of HF OLMoE exported in bfloat16 with
     torch.export (TVM's importer gives every matmul a float32 result): float32 halves, silu(g) rounded to bfloat16
     through a cast round trip (``round_silu``), float32 h (``round_h``: rounded to bfloat16 before the down
@@ -161,6 +161,8 @@ def _entry_bf16(round_silu=True, round_h=False, round_w2=False):
             xs = emit(relax.op.broadcast_to(emit(relax.op.expand_dims(x, [1])), [t, K, D]))
             xs = emit(relax.op.reshape(xs, [t * K, D]))
             rflat, flat = emit(relax.op.reshape(vals, [t * K])), emit(relax.op.reshape(ids, [t * K]))
+            if clamp is not None:  # transformers 5.17's batched_mm clamps the ids to the expert range
+                flat = emit(relax.op.clip(flat, *clamp))
             gu = emit(relax.op.squeeze(emit(relax.op.matmul(emit(relax.op.take(w1, flat, axis=0, mode="fast")),
                                                            emit(relax.op.expand_dims(xs, [-1])), out_dtype=f32)), [-1]))
             halves = emit(relax.op.split(gu, 2, axis=-1))
@@ -252,6 +254,24 @@ def test_ir_bf16_torch_export_form():
         assert (diff <= bound + 1e-5).all(), (diff - bound).max()
         if t == 6:
             assert diff.max() > 1e-4  # the graph really rounds silu(g) there: the bound is not vacuous
+
+
+def test_ir_bf16_form_with_clamped_ids():
+    """transformers 5.17 clamps the top-k ids to [0, E - 1] before gathering the weights (a no-op on top-k ids):
+    matched through the clamp, with the same numerics as the unclamped form. A clamp that can change an id
+    (a narrower range) is not looked through, and the layer is skipped with the reason."""
+    clamped = _entry_bf16(clamp=(0, E - 1))
+    p, after = _apply(clamped)
+    assert p.replaced == {"decode": 1} and not _calls(after["decode"], "relax.take")
+    assert not _calls(after["decode"], "relax.clip")  # the clamp went with the gathers it fed
+    _, plain = _apply(_entry_bf16())
+    lower = relax.transform.LegalizeOps({"relax.topk": legalize_topk})
+    vms = [relax.VirtualMachine(tvm.compile(lower(m), target=LLVM), tvm.cpu()) for m in (after, plain)]
+    args = [tvm.runtime.tensor(a) for a in _bf16_inputs(5)]
+    np.testing.assert_array_equal(vms[0]["decode"](*args).numpy(), vms[1]["decode"](*args).numpy())
+    narrow, _ = _apply(_entry_bf16(clamp=(0, E - 2)))
+    assert narrow.replaced == {"decode": 0}
+    assert any("top-k expert ids" in why for why in narrow.skipped["decode"]), narrow.skipped
 
 
 def test_cuda_bf16_form_stores_h_in_bf16_for_tensor_cores(monkeypatch):
@@ -506,3 +526,17 @@ def test_compiled_fp8_expert_weights(zoo, tmp_path):
         moec.compile(zoo.source("tiny", "pt2"), tmp_path / "x", expert_weights="fp8", grouped_experts=False)
     with pytest.raises(MoecError, match="bf16 or fp8"):
         moec.compile(zoo.source("tiny", "pt2"), tmp_path / "x", expert_weights="int4")
+
+
+def test_compile_warns_when_moe_layers_stay_in_the_gather_form():
+    from moec.compiler.build import UnreplacedExperts, _warn_unreplaced_experts
+
+    manifest = {"replaced": {"decode": 16, "prefill": 0}, "skipped": {"prefill": ["expert matmul lv9: the gather index "
+                                                                                "does not come from [T, K] top-k expert ids"]}}
+    with pytest.warns(UnreplacedExperts, match=r"m\.pt2: prefill: 16 of 16 MoE layers .* top-k expert ids"):
+        _warn_unreplaced_experts(manifest, 16, "m.pt2")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_unreplaced_experts({"replaced": {"decode": 16, "prefill": 16}, "skipped": {}}, 16, "m.pt2")
