@@ -1,0 +1,150 @@
+"""Residency of expert weights in a GPU expert cache, for models whose experts do not all fit.
+
+The expert weights live in pinned host memory; ``capacity`` slots on the GPU each hold one expert
+(one layer's gate/up and down matrices). ``ExpertCache`` decides what is resident; the copies it
+asks for are the runtime's to make (on a copy stream, overlapping compute):
+
+  ``prefetch(layer, experts)``  before ``layer`` runs (from a prediction): load what is missing, if a
+                                slot can be freed; never evicts an expert of the layer being computed
+                                (``pin``) or one already prefetched for the same layer.
+  ``require(layer, experts)``   when ``layer``'s router has run: what is missing is loaded now (a stall:
+                                the layer waits for those copies); returns the hits and misses.
+
+Eviction is least recently used: each use (a ``require`` hit or load) or prefetch refreshes an
+expert. Pinned experts (the current layer's, while it computes) and those prefetched for the
+upcoming layer are never evicted; a prefetch that cannot find a free slot is dropped (counted), a
+``require`` that cannot is an error (the cache is smaller than one layer's routed experts).
+``stats`` counts hits, stalls (misses at ``require``), prefetch copies and prefetched experts never
+used, so on-demand loading (no prefetch) and prefetching can be compared on the same routing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..compiler.errors import MoecError
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    stalls: int = 0  # experts copied while the layer waited
+    prefetched: int = 0  # experts copied ahead of their layer
+    prefetch_used: int = 0  # prefetched experts the layer then needed
+    prefetch_dropped: int = 0  # prefetches given up for want of a free slot
+    evictions: int = 0
+
+    @property
+    def copies(self) -> int:
+        return self.stalls + self.prefetched
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "copies": self.copies}
+
+
+@dataclass
+class ExpertCache:
+    """LRU residency of ``capacity`` expert slots over ``(layer, expert)`` keys."""
+
+    capacity: int
+    resident: "OrderedDict[tuple[int, int], int]" = field(default_factory=OrderedDict)  # key -> slot, LRU first
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise MoecError(f"an expert cache needs at least one slot, got {self.capacity}")
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._pinned: set = set()
+        self._pending: dict[tuple[int, int], bool] = {}  # prefetched, not yet required: key -> used
+
+    def __contains__(self, key) -> bool:
+        return key in self.resident
+
+    def slot(self, layer: int, expert: int) -> int:
+        return self.resident[(layer, expert)]
+
+    def _touch(self, key) -> None:
+        self.resident.move_to_end(key)
+
+    def _take_slot(self, protect: set) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key in self.resident:  # LRU first
+            if key not in protect and key not in self._pinned and key not in self._pending:
+                slot = self.resident.pop(key)
+                self.stats.evictions += 1
+                return slot
+        return None
+
+    def _load(self, key, protect: set) -> int | None:
+        slot = self._take_slot(protect)
+        if slot is not None:
+            self.resident[key] = slot
+        return slot
+
+    def prefetch(self, layer: int, experts) -> list[tuple[int, int]]:
+        """Start copies for ``layer``'s predicted experts that are not resident; returns ``[(expert, slot)]`` to copy."""
+        want = {(layer, int(e)) for e in experts}
+        copies = []
+        for key in sorted(want):
+            if key in self.resident:
+                self._touch(key)
+                continue
+            slot = self._load(key, want)
+            if slot is None:
+                self.stats.prefetch_dropped += 1
+                continue
+            self._pending[key] = False
+            self.stats.prefetched += 1
+            copies.append((key[1], slot))
+        return copies
+
+    def require(self, layer: int, experts) -> tuple[list[int], list[tuple[int, int]]]:
+        """``layer``'s routed experts: ``(hits, [(expert, slot)] copied now)``. The experts stay pinned until
+        ``release(layer)``; prefetches for ``layer`` not among them count as unused."""
+        need = {(layer, int(e)) for e in experts}
+        hits, stalls = [], []
+        for key in sorted(need):
+            if key in self.resident:
+                hits.append(key[1])
+                self._touch(key)
+                if key in self._pending:
+                    self._pending[key] = True
+                continue
+            slot = self._load(key, need)
+            if slot is None:
+                raise MoecError(f"expert cache of {self.capacity} slots cannot hold layer {layer}'s {len(need)} routed experts")
+            stalls.append((key[1], slot))
+        self.stats.hits += len(hits)
+        self.stats.stalls += len(stalls)
+        self._pinned = need
+        for key in [k for k in self._pending if k[0] == layer]:
+            self.stats.prefetch_used += int(self._pending.pop(key))
+        return hits, stalls
+
+    def release(self, layer: int) -> None:
+        """``layer`` finished computing: its experts may be evicted again."""
+        self._pinned = {k for k in self._pinned if k[0] != layer}
+
+    def check(self) -> None:
+        """Invariants: every slot is either free or holds exactly one key."""
+        used = list(self.resident.values())
+        if len(set(used)) != len(used) or set(used) & set(self._free) or len(used) + len(self._free) != self.capacity:
+            raise AssertionError(f"expert cache slots inconsistent: {len(used)} used, {len(self._free)} free, capacity {self.capacity}")
+
+
+def simulate(routed_steps, predicted_steps, capacity: int) -> dict:
+    """Run the cache over decode steps: ``routed_steps[s][l]`` the experts layer l routes to at step s,
+    ``predicted_steps[s][l]`` the prediction for layer l made during layer l - 1 (None: on-demand only).
+    Returns the stats: stalls are the copies a layer waits for."""
+    cache = ExpertCache(capacity)
+    for s, layers in enumerate(routed_steps):
+        for layer, experts in enumerate(layers):
+            cache.require(layer, experts)  # the router has run: wait for what is missing
+            nxt = layer + 1
+            if predicted_steps is not None and nxt < len(layers) and predicted_steps[s][nxt] is not None:
+                cache.prefetch(nxt, predicted_steps[s][nxt])  # copies overlap this layer's experts
+            cache.release(layer)
+        cache.check()
+    return cache.stats.as_dict()

@@ -1,0 +1,89 @@
+"""Expert cache residency and eviction (runtime/expert_cache.py) and expert prediction on the trained tiny model."""
+
+import numpy as np
+import pytest
+import torch
+
+from moec.compiler.errors import MoecError
+from moec.runtime.expert_cache import ExpertCache, simulate
+
+
+def test_lru_eviction_pins_and_prefetch():
+    c = ExpertCache(4)
+    hits, stalls = c.require(0, [1, 2])
+    assert hits == [] and [e for e, _ in stalls] == [1, 2]
+    assert c.prefetch(1, [5, 6]) and (1, 5) in c and (1, 6) in c  # two free slots
+    c.release(0)
+    # layer 1 routes to 5 and 7: 5 was prefetched (a hit), 7 must evict the LRU unpinned, unpending expert: (0, 1)
+    hits, stalls = c.require(1, [5, 7])
+    assert hits == [5] and [e for e, _ in stalls] == [7]
+    assert (0, 1) not in c and (0, 2) in c and c.stats.evictions == 1
+    assert c.stats.prefetch_used == 1 and c.stats.prefetched == 2  # 6 was prefetched for nothing
+    # the prefetch for layer 2 evicts the LRU experts not pinned: (0, 2), then the unused prefetch (1, 6)
+    c.prefetch(2, [0, 3])
+    assert set(c.resident) == {(1, 5), (1, 7), (2, 0), (2, 3)} and c.stats.evictions == 3
+    # now every slot is pinned (layer 1 computing) or pending (layer 2's predictions): a further prefetch is dropped
+    assert c.prefetch(2, [9]) == [] and c.stats.prefetch_dropped == 1 and (2, 9) not in c
+    c.release(1)
+    assert c.prefetch(2, [9]) and (1, 5) not in c  # layer 1 done: its LRU expert can go
+    c.check()
+    with pytest.raises(MoecError, match="cannot hold layer 3's 5 routed experts"):
+        ExpertCache(4).require(3, range(5))
+    with pytest.raises(MoecError, match="at least one slot"):
+        ExpertCache(0)
+
+
+def test_slots_are_reused_and_consistent():
+    rng = np.random.default_rng(0)
+    c = ExpertCache(6)
+    for step in range(200):
+        layer = step % 4
+        c.require(layer, rng.choice(16, 2, replace=False))
+        c.prefetch((layer + 1) % 4, rng.choice(16, 3, replace=False))
+        c.release(layer)
+        c.check()
+        assert len(c.resident) <= 6
+    s = c.stats
+    assert s.hits + s.stalls == 400 and s.copies == s.stalls + s.prefetched
+
+
+def test_perfect_prediction_removes_stalls_past_the_first_layer():
+    rng = np.random.default_rng(1)
+    routed = [[list(rng.choice(32, 4, replace=False)) for _ in range(4)] for _ in range(50)]
+    on_demand = simulate(routed, None, capacity=8)
+    perfect = simulate(routed, [[None] + steps[1:] for steps in routed], capacity=8)
+    assert on_demand["stalls"] > 0 and on_demand["prefetched"] == 0
+    # with a perfect predictor only layer 0 (nothing predicts it) can stall
+    assert perfect["stalls"] <= sum(len(s[0]) for s in routed) < on_demand["stalls"]
+    assert perfect["prefetch_used"] == perfect["prefetched"]  # a perfect prediction is always used
+
+
+def test_prediction_recall_on_trained_tiny(trained_tiny):
+    from moec.models.corpus import load_corpus  # noqa: F401
+    from moec.models.expert_prediction import batch_recall, evaluate_prediction, predict, recall, routing_trace
+    from moec.models.train import corpus_of, load_trained
+
+    model, meta = load_trained(trained_tiny)
+    corpus = corpus_of(meta)
+    held = corpus.tokens("heldout")
+    doc = evaluate_prediction(model, held, context=128, max_tokens=2048, calibration_tokens=corpus.tokens("train")[:4096],
+                              extras=(0, 2), streams=(1, 4))
+    k, e = doc["top_k"], doc["num_experts"]
+    rows = {(r["source"], r["corrected"], r["extra"]): r for r in doc["rows"]}
+    assert doc["tokens"] == 2048 and len(doc["rows"]) == 2 * 2 * 2  # one layer pair on tiny
+    # better than guessing; predicting more experts never lowers recall; extra = E - k predicts everything
+    for src in ("post_attention", "layer_output"):
+        assert rows[(src, False, 0)]["recall"] > doc["random_recall"]["0"]
+        assert rows[(src, False, 2)]["recall"] >= rows[(src, False, 0)]["recall"]
+    # recall against a brute-force count
+    x = torch.from_numpy(np.asarray(held[:256], dtype=np.int64).reshape(2, 128))
+    trace = routing_trace(model, x)
+    pred = predict(model, trace, 1, "layer_output")
+    want = np.mean([len(set(p.tolist()) & set(r.tolist())) / k for p, r in zip(pred, trace.routed[1])])
+    assert recall(pred, trace.routed[1]) == pytest.approx(want)
+    everything = predict(model, trace, 1, "post_attention", extra=e - k)
+    assert recall(everything, trace.routed[1]) == 1.0
+    b = batch_recall(everything, trace.routed[1], 4, e)
+    assert b["recall"] == 1.0 and b["predicted_per_step"] == e
+    with pytest.raises(ValueError, match="needs a previous layer"):
+        predict(model, trace, 0)
