@@ -79,3 +79,18 @@ def prefill_and_decode(artifact, prompts=((5, 6, 7, 8, 9, 10, 11), (12, 13, 14))
         logits = engine.decode(seqs, nxt)
         out.append(logits)
     return np.stack(out), histories
+
+
+def require_cuda() -> None:
+    """Skip the calling test unless TVM sees a CUDA device (loads TVM's CUDA runtime first)."""
+    import pytest
+    import tvm
+
+    from moec.runtime.engine import _load_cuda_runtime
+
+    try:
+        _load_cuda_runtime()
+    except OSError:  # no CUDA driver here
+        pytest.skip("no CUDA device")
+    if not tvm.cuda(0).exist:
+        pytest.skip("no CUDA device")

@@ -14,6 +14,8 @@ from moec.compiler.targets import make_target
 from moec.schedules.kernels.grouped_experts import (GroupedExpertsSpec, launch_config, make_grouped_experts, reference,
                                                     reference_route)
 
+from moec_testing import require_cuda
+
 LLVM = tvm.target.Target({"kind": "llvm"})
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 _BUILT = {}
@@ -180,14 +182,7 @@ def test_cuda_warp_form_where_no_tensor_cores():
 @pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("t", [1, 37, 128, 300])
 def test_cuda_matches_numpy_on_gpu(t, tensor_cores):
-    from moec.runtime.engine import _load_cuda_runtime
-
-    try:
-        _load_cuda_runtime()
-    except OSError:  # no CUDA driver here
-        pytest.skip("no CUDA device")
-    if not tvm.cuda(0).exist:
-        pytest.skip("no CUDA device")
+    require_cuda()
     # 300 tokens: 75 slots per expert on average, two passes of 64 (the mma form's 8 tiles) for most experts
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
         "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", tensor_cores=tensor_cores)

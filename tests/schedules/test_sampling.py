@@ -12,6 +12,8 @@ import tvm
 from moec.compiler.targets import make_target
 from moec.schedules.kernels.sampling import THREADS, make_argmax
 
+from moec_testing import require_cuda
+
 _BUILT = {}
 
 
@@ -64,14 +66,7 @@ def test_cuda_builds_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab,dtype", [(100, "bfloat16"), (50304, "float32"), (32000, "float32")])
 def test_cuda_matches_numpy_on_gpu(vocab, dtype):
-    from moec.runtime.engine import _load_cuda_runtime
-
-    try:
-        _load_cuda_runtime()
-    except OSError:
-        pytest.skip("no CUDA device")
-    if not tvm.cuda(0).exist:
-        pytest.skip("no CUDA device")
+    require_cuda()
     x = _rows(131, vocab, dtype, seed=1)
     got = _run(_build(vocab, dtype, "cuda"), x, tvm.cuda())
     np.testing.assert_array_equal(got, np.argmax(x.astype(np.float32), axis=-1))

@@ -8,6 +8,8 @@ from moec.compiler.targets import make_target
 from moec.schedules.kernels import reference as ref
 from moec.schedules.kernels.tiered_attention import make_tiered_attention, make_tiered_mass
 
+from moec_testing import require_cuda
+
 H, HKV, D, PS1, PS2 = 4, 2, 32, 16, 32
 P1, P2 = 24, 10
 
@@ -48,14 +50,7 @@ def test_attention_and_mass_against_numpy(kernels, seed, t1_lens, t2_pages, new)
 
 @pytest.fixture(scope="module")
 def cuda_kernels():
-    from moec.runtime.engine import _load_cuda_runtime
-
-    try:
-        _load_cuda_runtime()
-    except OSError:
-        pytest.skip("no CUDA device")
-    if not tvm.cuda(0).exist:
-        pytest.skip("no CUDA device")
+    require_cuda()
     mod = tvm.IRModule({"tiered_attention": make_tiered_attention(H, HKV, D, PS1, PS2, target="cuda"),
                         "tiered_mass": make_tiered_mass(H, HKV, D, PS1, target="cuda")})
     return tvm.compile(mod, target=make_target("cuda"))
