@@ -118,7 +118,7 @@ class ExpertCache:
             stalls.append((key[1], slot))
         self.stats.hits += len(hits)
         self.stats.stalls += len(stalls)
-        self._pinned = need
+        self._pinned |= need
         for key in [k for k in self._pending if k[0] == layer]:
             self.stats.prefetch_used += int(self._pending.pop(key))
         return hits, stalls
