@@ -58,7 +58,8 @@ def cmd_tune(args) -> int:
                cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep)
     if args.dry_run:
         print("\n".join(res["tasks"]))
-    print(f"[moec] {res['database']}: {res['tuned']} tasks tuned ({res['trials']} new trials), {res['skipped']} already "
+    print(f"[moec] {res['database']}: {res['tuned']} tasks tuned ({res['trials']} new trials, "
+          f"{res.get('baselines', 0)} rule schedules measured as records), {res['skipped']} already "
           f"tuned, of {len(res['tasks'])}; {res['seconds']:.1f}s")
     return 0
 
