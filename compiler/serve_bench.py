@@ -53,6 +53,7 @@ SHAPES = {
                                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
                                  max_position_embeddings=1024, norm_topk_prob=False)),
 }
+_PAGE = 16  # the engine's KV page: each stream holds whole pages
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "hf-eager", "hf-compile")
 
 
@@ -322,7 +323,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         runs = doc["systems"][name] = {"points": []}
         try:
             if name.startswith("moec-"):
-                system = _Moec(name, model, source, work, device, max(streams), max(streams) * (max(contexts) + 32))
+                system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE))
             else:
                 system = _HF(name, model, device)
                 runs["experts_implementation"] = system.experts

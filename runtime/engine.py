@@ -89,6 +89,14 @@ class Engine:
             raise MoecError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
         if want != kind:
             raise ArtifactError(f"{directory / 'manifest.json'}: artifact built for target {kind!r}, cannot run on device {device!r}")
+        if manifest.get("options", {}).get("kv_cache", "paged") not in ("fp8", "tiered"):
+            # TVM's paged attention kernels index a layer's pages in 32 bits: refuse a cache they would overrun
+            # (the engine hands out at most max_total_tokens / page_size pages, lowest ids first)
+            elems = -(-max_total_tokens // page_size) * page_size * 2 * manifest["model"]["num_kv_heads"] * manifest["model"]["head_dim"]
+            if elems > 2**31:
+                raise MoecError(f"{directory}: a {max_total_tokens}-token paged cache holds {elems} elements per layer, more "
+                                "than the 2^31 that the paged attention kernels index; lower max_total_tokens (at most "
+                                f"{2**31 // (2 * manifest['model']['num_kv_heads'] * manifest['model']['head_dim'])}) or compile with --kv-cache fp8 or tiered")
         import tvm
         import tvm_ffi
 

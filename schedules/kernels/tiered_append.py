@@ -40,7 +40,7 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
     def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
                       t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle, mass_h: T.handle, layer: T.int32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_append"})
-        NL, N, P1 = T.int32(), T.int32(), T.int32()
+        NL, N, P1 = T.int64(), T.int32(), T.int64()
         k_new = T.match_buffer(k_h, (N, HKV, D), "float32")
         v_new = T.match_buffer(v_h, (N, HKV, D), "float32")
         slot_of = T.match_buffer(slot_h, (N,), "int32")

@@ -51,7 +51,7 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
                          qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
                          sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
-        NL, N, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, N, B, P1, P2, M1, M2 = T.int64(), T.int32(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (N, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -136,7 +136,7 @@ def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: 
     def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
                     indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
-        NL, N, B, B1, P1, M1 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
         q = T.match_buffer(q_h, (N, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
@@ -226,7 +226,7 @@ def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: i
                          qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
                          sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
-        NL, N, B, P1, P2, M1, M2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, N, B, P1, P2, M1, M2 = T.int64(), T.int32(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (N, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -364,7 +364,7 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
     def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
                     indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
-        NL, N, B, B1, P1, M1 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
         q = T.match_buffer(q_h, (N, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")

@@ -71,7 +71,7 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                       out_h: T.handle, mass_h: T.handle, scores_h: T.handle, pacc_h: T.handle, pml_h: T.handle,
                       layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        NL, B, P1, P2, M1, M2, S = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2, S = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -317,7 +317,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                       out_h: T.handle, mass_h: T.handle, scores_h: T.handle, pacc_h: T.handle, pml_h: T.handle,
                       layer: T.int32, sm_scale: T.float32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
-        NL, B, P1, P2, M1, M2, S = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, M2, S = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (B, H, D), "float32")
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -390,7 +390,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         for it in T.serial((T.ceildiv(n1, TILE) - sp + S - 1) // S):
                             tok0: T.let[T.int32] = (sp + it * S) * TILE + tg * KSTEP
                             page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
-                            row0: T.let[T.int32] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
+                            row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
                             for k in T.unroll(KSTEP):
                                 k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
                                 v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
@@ -436,7 +436,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
                             for st in T.serial(PS2 // TILE):
                                 r0: T.let[T.int32] = st * TILE + tg * KSTEP
-                                wrow: T.let[T.int32] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
+                                wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
                                 for k in T.unroll(KSTEP):
                                     kw[k] = t2_k32[wrow + k * W2]
                                     vw[k] = t2_v32[wrow + k * W2]

@@ -133,7 +133,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                       len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
                       order_h: T.handle, layer: T.int32):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_rerank"})
-        NL, B, P1, P2, M1, MN = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        NL, B, P1, P2, M1, MN = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
         t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
         t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import moec
-from moec.compiler.errors import ArtifactError
+from moec.compiler.errors import ArtifactError, MoecError
 from moec.runtime.engine import CacheExhausted
 
 from moec_testing import ATOL, ort_last_logits, torch_last_logits
@@ -78,6 +78,16 @@ def test_cache_exhausted_is_a_clear_error(zoo):
     engine.release(seqs[0])
     assert engine.prefill([[2] * 10])[0]  # pages came back
 
+
+def test_paged_cache_beyond_32_bit_indexing_is_refused(zoo):
+    """The paged attention kernels index a layer's pages in 32 bits: a cache past 2^31 elements per layer is refused
+    at load, before any weight is read, rather than failing with an illegal address in the first prefill."""
+    art = zoo.artifact("tiny", "onnx")
+    cfg = json.loads((art / "manifest.json").read_text())["model"]
+    most = 2**31 // (2 * cfg["num_kv_heads"] * cfg["head_dim"])
+    with pytest.raises(MoecError, match=f"more than the 2\\^31.*at most {most}"):
+        moec.load(art, max_total_tokens=most + 1, page_size=16)
+    assert moec.load(art, max_total_tokens=64, page_size=16).prefill([[1] * 10])[0]
 
 def _copy(src, tmp_path):
     dst = tmp_path / "art"
