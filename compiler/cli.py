@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
+    p.add_argument("--profile", action="store_true",
+                   help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
+                        "(the point's 'profile': top kernels, VM helpers, host share)")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

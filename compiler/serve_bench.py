@@ -157,11 +157,30 @@ def _share_weights(art: Path, work: Path) -> None:
             return
 
 
+def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int = 30) -> dict:
+    """A profiled step (``Engine.kernel_profile``) as the JSON keeps it: the ``top`` VM calls by time (kernels,
+    and ``vm.builtin`` functions, which include the paged cache's attention), the rest summed, and the host
+    share of an unprofiled step: its median time less all calls' time (approximate: the per-call
+    synchronisation adds to the calls' times)."""
+    calls = sorted(((k, n, t) for k, (n, t) in acc.items()), key=lambda r: -r[2])
+    total = sum(t for _, _, t in calls)
+    out = {"profiled_step_ms": 1e3 * wall_s, "calls_ms": 1e3 * total,
+           "kernels_ms": 1e3 * sum(t for k, _, t in calls if not k.startswith("vm.builtin.")),
+           "kernel_launches": sum(n for k, n, _ in calls if not k.startswith("vm.builtin.")),
+           "top": [{"name": k, "calls": n, "ms": 1e3 * t, "share": t / total if total else 0.0} for k, n, t in calls[:top]],
+           "rest_ms": 1e3 * sum(t for _, _, t in calls[top:])}
+    if step_s is not None:
+        out["host_ms_estimate"] = max(0.0, 1e3 * (step_s - total))
+    return out
+
+
 class _Moec:
-    def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int) -> None:
+    def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
+                 profile: bool = False) -> None:
         import moec
 
         self.kind = kind
+        self.profile = profile
         cache = kind.split("-", 1)[1]
         art = work / f"art-{cache}-{device}"
         if not (art / "manifest.json").exists():
@@ -198,16 +217,24 @@ class _Moec:
         try:
             times = []
             nxt = logits.argmax(-1)
-            for i in range(steps):  # greedy on the device: the step ends with b token ids on the host
+            timed = steps - 1 if self.profile else steps
+            for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
                 self.phase = f"decode step {i}"
                 t = time.perf_counter()
                 nxt = e.decode_greedy(seqs, list(nxt))
                 times.append(time.perf_counter() - t)
+            profile = None
+            if self.profile:  # the last step, untimed, with every VM call timed alone
+                self.phase = f"profiled decode step {timed}"
+                t = time.perf_counter()
+                with e.kernel_profile() as acc:
+                    nxt = e.decode_greedy(seqs, list(nxt))
+                profile = summarize_profile(acc, time.perf_counter() - t, np.median(times) if times else None)
             kv = self.kv_bytes_per_token()
         finally:
             for s in seqs:
                 e.release(s)
-        return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv}
+        return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
 
 
 class _HF:
@@ -279,7 +306,7 @@ class _HF:
 
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
-              progress: bool = True, checkpoint=None) -> dict:
+              progress: bool = True, checkpoint=None, profile: bool = False) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
@@ -323,7 +350,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         runs = doc["systems"][name] = {"points": []}
         try:
             if name.startswith("moec-"):
-                system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE))
+                system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
+                               profile=profile)
             else:
                 system = _HF(name, model, device)
                 runs["experts_implementation"] = system.experts
@@ -357,6 +385,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     "kv_bytes_per_token": r["kv_bytes_per_token"],
                     "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),
                 })
+                if r.get("profile"):
+                    point["profile"] = r["profile"]
                 runs["points"].append(point)
                 checkpoint(doc)
                 if progress:
@@ -421,7 +451,7 @@ def main(args) -> int:
         tmp.replace(out)
 
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
-                    checkpoint=write)
+                    checkpoint=write, profile=getattr(args, "profile", False))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

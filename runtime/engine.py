@@ -10,6 +10,7 @@ No compiler import happens here: this module runs with ``TVM_USE_RUNTIME_LIB=1``
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from pathlib import Path
 
@@ -167,6 +168,38 @@ class Engine:
         self._next_id += 1
         self.lengths[seq] = 0
         return seq
+
+    @contextlib.contextmanager
+    def kernel_profile(self):
+        """Time every call the VM makes (kernels and ``vm.builtin`` helpers) while the block runs.
+
+        Yields ``{symbol: [calls, seconds]}``, filled as calls finish. The device is synchronised before
+        and after each call, so a kernel's time is its own (plus its launch); the forwards run slower
+        than unprofiled ones, and only the split between kernels is meant to be read from it.
+        """
+        import time
+
+        import tvm_ffi
+
+        acc: dict[str, list] = {}
+        started: dict[str, float] = {}
+        sync = self.device.sync
+
+        def instrument(func, symbol, before, ret, *args):
+            sync()
+            if before:
+                started[symbol] = time.perf_counter()
+            else:
+                a = acc.setdefault(str(symbol), [0, 0.0])
+                a[0] += 1
+                a[1] += time.perf_counter() - started.pop(symbol)
+            return 0  # VMInstrumentReturnKind: run the call
+
+        self.vm.set_instrument(tvm_ffi.convert(instrument))
+        try:
+            yield acc
+        finally:
+            self.vm.set_instrument(None)
 
     def release(self, seq: int) -> None:
         if seq in self.lengths:

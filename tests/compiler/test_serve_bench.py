@@ -52,3 +52,21 @@ def test_bench_refusals(tmp_path, capsys):
     assert "unknown model shape" in capsys.readouterr().err
     assert main(base[:-6] + ["--contexts", "3"] + base[-4:] + ["--systems", "hf-eager"]) == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_profile_splits_the_last_step(tmp_path):
+    """--profile: the last decode step runs untimed with each VM call timed alone; the point keeps the top calls
+    (the grouped expert kernels among them) and the step times exclude it."""
+    out = tmp_path / "p.json"
+    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "3", "--profile",
+                 "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "profile" not in doc["systems"]["hf-eager"]["points"][0]
+    prof = doc["systems"]["moec-bf16"]["points"][0]["profile"]
+    names = [c["name"] for c in prof["top"]]
+    assert {"moe_gate_up", "moe_down", "argmax_rows"} <= set(names)
+    assert any(n.startswith("vm.builtin.attention_kv_cache") for n in names)  # the paged cache's attention
+    assert prof["kernel_launches"] >= len([n for n in names if not n.startswith("vm.builtin.")])
+    assert 0 < prof["kernels_ms"] <= prof["calls_ms"] <= prof["profiled_step_ms"]
+    assert sum(c["ms"] for c in prof["top"]) + prof["rest_ms"] == pytest.approx(prof["calls_ms"])
+    assert prof["host_ms_estimate"] >= 0
