@@ -205,7 +205,11 @@ def run_tasks(tasks: list[Task], target: tvm.target.Target, directory: Path, tri
     t0 = time.perf_counter()
     # the rules' own schedule of each task, measured as the trials are, is one more record: the database's best
     # record for a task is then never slower than what the rules compile (tuning cannot make a kernel worse)
-    stats["baselines"] = sum(_commit_rules_baseline(db, t, target, ms_target, workers) for t in pending)
+    builder = _builder(workers)
+    runner = ms.runner.LocalRunner(ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0))  # one worker pool
+    stats["baselines"] = sum(_commit_rules_baseline(db, t, target, ms_target, builder, runner)
+                             for t in tqdm(pending, desc="[moec] rules baseline", unit="task", disable=not progress,
+                                           dynamic_ncols=True))
     before = {t.key: _records_of(db, t.mod) for t in pending}
     bar = tqdm(total=len(pending) * trials, desc="[moec] tune", unit="trial", disable=not progress, dynamic_ncols=True)
     measured = [0] * len(pending)
@@ -232,8 +236,7 @@ def run_tasks(tasks: list[Task], target: tvm.target.Target, directory: Path, tri
     try:
         ms.tune_tasks(tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=str(directory / "logs"),
                       max_trials_global=trials * len(contexts), max_trials_per_task=trials,
-                      num_trials_per_iter=min(trials, 64), builder=_builder(workers),
-                      runner=ms.runner.LocalRunner(ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0)),
+                      num_trials_per_iter=min(trials, 64), builder=builder, runner=runner,
                       database=db, cost_model=_cost_model(), task_scheduler="round-robin",
                       measure_callbacks=list(ms.measure_callback.MeasureCallback.create("default")) + [_Progress()])
         for i in range(len(pending)):  # tasks whose design space ran out before ``trials`` are done too
@@ -260,17 +263,16 @@ def rules_schedule(mod: tvm.IRModule, target: tvm.target.Target):
     return s_tir.Schedule(mod)
 
 
-def _commit_rules_baseline(db, task: "Task", target: tvm.target.Target, ms_target, workers: int) -> int:
+def _commit_rules_baseline(db, task: "Task", target: tvm.target.Target, ms_target, builder, runner) -> int:
     """Measure the rules' schedule of ``task`` and commit it as a record (1), or 0 where it cannot be built or run."""
     from tvm.s_tir import meta_schedule as ms
 
     try:
         sch = rules_schedule(task.mod, target)
         args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
-        (built,) = _builder(workers).build([ms.builder.BuilderInput(sch.mod, ms_target)])
+        (built,) = builder.build([ms.builder.BuilderInput(sch.mod, ms_target)])
         if built.error_msg:
             return 0
-        runner = ms.runner.LocalRunner(ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0))
         device = "cpu" if ms_target.kind.name == "llvm" else ms_target.kind.name
         (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args)])
         result = future.result()
