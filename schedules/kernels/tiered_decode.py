@@ -235,7 +235,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                            bitsplit_keys: bool | None = None):
+                            bitsplit_keys: bool | None = None, kstep: int | None = None):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -256,7 +256,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         raise ValueError(f"CUDA tiered decode needs head_dim = 16 * a divisor of 32, got {D}")
     LPT = D // 16  # lanes per token
     TPS = 32 // LPT  # token groups per warp
-    KSTEP = min(8 if G == 1 else 4, PS1, PS2 // TPS)
+    KSTEP = min(kstep or (8 if G == 1 else 4), PS1, PS2 // TPS)
     if KSTEP < 1 or PS1 % KSTEP or PS2 % (TPS * KSTEP):
         raise ValueError(f"CUDA tiered decode: pages ({PS1}, {PS2}) do not fit tiles of {TPS} x {KSTEP} tokens")
     TILE = TPS * KSTEP
