@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
     p.add_argument("--profile", action="store_true",
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
-                        "(the point's 'profile': top kernels, VM helpers, host share)")
+                        "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "
+                        "stream after the point")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

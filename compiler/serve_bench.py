@@ -234,6 +234,14 @@ class _Moec:
         finally:
             for s in seqs:
                 e.release(s)
+        if self.profile:  # one prefill chunk of a fresh stream (the batch's pages are free again), profiled alike
+            self.phase = "profiled prefill chunk"
+            n = min(prompts.shape[1], e.prefill_chunk)
+            t = time.perf_counter()
+            with e.kernel_profile() as acc:
+                (seq,), _ = e.prefill([list(prompts[0][:n])])
+            profile["prefill_chunk"] = {"tokens": n, **summarize_profile(acc, time.perf_counter() - t, None)}
+            e.release(seq)
         return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
 
 

@@ -70,3 +70,5 @@ def test_bench_profile_splits_the_last_step(tmp_path):
     assert 0 < prof["kernels_ms"] <= prof["calls_ms"] <= prof["profiled_step_ms"]
     assert sum(c["ms"] for c in prof["top"]) + prof["rest_ms"] == pytest.approx(prof["calls_ms"])
     assert prof["host_ms_estimate"] >= 0
+    chunk = prof["prefill_chunk"]  # a fresh stream's first prefill chunk, profiled the same way
+    assert chunk["tokens"] == 24 - 3 and {"moe_gate_up", "moe_down"} <= {c["name"] for c in chunk["top"]}
