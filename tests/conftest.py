@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import pytest
 import torch  # noqa: F401 - torch loads before tvm in every test process
 
 warnings.filterwarnings("ignore")
+# the verified-digest cache of artifact files goes to a directory of this run, not the user's ~/.cache
+os.environ.setdefault("MOEC_CACHE_DIR", tempfile.mkdtemp(prefix="moec-test-cache-"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 from moec_testing import ModelZoo  # noqa: E402

@@ -1,6 +1,7 @@
 """End to end on CPU (llvm): compile -> artifact -> moec.load -> prefill + decode, against torch and onnxruntime."""
 
 import json
+from pathlib import Path
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,33 @@ def _copy(src, tmp_path):
     shutil.copytree(src, dst)
     return dst
 
+
+def test_unchanged_files_are_hashed_once(zoo, tmp_path, monkeypatch):
+    """A file found to match its digest is remembered by inode, size and mtime: a second load does not hash the
+    weights again; a rewritten file (same size, new mtime) or a copy (new inode) is hashed again."""
+    import os
+
+    from moec.compiler import artifact
+
+    monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path / "cache"))
+    art = _copy(zoo.artifact("tiny", "onnx"), tmp_path)
+    hashed = []
+    real = artifact.sha256_file
+    monkeypatch.setattr(artifact, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a))
+    moec.load(art)
+    assert "weights.safetensors" in hashed
+    hashed.clear()
+    moec.load(art)
+    assert hashed == []
+    w = art / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    st = w.stat()
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later mtime, whatever the clock's resolution
+    with pytest.raises(ArtifactError, match="SHA-256 does not match"):
+        moec.load(art)
+    assert hashed == ["weights.safetensors"]
 
 def test_edited_manifest_is_refused(zoo, tmp_path):
     art = _copy(zoo.artifact("tiny", "onnx"), tmp_path)
