@@ -40,16 +40,26 @@ BATCHES = (1, 16, 64, 128)
 DTYPE = "bfloat16"
 
 
-def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores: bool = True):
+def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores: bool = True, **launch):
     from moec.schedules.kernels.grouped_experts import GroupedExpertsSpec
 
     return GroupedExpertsSpec(hidden=d, inter=i, experts=e, top_k=k, x_dtype=DTYPE, w_dtype=DTYPE, h_dtype=DTYPE,
                               rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64", w_format=w_format,
-                              tensor_cores=tensor_cores)
+                              tensor_cores=tensor_cores, **launch)
+
+
+def _funcs() -> dict:
+    """function name -> (weight format, tensor cores, launch overrides)"""
+    out = {name: (fmt, tc, {}) for name, (fmt, tc) in FUNCS.items()}
+    out.update({f"experts_{v}": ("float", True, kw) for v, kw in VARIANTS.items()})
+    return out
 
 
 # function -> (weight format, tensor cores): the default build, FP8 weights, and the warp-per-row form
 FUNCS = {"experts": ("float", True), "experts_fp8": ("fp8", True), "experts_warp": ("float", False)}
+# the default bf16 mma form with other launch shapes, checked and timed alike (``moec_grouped_<name>``): more
+# blocks in flight (one 16-row tile per warp), and warps per block
+VARIANTS = {"rt1": {"row_tiles": 1}, "w8_rt1": {"warps": 8, "row_tiles": 1}, "w2_rt1": {"warps": 2, "row_tiles": 1}}
 
 
 def build_module(shape, kind: str):
@@ -62,9 +72,9 @@ def build_module(shape, kind: str):
 
     e, k, d, i = shape
     bb = relax.BlockBuilder()
-    for fname, (fmt, tc) in FUNCS.items():
-        spec = _spec(*shape, w_format=fmt, tensor_cores=tc)
-        gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fmt}")
+    for fname, (fmt, tc, launch) in _funcs().items():
+        spec = _spec(*shape, w_format=fmt, tensor_cores=tc, **launch)
+        gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fname}")
               for n, make in KERNELS.items()}
         t = tvm.tirx.Var("t", "int64")
         x = relax.Var("x", relax.TensorType((t, d), DTYPE))
@@ -94,7 +104,7 @@ def compile_module(shape, target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(FUNCS)))
+    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(_funcs())))
 
 
 def prepare(out: Path, small: bool) -> None:
@@ -266,6 +276,13 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     vm.save_function("experts_warp", "experts_warp_timed", *args)
     res = vm.time_evaluator("experts_warp_timed", dev, number=number, repeat=repeat)()
     ms["moec_grouped_warp_form"] = float(np.median(np.asarray(res.results))) * 1e3
+    for v in VARIANTS:  # other launch shapes of the default form, on the same inputs
+        out_v = torch.from_dlpack(vm[f"experts_{v}"](*args)).float()
+        row[f"{v}_max_rel_error_vs_fp32"] = float((out_v - ref).abs().max()) / scale
+        row["passed"] = row["passed"] and row[f"{v}_max_rel_error_vs_fp32"] < 2e-2
+        vm.save_function(f"experts_{v}", f"experts_{v}_timed", *args)
+        res = vm.time_evaluator(f"experts_{v}_timed", dev, number=number, repeat=repeat)()
+        ms[f"moec_grouped_{v}"] = float(np.median(np.asarray(res.results))) * 1e3
     # FP8 e4m3 weights: against the reference over the dequantized weights
     (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     import tvm

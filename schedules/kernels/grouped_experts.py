@@ -76,10 +76,13 @@ class GroupedExpertsSpec:
     warps: int = 4  # NW: warps per block of the GEMMs (CUDA form)
     tensor_cores: bool = True  # CUDA: mma.sync forms of gate_up / down where ``mma_eligible`` (else the warp-per-row form)
     n_tiles: int = 0  # NT: 8-token tiles of an expert per weight pass of the mma forms (0: from E and K, ``mma_tiles``)
+    row_tiles: int = 0  # RT: 16-row tiles per warp of the mma forms, 1 or 2 (0: from NT, ``mma_tiles``)
 
     def check(self) -> None:
         if not isinstance(self.n_tiles, int) or isinstance(self.n_tiles, bool) or not 0 <= self.n_tiles <= 8:
             raise MoecError(f"grouped_experts: n_tiles must be an integer in 0..8, got {self.n_tiles!r}")
+        if self.row_tiles not in (0, 1, 2) or isinstance(self.row_tiles, bool):
+            raise MoecError(f"grouped_experts: row_tiles must be 0 (automatic), 1 or 2, got {self.row_tiles!r}")
         for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
             v = getattr(self, what)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -289,13 +292,15 @@ def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
 
     NT (``spec.n_tiles``, or by default the power of two that covers twice the mean tokens per expert at
     128 tokens, ``2 * 128 * K / E``: 4 for OLMoE, 8 for Mixtral) bounds how often an expert's weights are
-    streamed: once per NT * 8 of its tokens. RT trades registers against reuse of the token operand."""
+    streamed: once per NT * 8 of its tokens. RT (``spec.row_tiles``, or 2 up to NT 4 and 1 above) trades
+    registers and blocks in flight against reuse of the token operand."""
     nt = spec.n_tiles
     if nt == 0:
         want, nt = 2 * 128 * spec.top_k / spec.experts, 1
         while nt < 8 and nt * 8 < want:
             nt *= 2
-    return nt, (2 if nt <= 4 else 1), (2 if nt <= 4 else 1)
+    rt = spec.row_tiles or (2 if nt <= 4 else 1)
+    return nt, rt, rt
 
 
 def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
