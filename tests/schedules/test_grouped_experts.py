@@ -170,6 +170,12 @@ def test_cuda_warp_form_where_no_tensor_cores():
     assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf)) == (1, 2, 2)
     with pytest.raises(MoecError, match="n_tiles"):
         GroupedExpertsSpec(64, 32, 8, 2, n_tiles=9).check()
+    # row_tiles: one 16-row tile per warp doubles the blocks of OLMoE's gate_up (8 -> 16 per expert)
+    assert mma_tiles(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, row_tiles=1)) == (4, 1, 1)
+    assert launch_config(OLMOE)["gate_up"]["blocks"] == (8, 64)
+    assert launch_config(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, row_tiles=1))["gate_up"]["blocks"] == (16, 64)
+    with pytest.raises(MoecError, match="row_tiles"):
+        GroupedExpertsSpec(64, 32, 8, 2, row_tiles=3).check()
     off = GroupedExpertsSpec(2048, 1024, 64, 8, **bf, tensor_cores=False)
     assert launch_config(off)["gate_up"]["form"] == "warp per row" and launch_config(off)["gate_up"]["blocks"] == (256, 64)
     src = _cuda_modules(_build(off, "cuda").mod)[0].inspect_source("cuda")
