@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/moec-bench")
     ap.add_argument("--json", required=True)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--tune-timeout", type=float, default=None,
+                    help="seconds: run `moec tune` in a child process and stop it then (the database keeps what it measured)")
     a = ap.parse_args(argv)
     target = "cuda" if a.device == "cuda" else "llvm"
     family, kw = SHAPES[a.shape]
@@ -89,8 +91,25 @@ def main(argv=None) -> int:
     db = work / f"tuning-{target}-{a.kv_cache}"
     shutil.rmtree(db, ignore_errors=True)
     t = time.perf_counter()
-    tuned = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, workers=0, progress=True,
-                 kv_cache=a.kv_cache)
+    timed_out = False
+    if a.tune_timeout is None:
+        tuned = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, workers=0, progress=True,
+                     kv_cache=a.kv_cache)
+    else:  # `moec tune` in a child process, stopped after the timeout: the compile uses what its database holds by then
+        listed = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, dry_run=True,
+                      progress=False, kv_cache=a.kv_cache)
+        cmd = [sys.executable, "-m", "moec.compiler.cli", "tune", str(pt2), "--target", target, "--trials", str(a.trials),
+               "--buckets", a.buckets, "--db", str(db), "--workers", "0", "--kv-cache", a.kv_cache]
+        try:
+            subprocess.run(cmd, check=True, timeout=a.tune_timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            print(f"[tune_decode] tuning stopped after {a.tune_timeout} s", flush=True)
+        from moec.schedules.database import read_meta
+
+        done = read_meta(db).get("tasks", {})
+        tuned = {"buckets": listed["buckets"], "tasks": listed["tasks"], "tuned": len(done),
+                 "trials": sum(int(v.get("records", 0)) for v in done.values())}
     tune_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, vocab, (a.streams, a.context - a.steps))
@@ -114,7 +133,8 @@ def main(argv=None) -> int:
            "git_commit": commit, "device": device, "shape": shape, "kv_cache": a.kv_cache, "streams": a.streams,
            "context": a.context, "decode_steps": a.steps,
            "tuning": {"trials_per_task": a.trials, "buckets": tuned["buckets"], "tasks": len(tuned["tasks"]),
-                      "tuned": tuned.get("tuned"), "new_trials": tuned.get("trials"), "seconds": tune_s},
+                      "tuned": tuned.get("tuned"), "new_trials": tuned.get("trials"), "seconds": tune_s,
+                      "timed_out": timed_out, "baseline_errors": tuned.get("baseline_errors", {})},
            "rules": runs["rules"], "tuned": runs["tuned"],
            "speedup": runs["rules"]["step_ms_median"] / runs["tuned"]["step_ms_median"],
            "same_tokens": runs["rules"]["last_tokens"] == runs["tuned"]["last_tokens"]}

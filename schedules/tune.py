@@ -207,9 +207,18 @@ def run_tasks(tasks: list[Task], target: tvm.target.Target, directory: Path, tri
     # record for a task is then never slower than what the rules compile (tuning cannot make a kernel worse)
     builder = _builder(workers)
     runner = ms.runner.LocalRunner(ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0))  # one worker pool
-    stats["baselines"] = sum(_commit_rules_baseline(db, t, target, ms_target, builder, runner)
-                             for t in tqdm(pending, desc="[moec] rules baseline", unit="task", disable=not progress,
-                                           dynamic_ncols=True))
+    errors = {}
+    for t in tqdm(pending, desc="[moec] rules baseline", unit="task", disable=not progress, dynamic_ncols=True):
+        why = _commit_rules_baseline(db, t, target, ms_target, builder, runner)
+        if why:
+            errors[t.name] = why
+    stats["baselines"] = len(pending) - len(errors)
+    if errors:
+        stats["baseline_errors"] = errors
+        if progress:
+            name, why = next(iter(errors.items()))
+            print(f"[moec] the rules' schedule of {len(errors)} of {len(pending)} tasks was not measured "
+                  f"(left to the trials); first, {name}: {why}", flush=True)
     before = {t.key: _records_of(db, t.mod) for t in pending}
     bar = tqdm(total=len(pending) * trials, desc="[moec] tune", unit="trial", disable=not progress, dynamic_ncols=True)
     measured = [0] * len(pending)
@@ -263,8 +272,8 @@ def rules_schedule(mod: tvm.IRModule, target: tvm.target.Target):
     return s_tir.Schedule(mod)
 
 
-def _commit_rules_baseline(db, task: "Task", target: tvm.target.Target, ms_target, builder, runner) -> int:
-    """Measure the rules' schedule of ``task`` and commit it as a record (1), or 0 where it cannot be built or run."""
+def _commit_rules_baseline(db, task: "Task", target: tvm.target.Target, ms_target, builder, runner) -> str | None:
+    """Measure the rules' schedule of ``task`` and commit it as a record; None, or why it could not be built or run."""
     from tvm.s_tir import meta_schedule as ms
 
     try:
@@ -272,17 +281,17 @@ def _commit_rules_baseline(db, task: "Task", target: tvm.target.Target, ms_targe
         args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
         (built,) = builder.build([ms.builder.BuilderInput(sch.mod, ms_target)])
         if built.error_msg:
-            return 0
+            return f"build failed: {built.error_msg.strip().splitlines()[-1][:300]}"
         device = "cpu" if ms_target.kind.name == "llvm" else ms_target.kind.name
         (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args)])
         result = future.result()
         if result.error_msg or not result.run_secs:
-            return 0
+            return f"run failed: {(result.error_msg or 'no time measured').strip().splitlines()[-1][:300]}"
         workload = db.commit_workload(task.mod)
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, result.run_secs, ms_target, args))
-        return 1
-    except Exception:  # noqa: BLE001 - a task whose rule schedule does not replay is left to the tuned records
-        return 0
+        return None
+    except Exception as exc:  # noqa: BLE001 - a task whose rule schedule does not replay is left to the tuned records
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
 
 
 def _records_of(db, mod) -> int:
