@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/moec-bench")
     ap.add_argument("--json", required=True)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--strategy", default="evolutionary", choices=["evolutionary", "replay-trace"])
+    ap.add_argument("--workers", type=int, default=0, help="builder processes (0: build in the tuning process)")
+    ap.add_argument("--only", default=None, help="tune only kernels whose name contains one of these (comma-separated)")
     ap.add_argument("--tune-timeout", type=float, default=None,
                     help="seconds: run `moec tune` in a child process and stop it then (the database keeps what it measured)")
     a = ap.parse_args(argv)
@@ -93,13 +96,14 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     timed_out = False
     if a.tune_timeout is None:
-        tuned = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, workers=0, progress=True,
-                     kv_cache=a.kv_cache)
+        tuned = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, workers=a.workers,
+                     progress=True, kv_cache=a.kv_cache, strategy=a.strategy, only=a.only.split(",") if a.only else None)
     else:  # `moec tune` in a child process, stopped after the timeout: the compile uses what its database holds by then
         listed = tune(source, target=target, trials=a.trials, buckets=a.buckets, database=db, dry_run=True,
-                      progress=False, kv_cache=a.kv_cache)
+                      progress=False, kv_cache=a.kv_cache, only=a.only.split(",") if a.only else None)
         cmd = [sys.executable, "-m", "moec.compiler.cli", "tune", str(pt2), "--target", target, "--trials", str(a.trials),
-               "--buckets", a.buckets, "--db", str(db), "--workers", "0", "--kv-cache", a.kv_cache]
+               "--buckets", a.buckets, "--db", str(db), "--workers", str(a.workers), "--kv-cache", a.kv_cache,
+               "--strategy", a.strategy] + (["--only", a.only] if a.only else [])
         try:
             subprocess.run(cmd, check=True, timeout=a.tune_timeout)
         except subprocess.TimeoutExpired:
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
     doc = {"benchmark": "tune_decode", "command": "python bench/tune_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "git_commit": commit, "device": device, "shape": shape, "kv_cache": a.kv_cache, "streams": a.streams,
            "context": a.context, "decode_steps": a.steps,
-           "tuning": {"trials_per_task": a.trials, "buckets": tuned["buckets"], "tasks": len(tuned["tasks"]),
+           "tuning": {"trials_per_task": a.trials, "strategy": a.strategy, "only": a.only, "buckets": tuned["buckets"], "tasks": len(tuned["tasks"]),
                       "tuned": tuned.get("tuned"), "new_trials": tuned.get("trials"), "seconds": tune_s,
                       "timed_out": timed_out, "baseline_errors": tuned.get("baseline_errors", {})},
            "rules": runs["rules"], "tuned": runs["tuned"],

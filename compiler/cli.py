@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the shape's); fewer give the per-layer split of a step in less time")
     p.add_argument("--profile", action="store_true",
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
                         "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "

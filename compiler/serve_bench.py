@@ -57,14 +57,19 @@ _PAGE = 16  # the engine's KV page: each stream holds whole pages
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "hf-eager", "hf-compile")
 
 
-def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0):
-    """The HF model of ``shape`` with seeded random weights, on ``device`` in ``dtype``."""
+def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None):
+    """The HF model of ``shape`` with seeded random weights, on ``device`` in ``dtype`` (``layers``: that many
+    decoder layers instead of the shape's, for a per-layer split at a fraction of the time)."""
     import torch
     import transformers as tf
 
     if shape not in SHAPES:
         raise MoecError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     family, kw = SHAPES[shape]
+    if layers is not None:
+        if not isinstance(layers, int) or layers < 1:
+            raise MoecError(f"--layers must be a positive integer, got {layers!r}")
+        kw = {**kw, "num_hidden_layers": layers}
     cls, cfg_cls = {"olmoe": (tf.OlmoeForCausalLM, tf.OlmoeConfig)}[family]
     cfg = cfg_cls(**kw, experts_implementation="batched_mm", attn_implementation="sdpa", pad_token_id=0,
                   bos_token_id=1, eos_token_id=2)
@@ -314,7 +319,7 @@ class _HF:
 
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
-              progress: bool = True, checkpoint=None, profile: bool = False) -> dict:
+              progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
@@ -329,11 +334,11 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         raise MoecError("--device cuda: no CUDA device is visible to torch")
     if min(contexts) <= steps:
         raise MoecError(f"every context must exceed the decode steps ({steps})")
-    work = Path(work) / f"{shape}-{dtype}"
+    work = Path(work) / (f"{shape}-{dtype}" if layers is None else f"{shape}-{layers}l-{dtype}")  # as bench/tune_decode.py
     work.mkdir(parents=True, exist_ok=True)
-    model = build_hf(shape, dtype, device, seed)
+    model = build_hf(shape, dtype, device, seed, layers)
     bw = copy_bandwidth(device)
-    doc = {"shape": shape, "config": {k: v for k, v in SHAPES[shape][1].items()}, "dtype": dtype, "device_kind": device,
+    doc = {"shape": shape, "config": {k: getattr(model.config, k) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
@@ -459,7 +464,8 @@ def main(args) -> int:
         tmp.replace(out)
 
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
-                    checkpoint=write, profile=getattr(args, "profile", False))
+                    checkpoint=write, profile=getattr(args, "profile", False),
+                    layers=getattr(args, "layers", None))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

@@ -72,3 +72,12 @@ def test_bench_profile_splits_the_last_step(tmp_path):
     assert prof["host_ms_estimate"] >= 0
     chunk = prof["prefill_chunk"]  # a fresh stream's first prefill chunk, profiled the same way
     assert chunk["tokens"] == 24 - 3 and {"moe_gate_up", "moe_down"} <= {c["name"] for c in chunk["top"]}
+
+
+def test_layers_override():
+    model = build_hf("tiny-olmoe", layers=1)
+    assert model.config.num_hidden_layers == 1 and len(model.model.layers) == 1
+    from moec.compiler.errors import MoecError
+
+    with pytest.raises(MoecError, match="--layers"):
+        build_hf("tiny-olmoe", layers=0)
