@@ -58,8 +58,14 @@ def _funcs() -> dict:
 # function -> (weight format, tensor cores): the default build, FP8 weights, and the warp-per-row form
 FUNCS = {"experts": ("float", True), "experts_fp8": ("fp8", True), "experts_warp": ("float", False)}
 # the default bf16 mma form with other launch shapes, checked and timed alike (``moec_grouped_<name>``): more
-# blocks in flight (one 16-row tile per warp), and warps per block
-VARIANTS = {"rt1": {"row_tiles": 1}, "w8_rt1": {"warps": 8, "row_tiles": 1}, "w2_rt1": {"warps": 2, "row_tiles": 1}}
+# blocks in flight (one 16-row tile per warp), and warps per block; ``pipe_*``: the cp.async form (``stages``: the
+# weights and tokens of up to that many k-steps staged through shared memory, as many as fit in 48 KB per block;
+# ``launch_config`` in index.json says how many each kernel got), ``_pf``: with the L2::256B prefetch hint
+VARIANTS = {"rt1": {"row_tiles": 1}, "w8_rt1": {"warps": 8, "row_tiles": 1}, "w2_rt1": {"warps": 2, "row_tiles": 1},
+            "pipe_w4": {"stages": 4, "row_tiles": 1}, "pipe_w2": {"stages": 4, "warps": 2, "row_tiles": 1},
+            "pipe_w1": {"stages": 8, "warps": 1, "row_tiles": 1},
+            "pipe_w2_pf": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
+            "pipe_w4_pf": {"stages": 4, "row_tiles": 1, "l2_prefetch": 256}}
 
 
 def build_module(shape, kind: str):
@@ -123,7 +129,9 @@ def prepare(out: Path, small: bool) -> None:
             kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
             ex.export_library(str(sub / "lib.so"))
             index[name] = {"shape": dict(zip("EKDI", shape)), "cuda_kernels": kernels,
-                           "launch_config": launch_config(_spec(*shape))}
+                           "launch_config": launch_config(_spec(*shape)),
+                           "variants": {v: {"spec": kw, **{k: launch_config(_spec(*shape, **kw))[k] for k in ("gate_up", "down")}}
+                                        for v, kw in VARIANTS.items()}}
             print(json.dumps({name: index[name]["launch_config"]}), flush=True)
         (tmp / "index.json").write_text(json.dumps(index, indent=2))
 

@@ -36,6 +36,10 @@ Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
     once; more tokens re-read the row once per tile (from L2 when it still holds it). The grid depends on E
     and the weight shapes only, not
     on T: nothing is padded to the worst case, token counts are dynamic.
+  * gate_up / down with 16-bit weights (``mma_eligible``): tensor cores (mma.sync m16n8k16, ``_make_gate_up_mma``),
+    operands loaded straight into registers; or, with ``stages`` >= 2, staged through shared memory by
+    ``cp.async`` with up to ``stages`` k-steps in flight per block (``_mma_pipe_mainloop``, ``mma_stages``: as
+    many as fit in 48 KB), the tokens of a pass copied once per block.
   * combine: one block per token, threads over D.
 """
 
@@ -77,12 +81,18 @@ class GroupedExpertsSpec:
     tensor_cores: bool = True  # CUDA: mma.sync forms of gate_up / down where ``mma_eligible`` (else the warp-per-row form)
     n_tiles: int = 0  # NT: 8-token tiles of an expert per weight pass of the mma forms (0: from E and K, ``mma_tiles``)
     row_tiles: int = 0  # RT: 16-row tiles per warp of the mma forms, 1 or 2 (0: from NT, ``mma_tiles``)
+    stages: int = 0  # mma forms: 0 loads into registers; 2..8 at most that many cp.async stages through shared memory
+    l2_prefetch: int = 0  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
 
     def check(self) -> None:
         if not isinstance(self.n_tiles, int) or isinstance(self.n_tiles, bool) or not 0 <= self.n_tiles <= 8:
             raise MoecError(f"grouped_experts: n_tiles must be an integer in 0..8, got {self.n_tiles!r}")
         if self.row_tiles not in (0, 1, 2) or isinstance(self.row_tiles, bool):
             raise MoecError(f"grouped_experts: row_tiles must be 0 (automatic), 1 or 2, got {self.row_tiles!r}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
+            raise MoecError(f"grouped_experts: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
+        if self.l2_prefetch not in (0, 64, 128, 256) or isinstance(self.l2_prefetch, bool):
+            raise MoecError(f"grouped_experts: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
             v = getattr(self, what)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -145,6 +155,11 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
         raise MoecError(f"grouped_experts: target must be 'llvm' or 'cuda', got {target!r}")
     if target == "cuda" and spec.experts > 32 * 1024:
         raise MoecError(f"grouped_experts: {spec.experts} experts exceed the route_prep kernel's shared counts")
+    if target == "cuda" and spec.stages:
+        for kernel in ("gate_up", "down"):
+            if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
+                raise MoecError(f"grouped_experts: two cp.async stages of {kernel} ({2 * mma_stages(spec, kernel)[1]} bytes) "
+                                f"exceed {SMEM_LIMIT} bytes of shared memory: fewer warps, row_tiles or n_tiles")
 
 
 def _f32(v):
@@ -303,12 +318,33 @@ def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
     return nt, rt, rt
 
 
+SMEM_LIMIT = 49152  # bytes of static shared memory per block (the moec CUDA target's max_shared_memory_per_block)
+
+
+def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
+    """``(stages, shared bytes per stage)`` of the cp.async form of ``kernel``: at most ``spec.stages``, as many as fit
+    in ``SMEM_LIMIT`` (0 stages: the register form, or fewer than 2 fit). A stage is one k-step of 64: each warp's
+    weight tiles (2 RT for gate_up's gate and up halves, RT for down; 16 rows x 128 bytes each) and the pass's
+    tokens (8 NT rows x 128 bytes), shared by the block's warps."""
+    nt, rt_gu, rt_dn = mma_tiles(spec)
+    tiles = 2 * rt_gu if kernel == "gate_up" else rt_dn
+    per_stage = spec.warps * tiles * 16 * MMA_K * 2 + 8 * nt * MMA_K * 2
+    if not spec.stages:
+        return 0, per_stage
+    n = min(spec.stages, SMEM_LIMIT // per_stage)
+    return (n if n >= 2 else 0), per_stage
+
+
 def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
     nt, rt_gu, rt_dn = mma_tiles(spec)
     rt, rows, red = (rt_gu, spec.inter, spec.hidden) if kernel == "gate_up" else (rt_dn, spec.hidden, spec.inter)
     per_block = spec.warps * rt * 16
-    return {"form": "mma.sync m16n8k16", "blocks": (-(-rows // per_block), spec.experts), "threads": 32 * spec.warps,
-            "row_tiles": rt, "n_tiles": nt, "tokens_per_pass": 8 * nt, "steps": red // MMA_K}
+    cfg = {"form": "mma.sync m16n8k16", "blocks": (-(-rows // per_block), spec.experts), "threads": 32 * spec.warps,
+           "row_tiles": rt, "n_tiles": nt, "tokens_per_pass": 8 * nt, "steps": red // MMA_K}
+    if spec.stages:
+        st, per_stage = mma_stages(spec, kernel)
+        cfg.update({"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per_stage})
+    return cfg
 
 
 def _mma(a, a_off, b, b_off, c, c_off, ab: str):
@@ -362,6 +398,87 @@ def _mma_mainloop():
     return mainloop
 
 
+def _mma_pipe_mainloop(l2_prefetch: int = 0):
+    """The k loop of the cp.async forms of gate_up and down (``spec.stages``), as a TIR macro.
+
+    Same tiles, fragments and k permutation as ``_mma_mainloop``, but each k-step's operands go through shared
+    memory, ``S`` steps in flight: step kc's copies are issued S - 1 steps before its mma (``cp.async``, 16 bytes
+    each, commit / wait groups), so a block keeps up to S - 1 steps of weights on the way without holding them
+    in registers. Lane (g, q) copies, for each of its warp's tiles t and halves rh (rows g, g + 8) and c, the 8
+    elements at k = 64 kc + 32 c + 8 q (8 lanes cover 8 rows x 64 contiguous bytes, full 32-byte sectors) into
+    its own slots ``ws[stage][warp][t][rh][c][lane]``; it alone reads them back (16-byte loads, lanes
+    contiguous: no bank conflicts) into ``wa[(2 t + rh) 16 + 8 c + (0..7)]``, exactly where ``_mma_mainloop``
+    puts k = 16 q + 8 c + (0..7): only the global k of a fragment slot changes, for both operands alike. The
+    pass's 8 NT token rows are copied once per block (thread tx: 16-byte chunks tx, tx + 32 NW, ...; loader
+    chunk j of ``x_at(j, k)``, its row ``(j 32 NW + tx) // 8``, skipped unless ``x_ok(j)``) into
+    ``xs[stage][row][8 chunks of 8]``, the two 64-byte halves of odd rows swapped (the 8 lanes of a 16-byte
+    load phase read rows g, g + 1: disjoint banks). One ``__syncthreads`` per step: after step kc's group
+    has landed (``cp.async.wait_group S - 2``) and before step kc + S - 1's copies overwrite the stage that
+    step kc - 1 read. Tokens of a tile past ``nv`` read stale shared memory: their mma columns are never
+    stored. Rows of tiles with ``not tile_ok(t)`` are neither copied nor multiplied."""
+    cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
+    cpx = "cp.async.cg.shared.global"
+
+    @T.macro
+    def issue(ws, xs, st, kc, tx, g, q, tiles, tok, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for c in T.unroll(2):
+                        T.evaluate(T.ptx[cpw](
+                            T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8]),
+                            T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * 8)), 16))
+        for j in T.unroll(xl):
+            if (tok * 8) % (32 * nw) == 0 or j * 32 * nw + tx < tok * 8:
+                if x_ok(j):
+                    T.evaluate(T.ptx[cpx](
+                        T.address_of(xs[((st * tok + (j * 32 * nw + tx) // 8) * 8 + ((tx % 8) // 4 + (j * 32 * nw + tx) // 8) % 2 * 4
+                                         + tx % 4) * 8]),
+                        T.address_of(x_at(j, kc * 64 + (tx % 8) * 8)), 16))
+
+    @T.macro
+    def mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, tiles, nt, steps, stages, nw, xl, tile_row, tile_ok, w_at, x_ok,
+                 x_at, ab):
+        for i in T.unroll(tiles * 4 * nt):
+            acc[i] = T.float32(0)
+        T.tvm_storage_sync("shared")  # the previous pass's last steps are read: its stages may be refilled
+        for s0 in T.unroll(stages - 1):
+            if s0 < steps:
+                issue(ws, xs, s0, s0, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kc in T.serial(steps):
+            T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+            T.tvm_storage_sync("shared")
+            if kc + stages - 1 < steps:
+                issue(ws, xs, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok,
+                      w_at, x_ok, x_at)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            for t in T.unroll(tiles):
+                if tile_ok(t):
+                    for rh in T.unroll(2):
+                        for c in T.unroll(2):
+                            for v in T.vectorized(8):
+                                wa[(t * 2 + rh) * 16 + c * 8 + v] = ws[
+                                    (((((kc % stages) * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8 + v]
+            for t in T.unroll(tiles):
+                for st in T.unroll(4):
+                    for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k slot 4 st + 2 (a // 4) + a % 2
+                        af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+            for n in T.unroll(nt):
+                if n * 8 < nv:
+                    for c in T.unroll(2):
+                        for v in T.vectorized(8):
+                            xb[c * 8 + v] = xs[(((kc % stages) * nt * 8 + n * 8 + g) * 8 + (c + g) % 2 * 4 + q) * 8 + v]
+                    for i in T.unroll(16):
+                        xf[i] = xb[i]
+                    for t in T.unroll(tiles):
+                        if tile_ok(t):
+                            for st in T.unroll(4):
+                                T.evaluate(_mma(af, (t * 4 + st) * 8, xf, 4 * st, acc, (t * nt + n) * 4, ab))
+
+    return mainloop
+
+
 def _make_gate_up_mma(spec: GroupedExpertsSpec):
     """gate_up on tensor cores. Warp w of block (jb, e) owns RT tiles of 16 rows j of the gate and the up
     halves; an expert's tokens go NT * 8 at a time (one weight pass each). Each k-step of 64 lane l
@@ -371,6 +488,8 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     2q, 2q + 1, 2q + 8, 2q + 9), the same permutation of k for both operands, so the sum is unchanged.
     Accumulators float32; SwiGLU in the epilogue where the gate and up results of a (row, token) meet in
     one lane."""
+    if spec.stages:
+        return _make_gate_up_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
     wshape, ei = _windex((E, 2 * I, D))
@@ -433,6 +552,8 @@ def _make_down_mma(spec: GroupedExpertsSpec):
     """down on tensor cores, as ``_make_gate_up_mma`` with the rows d of W2 and the SwiGLU rows h of the
     expert's tokens (contiguous in expert order) as the token operand; the epilogue scales each slot's
     row by its routing weight and writes it at the slot's place."""
+    if spec.stages:
+        return _make_down_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     wshape, ei = _windex((E, D, I))
     NT, _, RT = mma_tiles(spec)
@@ -473,6 +594,128 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                             mainloop(wa, af, hb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < D,
                                      lambda row, k: w[ei(e), row, k], lambda n: n * 8 + g < nv,
                                      lambda n, k: h[lo + ps * TOK + n * 8 + g, k], ab)
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < D:
+                                    for n in T.unroll(NT):
+                                        for c in T.unroll(4):
+                                            if n * 8 + 2 * q + c % 2 < nv:
+                                                y[order[lo + ps * TOK + n * 8 + 2 * q + c % 2], rb + r * 16 + g + 8 * (c // 2)] = (
+                                                    acc[(r * NT + n) * 4 + c] * _f32(rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
+                                                                                      order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
+
+    return moe_down
+
+
+def _make_gate_up_pipe(spec: GroupedExpertsSpec):
+    """gate_up on tensor cores with the weight and token operands staged through shared memory by cp.async
+    (``_mma_pipe_mainloop``, ``mma_stages``); tiles, passes and epilogue as ``_make_gate_up_mma``."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+    wshape, ei = _windex((E, 2 * I, D))
+    NT, RT, _ = mma_tiles(spec)
+    cfg = _mma_launch(spec, "gate_up")
+    NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
+    XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+
+    def swiglu(gv, uv):
+        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+        T.func_attr(_attrs("moe_gate_up"))
+        N = T.int64()
+        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+        w = T.match_buffer(w_h, wshape, wdt)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for jb in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("gate_up"):
+                        T.reads()
+                        T.writes()
+                        ws = T.sblock_alloc_buffer((S * NW * 2 * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                        wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
+                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
+                        ltok = T.sblock_alloc_buffer((XL,), "int32", scope="local")  # tokens of the chunks this thread copies
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = jb * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                            nv: T.let[T.int32] = cnt - ps * TOK
+                            for j in T.unroll(XL):
+                                ltok[j] = T.if_then_else((j * 32 * NW + tx) // 8 < nv,
+                                                         order[T.min(lo + ps * TOK + (j * 32 * NW + tx) // 8, lo + cnt - 1)] // K, -1)
+                            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, 2 * RT, NT, KC, S, NW, XL,
+                                     lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
+                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(e), row, k],
+                                     lambda j: ltok[j] >= 0, lambda j, k: x[ltok[j], k], ab)
+                            for r in T.unroll(RT):
+                                if rb + r * 16 < I:
+                                    for n in T.unroll(NT):
+                                        for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
+                                            if n * 8 + 2 * q + c % 2 < nv:
+                                                h[lo + ps * TOK + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = swiglu(
+                                                    acc[((r * 2) * NT + n) * 4 + c], acc[((r * 2 + 1) * NT + n) * 4 + c])
+
+    return moe_gate_up
+
+
+def _make_down_pipe(spec: GroupedExpertsSpec):
+    """down on tensor cores with cp.async stages (``_mma_pipe_mainloop``); epilogue as ``_make_down_mma``."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    wshape, ei = _windex((E, D, I))
+    NT, _, RT = mma_tiles(spec)
+    cfg = _mma_launch(spec, "down")
+    NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+
+    @T.prim_func(s_tir=True)
+    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+        T.func_attr(_attrs("moe_down"))
+        N = T.int64()
+        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+        w = T.match_buffer(w_h, wshape, wdt)
+        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        order = T.match_buffer(order_h, (N * K,), "int32")
+        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+        y = T.match_buffer(y_h, (N * K, D), "float32")
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for db in T.thread_binding(NBX, thread="blockIdx.x"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("down"):
+                        T.reads()
+                        T.writes()
+                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = db * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                            nv: T.let[T.int32] = cnt - ps * TOK
+                            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,
+                                     lambda t: rb + t * 16 < D, lambda row, k: w[ei(e), row, k],
+                                     lambda j: (j * 32 * NW + tx) // 8 < nv,
+                                     lambda j, k: h[lo + ps * TOK + (j * 32 * NW + tx) // 8, k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < D:
                                     for n in T.unroll(NT):

@@ -184,6 +184,53 @@ def test_cuda_warp_form_where_no_tensor_cores():
         assert "uint4" in b and "__shfl_xor_sync" in b and "mma.sync" not in b
 
 
+def test_cuda_pipe_form_builds_for_sm90():
+    """``stages``: the mma forms with their operands staged through shared memory by cp.async, as many stages as
+    fit in 48 KB per block (OLMoE, 4 warps x 1 row tile: gate_up's stage is 16 KB of weights + 4 KB of tokens)."""
+    from dataclasses import replace
+
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = replace(OLMOE, stages=4, row_tiles=1)
+    cfg = launch_config(spec)
+    assert cfg["gate_up"]["stages"] == 2 and cfg["gate_up"]["shared_bytes"] == 40960 and cfg["gate_up"]["blocks"] == (16, 64)
+    assert cfg["down"]["stages"] == 4 and cfg["down"]["shared_bytes"] == 49152 and cfg["down"]["blocks"] == (32, 64)
+    assert "stages" not in launch_config(OLMOE)["gate_up"]  # the default keeps register loads
+    src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    bodies = _kernel_bodies(src)
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        b = bodies[name]
+        assert "cp.async.cg.shared.global" in src and "cp_async_wait_group" in b and "__syncthreads" in b
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b
+    # (gate, up) x 4 token tiles x 4 k steps; down: 4 x 4
+    assert bodies["moe_gate_up_kernel"].count("mma.sync") == 32 and bodies["moe_down_kernel"].count("mma.sync") == 16
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    # with the L2 prefetch hint
+    src = _cuda_modules(_build(replace(spec, warps=2, l2_prefetch=256), "cuda").mod)[0].inspect_source("cuda")
+    assert "cp.async.cg.shared.global.L2::256B" in src
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+def test_pipe_refusals():
+    from dataclasses import replace
+
+    from moec.schedules.kernels.grouped_experts import check_supported
+
+    for bad in ({"stages": 1}, {"stages": 9}, {"stages": True}):
+        with pytest.raises(MoecError, match="stages"):
+            replace(OLMOE, **bad).check()
+    with pytest.raises(MoecError, match="l2_prefetch"):
+        replace(OLMOE, l2_prefetch=32).check()
+    # 8 warps x 2 row tiles of gate and up: 64 KB of weights per stage
+    with pytest.raises(MoecError, match="exceed 49152 bytes"):
+        check_supported(replace(OLMOE, stages=2, warps=8, row_tiles=2), "cuda")
+    check_supported(replace(OLMOE, stages=2, warps=8, row_tiles=2), "llvm")  # the llvm form has no stages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("t", [1, 37, 128, 300])
@@ -192,6 +239,20 @@ def test_cuda_matches_numpy_on_gpu(t, tensor_cores):
     # 300 tokens: 75 slots per expert on average, two passes of 64 (the mma form's 8 tiles) for most experts
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
         "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", tensor_cores=tensor_cores)
+    data = _data(spec, t, seed=t)
+    _check(spec, _run(_build(spec, "cuda"), spec, *data, dev=tvm.cuda()), *data, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [{"stages": 4, "row_tiles": 1}, {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
+                                    {"stages": 3, "warps": 3, "row_tiles": 1}, {"stages": 8, "warps": 1, "row_tiles": 1}])
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_cuda_pipe_form_matches_numpy_on_gpu(t, launch):
+    """The cp.async forms; 3 warps: row blocks past the rows, token chunks that do not divide the threads; 300 tokens:
+    several passes per expert (the stages are refilled between passes)."""
+    require_cuda()
+    spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", **launch)
     data = _data(spec, t, seed=t)
     _check(spec, _run(_build(spec, "cuda"), spec, *data, dev=tvm.cuda()), *data, tol=3e-2)
 
