@@ -235,8 +235,13 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                            bitsplit_keys: bool | None = None, kstep: int | None = None):
+                            bitsplit_keys: bool | None = None, kstep: int | None = None, form: str = "simt",
+                            prefetch: bool = True):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
+
+    ``form="mma"`` is the tensor-core form (``make_tiered_decode_mma``: Dh 128, at most 4 query heads per
+    KV head, pages of a multiple of 16 tokens; ``prefetch`` is its option); ``"simt"`` (the default) is the
+    form described here, with the options ``bitsplit_keys`` and ``kstep``.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
     +15 (LPT = Dh / 16 lanes per token) of token group l // LPT; a tile of the warp is TPS = 32 / LPT
@@ -249,6 +254,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     tier-1 scores. Kernel 2: one block per (sequence, KV head) merges the splits into ``out`` and
     adds each tier-1 token's probability (summed over the KV head's query heads) to ``t1_mass``.
     """
+    if form == "mma":
+        return make_tiered_decode_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, prefetch=prefetch)
+    if form != "simt":
+        raise ValueError(f"tiered decode: unknown CUDA form {form!r} (simt, mma)")
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
     D4 = D // 4
@@ -482,6 +491,390 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 part_ml[b, hk * G + g, sp, 1] = l_l[g]
 
         # ---- merge the splits; importance of the tier-1 tokens
+        for b in T.thread_binding(B, thread="blockIdx.x"):
+            for hk in T.thread_binding(HKV, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT2, thread="threadIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        mg = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        linv = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        lg = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        o = T.sblock_alloc_buffer((D // NT2,), "float32", scope="local")
+                        mtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        n1m: T.let[T.int32] = t1_len[b]
+                        for g in T.serial(G):
+                            mg[g] = T.float32(NEG)
+                            for s in T.serial(S):
+                                mg[g] = T.max(mg[g], part_ml[b, hk * G + g, s, 0])
+                            lg[0] = T.float32(0)
+                            for j in T.unroll(D // NT2):
+                                o[j] = T.float32(0)
+                            for s in T.serial(S):
+                                lg[0] = lg[0] + part_ml[b, hk * G + g, s, 1] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+                                for j in T.unroll(D // NT2):
+                                    o[j] = o[j] + part_acc[b, hk * G + g, s, j * NT2 + tx] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+                            linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
+                            for j in T.unroll(D // NT2):
+                                out[b, hk * G + g, j * NT2 + tx] = o[j] * linv[g]
+                        for c in T.serial(T.ceildiv(n1m, NT2)):
+                            if c * NT2 + tx < n1m:
+                                mtot[0] = T.float32(0)
+                                for g in T.serial(G):
+                                    mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, c * NT2 + tx] - mg[g]) * linv[g]
+                                t1_mass[layer, t1_table[b, (c * NT2 + tx) // PS1], hk, (c * NT2 + tx) % PS1] += mtot[0]
+
+    return tiered_decode
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor-core (mma.sync) form
+#
+# Both products of the decode run on mma.sync m16n8k16 (f16 operands, f32 accumulation) over tiles of
+# 16 tokens; lane l = 4 g + t holds the fragments of the PTX layout (A: rows g, g+8, columns 2t, 2t+1,
+# 2t+8, 2t+9; B: rows 2t, 2t+1, 2t+8, 2t+9, column g; C: rows g, g+8, columns 2t, 2t+1).
+# - N (8 columns) is the query heads of the KV head, each twice: column 2h holds the f16 rounding of a
+#   weight and column 2h + 1 its remainder (hi + lo carry 22 bits), so the scores and the output keep
+#   float32 accuracy although the operands are f16. Lane t of the C fragments owns head t.
+# - Scores: A = keys (rows tokens, k = channels), B = q. FP8 bytes become f16 exactly (cvt e4m3x2 ->
+#   f16x2). A 2-bit code is two bit planes: lev = -L1 + (L1 - L0) b0 + (L1 + L0) b1. One LOP3,
+#   (w & mask) | base, turns bit k of both 16-bit halves of a word into two f16 values Y + b (X - Y),
+#   exact; the weights (q sigma (L1 -+ L0) / (X - Y) per channel) absorb the position's X - Y, the
+#   constant parts (q . mu and the Y terms) are added per page. Codes sit at bits 8..15 of the halves
+#   (the word and the word << 8), where X - Y is at least a quarter of X.
+# - Output: A = values transposed (rows channels, k = tokens: a register holds two tokens of a
+#   channel, paired by byte permutes), B = p * scale of the 16 tokens (shuffled from the score
+#   layout), C = the output accumulator (rows channels, columns the heads), rescaled as the max grows.
+#   Tier-2 codes are shifted to bits 12 and 13 of the halves (exponent bits, so Y is small beside
+#   X - Y), so both bit planes have one weight each: p sigma (L1 -+ L0) / (X - Y); p (mu + sigma K0)
+#   is summed per head (``pmu``).
+
+
+def _half_bit(k: int) -> tuple[int, float, float]:
+    """(base bits, value with bit k clear, value with bit k set) of the float16 built as base | bit k."""
+    import struct
+
+    base = {8: 0x3C00, 9: 0x3C00, 10: 0x3800, 11: 0x3400, 12: 0x2C00, 13: 0x1C00, 14: 0x0400, 15: 0x3C00}[k]
+    assert not base & (1 << k)
+    f = lambda bits: struct.unpack("<e", struct.pack("<H", bits))[0]  # noqa: E731
+    return base, f(base), f(base | (1 << k))
+
+
+def _mma_consts():
+    """Key bit positions 8..15: (mask32, base32, weight factor c_b / (X - Y), c_b Y / (X - Y)); per code
+    position pi of a byte the key offset K0[pi] (lev = K0 + sum_b factor_b f_b); the value factors (bits 12,
+    13: exponent bits, X - Y is 15/16 and 255/256 of X) and the value offset K0v."""
+    l0, l1 = float(NF2_LEVELS[2]), float(NF2_LEVELS[3])
+    cb = (l1 - l0, l1 + l0)
+    kc = {}
+    for k in range(8, 16):
+        base, y, x = _half_bit(k)
+        kc[k] = ((1 << k) | (1 << (k + 16)), base | (base << 16), cb[(k - 8) % 2] / (x - y), y / (x - y) * cb[(k - 8) % 2])
+    k0 = [-l1 - kc[8 + 2 * p][3] - kc[9 + 2 * p][3] for p in range(4)]
+    return kc, k0, (kc[12][2], kc[13][2]), -l1 - kc[12][3] - kc[13][3]
+
+
+def make_tiered_decode_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
+                           prefetch: bool = True):
+    """Tensor-core CUDA form of ``tiered_decode`` (same arguments, outputs and workspaces as the SIMT form).
+
+    Kernel 1: one warp (block) per (sequence, KV head, split), tiles of 16 tokens, every S-th tier-1
+    tile and tier-2 page of the sequence. Per tile: the scores by mma (8 for FP8 keys, 16 for 2-bit
+    keys: two bit planes x 8 positions), the online softmax on the score fragments (max by three
+    shuffles, rescale when it grows), then the output by mma (8 for FP8 values, 16 for 2-bit). The
+    accumulator fragments hold the sums over the tokens, so nothing is summed across lanes but l and
+    the mu term. ``prefetch`` loads the next tier-2 tile's codes before the current tile's math.
+    Kernel 2 (merge and importance) is the SIMT form's.
+    """
+    H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
+    G = H // HKV
+    if D != 128 or G > 4 or PS1 % 16 or PS2 % 16:
+        raise ValueError(f"tiered decode mma form: needs Dh 128, at most 4 query heads per KV head and pages of a "
+                         f"multiple of 16 tokens, got Dh {D}, {G} heads per KV head, pages ({PS1}, {PS2})")
+    D4 = D // 4
+    W2 = D // 16  # uint32 words of a tier-2 row
+    TPP = PS2 // 16  # tiles of a tier-2 page
+    NEG = -1e30
+    NT2 = min(D, 128)
+    KC, K0, VF, K0V = _mma_consts()
+    SCALE = LOG2E
+    QS, VS = 16.0, 64.0  # the f16 weights are scaled up by these powers of two (remainders stay normal)
+
+    def shfl_x(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    def shfl(v, src):
+        return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
+
+    def split(x, lo):  # x's f16 rounding (lo = 0) or the f16 rounding of its remainder (lo = 1), branch-free
+        return T.Cast("float16", x - lo * T.Cast("float32", T.Cast("float16", x)))
+
+    def mma(a, a_off, b, b_off, c, c_off):
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", "fp16", "fp16", "fp32", a.data, a_off, b.data, b_off, c.data,
+                                c_off, False, dtype="float32")
+
+    KMASK, KBASE, KFAC = ([KC[8 + i][j] for i in range(8)] for j in range(3))
+
+    def bits(y, i):  # (y & mask) | base for bit 8 + i of both halves (i: an unrolled loop expression)
+        return (y & _tab(i, KMASK, "uint32")) | _tab(i, KBASE, "uint32")
+
+    def vbits(x, kappa, b):  # value code kappa of bits 8..15 of the halves, moved to bits 12 (b0) and 13 (b1)
+        y = T.if_then_else(kappa == 0, x << T.uint32(4), T.if_then_else(kappa == 1, x << T.uint32(2), T.if_then_else(
+            kappa == 2, x, x >> T.uint32(2))))
+        return (y & _tab(b, KMASK[4:6], "uint32")) | _tab(b, KBASE[4:6], "uint32")
+
+    def prmt_sel(beta):  # byte beta of the first word into bytes 0, 1; of the second into bytes 2, 3
+        return _tab(beta, [bt | (bt << 4) | ((4 + bt) << 8) | ((4 + bt) << 12) for bt in range(4)], "uint32")
+
+    @T.macro
+    def softmax_tile(sv, pv, ml, acv):
+        # sv[0], sv[1]: log2-domain scores of tokens g, g + 8 for head t; the max over the warp's g lanes
+        ml[3] = T.max(sv[0], sv[1])
+        for r in T.unroll(3):
+            ml[3] = T.max(ml[3], shfl_x(ml[3], T.shift_left(4, r)))
+        if ml[3] > ml[0]:
+            ml[4] = T.exp2(ml[0] - ml[3])
+            ml[1] = ml[1] * ml[4]
+            ml[2] = ml[2] * ml[4]
+            for i in T.unroll(32):
+                acv[i] = acv[i] * ml[4]
+            ml[0] = ml[3]
+        for j in T.unroll(2):
+            pv[j] = T.exp2(sv[j] - ml[0])
+        ml[1] = ml[1] + pv[0] + pv[1]
+
+    @T.prim_func(s_tir=True)
+    def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
+                      t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
+                      t2vsig_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle,
+                      out_h: T.handle, mass_h: T.handle, scores_h: T.handle, pacc_h: T.handle, pml_h: T.handle,
+                      layer: T.int32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_decode"})
+        NL, B, P1, P2, M1, M2, S = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (B, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        t1_len = T.match_buffer(t1len_h, (B,), "int32")
+        t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
+        t2_np = T.match_buffer(t2np_h, (B,), "int32")
+        out = T.match_buffer(out_h, (B, H, D), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+        scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
+        part_acc = T.match_buffer(pacc_h, (B, H, S, D), "float32")
+        part_ml = T.match_buffer(pml_h, (B, H, S, 2), "float32")
+        t1_k8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_k.data)
+        t1_v8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_v.data)
+        t1_ks1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_ks.data)
+        t1_vs1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_vs.data)
+        t2_k32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_k.data)
+        t2_v32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_v.data)
+        t2_vmu1 = T.decl_buffer((NL * P2 * HKV * PS2,), "float16", data=t2_vmu.data)
+        t2_vsig1 = T.decl_buffer((NL * P2 * HKV * PS2,), "float16", data=t2_vsig.data)
+
+        for bs in T.thread_binding(B * S, thread="blockIdx.x"):
+            for hk in T.thread_binding(HKV, thread="blockIdx.y"):
+                for lane in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("attn"):
+                        T.reads()
+                        T.writes()
+                        bq = T.sblock_alloc_buffer((64,), "float16", scope="local")  # B of the score mma
+                        acv = T.sblock_alloc_buffer((32,), "float32", scope="local")  # output C: [8 row sets][4]
+                        cs = T.sblock_alloc_buffer((4,), "float32", scope="local")  # score C
+                        ml = T.sblock_alloc_buffer((6,), "float32", scope="local")  # m, l, pmu, tile max, rescale, ck
+                        sv = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        pv = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        wv = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                        bv = T.sblock_alloc_buffer((8,), "float16", scope="local")  # B of the output mma
+                        kb = T.sblock_alloc_buffer((64,), "float8_e4m3fn", scope="local")
+                        vb = T.sblock_alloc_buffer((64,), "float8_e4m3fn", scope="local")
+                        pr = T.sblock_alloc_buffer((64,), "float8_e4m3fn", scope="local")
+                        af = T.sblock_alloc_buffer((64,), "float16", scope="local")
+                        sc = T.sblock_alloc_buffer((4,), "float16", scope="local")
+                        kw = T.sblock_alloc_buffer((8,), "uint32", scope="local")  # words, then words << 8
+                        vw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                        nkw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                        nvw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                        nsc = T.sblock_alloc_buffer((4,), "float16", scope="local")
+                        xw = T.sblock_alloc_buffer((8,), "uint32", scope="local")
+                        au = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                        qk = T.sblock_alloc_buffer((32,), "float32", scope="local")
+                        hs = T.sblock_alloc_buffer((32,), "float16", scope="local")
+                        hm = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        hs2 = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        b: T.let[T.int32] = bs // S
+                        sp: T.let[T.int32] = bs % S
+                        g: T.let[T.int32] = lane >> 2
+                        t: T.let[T.int32] = lane & 3
+                        hb: T.let[T.int32] = T.min(lane >> 3, G - 1)  # the head of this lane's B column
+                        lo: T.let[T.float32] = T.Cast("float32", (lane >> 2) % 2)  # ... and whether it holds the remainder
+                        bok: T.let[T.float32] = T.if_then_else(lane < 8 * G, T.float32(1), T.float32(0))
+                        th: T.let[T.int32] = T.min(t, G - 1)  # the head of this lane's C columns (t < G)
+                        n1: T.let[T.int32] = t1_len[b]
+                        n2: T.let[T.int32] = t2_np[b]
+                        ml[0] = T.float32(NEG)
+                        ml[1] = T.float32(0)
+                        ml[2] = T.float32(0)
+                        for i in T.unroll(32):
+                            acv[i] = T.float32(0)
+                        # B of the FP8 score mma: q of channels 32 t + i (k = 2t, 2t+1, 2t+8, 2t+9 of step i // 4)
+                        for i in T.unroll(32):
+                            bq[i] = split(q[b, hk * G + hb, t * 32 + i] * sm_scale * T.float32(SCALE * QS) * bok, lo)
+
+                        # ---- tier 1: tiles of 16 FP8 tokens, every S-th
+                        for it in T.serial((T.ceildiv(n1, 16) - sp + S - 1) // S):
+                            tok0: T.let[T.int32] = (sp + it * S) * 16
+                            last: T.let[T.int32] = n1 - 1 - tok0  # tokens past it are masked (read as it)
+                            rb: T.let[T.int64] = ((layer * P1 + t1_table[b, tok0 // PS1]) * HKV + hk) * PS1 + tok0 % PS1
+                            for j in T.unroll(2):  # keys of tokens g, g + 8: channels 32 t .. + 31
+                                for h in T.unroll(2):
+                                    kb[T.ramp(j * 32 + h * 16, 1, 16)] = t1_k8[T.ramp((rb + T.min(g + j * 8, last)) * D + t * 32 + h * 16, 1, 16)]
+                                sc[j] = t1_ks1[rb + T.min(g + j * 8, last)]
+                                sc[2 + j] = t1_vs1[rb + T.min(g + j * 8, last)]
+                            for j in T.unroll(4):  # values of tokens 2t, 2t+1, 2t+8, 2t+9: channels 16 g .. + 15
+                                vb[T.ramp(j * 16, 1, 16)] = t1_v8[T.ramp((rb + T.min(t * 2 + j % 2 + (j // 2) * 8, last)) * D + g * 16, 1, 16)]
+                            for s4 in T.unroll(8):
+                                for r in T.unroll(4):  # A regs: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)
+                                    af[T.ramp(s4 * 8 + r * 2, 1, 2)] = T.Cast(
+                                        "float16x2", kb[T.ramp((r % 2) * 32 + s4 * 4 + (r // 2) * 2, 1, 2)])
+                            for i in T.unroll(4):
+                                cs[i] = T.float32(0)
+                            for s4 in T.unroll(8):
+                                mma(af, s4 * 8, bq, s4 * 4, cs, 0)
+                            for j in T.unroll(2):
+                                sv[j] = T.if_then_else(j * 8 + g <= last, (cs[j * 2] + cs[j * 2 + 1]) * T.float32(1 / QS) * T.Cast("float32", sc[j]),
+                                                       T.float32(NEG))
+                                if t < G and j * 8 + g <= last:
+                                    scores[b, hk * G + t, tok0 + j * 8 + g] = sv[j]
+                            softmax_tile(sv, pv, ml, acv)
+                            for j in T.unroll(2):
+                                pv[j] = pv[j] * T.Cast("float32", sc[2 + j]) * T.float32(VS)
+                            for j in T.unroll(4):  # p * scale of tokens 2t, 2t+1, 2t+8, 2t+9 for head hb
+                                wv[j] = shfl(pv[j // 2], t * 8 + (j % 2) * 4 + hb)
+                                bv[j] = split(wv[j] * bok, lo)
+                            for mu in T.unroll(8):  # rows g, g+8: channels 16 g + mu, + mu + 8
+                                for r in T.unroll(4):
+                                    pr[mu * 8 + r * 2] = vb[(r // 2) * 32 + (r % 2) * 8 + mu]
+                                    pr[mu * 8 + r * 2 + 1] = vb[(r // 2) * 32 + 16 + (r % 2) * 8 + mu]
+                                for r in T.unroll(4):
+                                    af[T.ramp(mu * 8 + r * 2, 1, 2)] = T.Cast("float16x2", pr[T.ramp(mu * 8 + r * 2, 1, 2)])
+                            for mu in T.unroll(8):
+                                mma(af, mu * 8, bv, 0, acv, mu * 4)
+
+                        # ---- tier 2: 2-bit pages, every S-th, in tiles of 16 tokens
+                        if prefetch:
+                            if n2 > sp:
+                                frow: T.let[T.int64] = ((layer * P2 + t2_table[b, sp]) * HKV + hk) * PS2
+                                for j in T.unroll(2):
+                                    for h in T.unroll(2):
+                                        nkw[j * 2 + h] = t2_k32[(frow + g + j * 8) * W2 + t * 2 + h]
+                                for j in T.unroll(4):
+                                    nvw[j] = t2_v32[(frow + t * 2 + j % 2 + (j // 2) * 8) * W2 + g]
+                                for j in T.unroll(2):
+                                    nsc[j] = t2_vmu1[frow + g + j * 8]
+                                    nsc[2 + j] = t2_vsig1[frow + g + j * 8]
+                        for ti in T.serial(((n2 - sp + S - 1) // S) * TPP):
+                            pg: T.let[T.int32] = t2_table[b, sp + (ti // TPP) * S]
+                            prow: T.let[T.int64] = ((layer * P2 + pg) * HKV + hk)
+                            r0: T.let[T.int64] = prow * PS2 + (ti % TPP) * 16
+                            if prefetch:
+                                for j in T.unroll(4):
+                                    kw[j] = nkw[j]
+                                    vw[j] = nvw[j]
+                                    sc[j] = nsc[j]
+                                if ti + 1 < ((n2 - sp + S - 1) // S) * TPP:
+                                    nrow: T.let[T.int64] = ((layer * P2 + t2_table[b, sp + ((ti + 1) // TPP) * S]) * HKV + hk) * PS2 + ((ti + 1) % TPP) * 16
+                                    for j in T.unroll(2):
+                                        for h in T.unroll(2):
+                                            nkw[j * 2 + h] = t2_k32[(nrow + g + j * 8) * W2 + t * 2 + h]
+                                    for j in T.unroll(4):
+                                        nvw[j] = t2_v32[(nrow + t * 2 + j % 2 + (j // 2) * 8) * W2 + g]
+                                    for j in T.unroll(2):
+                                        nsc[j] = t2_vmu1[nrow + g + j * 8]
+                                        nsc[2 + j] = t2_vsig1[nrow + g + j * 8]
+                            else:
+                                for j in T.unroll(2):
+                                    for h in T.unroll(2):
+                                        kw[j * 2 + h] = t2_k32[(r0 + g + j * 8) * W2 + t * 2 + h]
+                                for j in T.unroll(4):
+                                    vw[j] = t2_v32[(r0 + t * 2 + j % 2 + (j // 2) * 8) * W2 + g]
+                                for j in T.unroll(2):
+                                    sc[j] = t2_vmu1[r0 + g + j * 8]
+                                    sc[2 + j] = t2_vsig1[r0 + g + j * 8]
+                            if ti % TPP == 0:
+                                # the page's key weights (B of the score mma) and constant ck (head t)
+                                for i in T.unroll(4):
+                                    hs[T.ramp(i * 8, 1, 8)] = t2_ksig[layer, pg, hk, T.ramp(t * 32 + i * 8, 1, 8)]
+                                for i in T.unroll(32):
+                                    qk[i] = q[b, hk * G + hb, t * 32 + i] * sm_scale * T.float32(SCALE * QS) * bok * T.Cast("float32", hs[i])
+                                for sg in T.unroll(2):  # 0: the word (codes 4..7, 12..15), 1: word << 8 (0..3, 8..11)
+                                    for pi in T.unroll(4):
+                                        for bb in T.unroll(2):
+                                            for r in T.unroll(4):  # k = 2t, 2t+1, 2t+8, 2t+9
+                                                bq[((sg * 4 + pi) * 2 + bb) * 4 + r] = split(
+                                                    qk[(r // 2) * 16 + (r % 2) * 8 + pi + 4 * (1 - sg)] * _tab(2 * pi + bb, KFAC, "float32"), lo)
+                                for i in T.unroll(2):
+                                    hs2[T.ramp(i * 8, 1, 8)] = t2_ksig[layer, pg, hk, T.ramp(g * 16 + i * 8, 1, 8)]
+                                    hm[T.ramp(i * 8, 1, 8)] = t2_kmu[layer, pg, hk, T.ramp(g * 16 + i * 8, 1, 8)]
+                                ml[5] = T.float32(0)
+                                for i in T.unroll(16):
+                                    ml[5] = ml[5] + q[b, hk * G + th, g * 16 + i] * sm_scale * T.float32(SCALE) * (
+                                        T.Cast("float32", hm[i]) + T.Cast("float32", hs2[i]) * _tab(i % 4, K0, "float32"))
+                                for r in T.unroll(3):
+                                    ml[5] = ml[5] + shfl_x(ml[5], T.shift_left(4, r))
+                            # scores: 16 mma, (word | word << 8) x 4 code positions x 2 bit planes
+                            for j in T.unroll(4):
+                                kw[4 + j] = kw[j] << T.uint32(8)
+                            for i in T.unroll(4):
+                                cs[i] = T.float32(0)
+                            for sg in T.unroll(2):
+                                for pi in T.unroll(4):
+                                    for bb in T.unroll(2):
+                                        for r in T.unroll(4):  # A regs: (g, word 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
+                                            au[r] = bits(kw[sg * 4 + (r % 2) * 2 + r // 2], 2 * pi + bb)
+                                        mma(au, 0, bq, ((sg * 4 + pi) * 2 + bb) * 4, cs, 0)
+                            for j in T.unroll(2):
+                                sv[j] = ml[5] + (cs[j * 2] + cs[j * 2 + 1]) * T.float32(1 / QS)
+                            softmax_tile(sv, pv, ml, acv)
+                            for j in T.unroll(2):
+                                ml[2] = ml[2] + pv[j] * (T.Cast("float32", sc[j]) + T.Cast("float32", sc[2 + j]) * T.float32(K0V))
+                                pv[j] = pv[j] * T.Cast("float32", sc[2 + j]) * T.float32(VS)
+                            for j in T.unroll(4):
+                                wv[j] = shfl(pv[j // 2], t * 8 + (j % 2) * 4 + hb) * bok
+                                for bb in T.unroll(2):
+                                    bv[bb * 4 + j] = split(wv[j] * _tab(bb, list(VF), "float32"), lo)
+                            # values: byte beta of tokens (2t, 2t+1) and (2t+8, 2t+9) in bits 8..15 of the halves
+                            for pair in T.unroll(2):
+                                for beta in T.unroll(4):
+                                    xw[pair * 4 + beta] = T.call_pure_extern("uint32", "__byte_perm", vw[pair * 2], vw[pair * 2 + 1],
+                                                                             prmt_sel(beta))
+                            for mu in T.unroll(8):  # rows g, g+8: channels 16 g + mu, + 8 (bytes mu // 4, + 2; code mu % 4)
+                                for bb in T.unroll(2):
+                                    for r in T.unroll(4):  # (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)
+                                        au[r] = vbits(xw[(r // 2) * 4 + mu // 4 + (r % 2) * 2], mu % 4, bb)
+                                    mma(au, 0, bv, bb * 4, acv, mu * 4)
+
+                        # ---- sum l and the mu term over the g lanes, write this split's partial result
+                        for r in T.unroll(3):
+                            ml[1] = ml[1] + shfl_x(ml[1], T.shift_left(4, r))
+                            ml[2] = ml[2] + shfl_x(ml[2], T.shift_left(4, r))
+                        if t < G:
+                            for mu in T.unroll(8):
+                                part_acc[b, hk * G + t, sp, g * 16 + mu] = (acv[mu * 4] + acv[mu * 4 + 1]) * T.float32(1 / VS) + ml[2]
+                                part_acc[b, hk * G + t, sp, g * 16 + mu + 8] = (acv[mu * 4 + 2] + acv[mu * 4 + 3]) * T.float32(1 / VS) + ml[2]
+                            if g == 0:
+                                part_ml[b, hk * G + t, sp, 0] = ml[0]
+                                part_ml[b, hk * G + t, sp, 1] = ml[1]
+
+        # ---- merge the splits; importance of the tier-1 tokens (as the SIMT form)
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for hk in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT2, thread="threadIdx.x"):
