@@ -34,10 +34,7 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 VARIANTS = {"olmoe-direct-keys": ("olmoe", {"bitsplit_keys": False}),
             "olmoe-kstep4": ("olmoe", {"kstep": 4}),
             "olmoe-kstep2-direct": ("olmoe", {"kstep": 2, "bitsplit_keys": False}),
-            "mixtral-kstep2": ("mixtral", {"kstep": 2}),
-            # tensor-core form (mma.sync m16n8k16 for scores and output), with and without tier-2 prefetch
-            "olmoe-mma": ("olmoe", {"form": "mma"}), "olmoe-mma-noprefetch": ("olmoe", {"form": "mma", "prefetch": False}),
-            "mixtral-mma": ("mixtral", {"form": "mma"}), "mixtral-mma-noprefetch": ("mixtral", {"form": "mma", "prefetch": False})}
+            "mixtral-kstep2": ("mixtral", {"kstep": 2})}
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
 

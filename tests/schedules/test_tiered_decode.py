@@ -108,25 +108,3 @@ def test_workspaces_and_splits():
     assert s > 1  # few sequences: the sequence is split over several blocks
     assert decode_splits(128, 16, 40, 16, 27) == 1
     assert decode_splits(1, 2, 1, 16, 0) == 1  # never more splits than tiles of work
-
-
-@pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_cuda_mma_form_compiles(shape, prefetch):
-    """The tensor-core form (mma.sync over 16-token tiles, hi/lo f16 split of the weights) builds for sm_90."""
-    from moec.compiler.targets import make_target
-    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
-
-    ex = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape, form="mma", prefetch=prefetch)}),
-                     target=make_target("cuda"))
-    src = ex.mod.imports[0].inspect_source()
-    assert "mma.sync.aligned.m16n8k16" in src and "tiered_decode_kernel_1" in src
-
-
-def test_cuda_mma_form_refuses_unsupported_shapes():
-    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
-
-    with pytest.raises(ValueError):
-        make_tiered_decode_cuda(16, 16, 64, 16, 128, form="mma")  # Dh 64
-    with pytest.raises(ValueError):
-        make_tiered_decode_cuda(64, 8, 128, 16, 128, form="mma")  # 8 query heads per KV head
