@@ -61,11 +61,14 @@ FUNCS = {"experts": ("float", True), "experts_fp8": ("fp8", True), "experts_warp
 # blocks in flight (one 16-row tile per warp), and warps per block; ``pipe_*``: the cp.async form (``stages``: the
 # weights and tokens of up to that many k-steps staged through shared memory, as many as fit in 48 KB per block;
 # ``launch_config`` in index.json says how many each kernel got), ``_pf``: with the L2::256B prefetch hint
-VARIANTS = {"rt1": {"row_tiles": 1}, "w8_rt1": {"warps": 8, "row_tiles": 1}, "w2_rt1": {"warps": 2, "row_tiles": 1},
-            "pipe_w4": {"stages": 4, "row_tiles": 1}, "pipe_w2": {"stages": 4, "warps": 2, "row_tiles": 1},
-            "pipe_w1": {"stages": 8, "warps": 1, "row_tiles": 1},
-            "pipe_w2_pf": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
-            "pipe_w4_pf": {"stages": 4, "row_tiles": 1, "l2_prefetch": 256}}
+# the default is the cp.async form (4 stages, L2 prefetch 256, row_tiles 1, 4 warps); "regs" is the register-load
+# form that was the default before it
+VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_prefetch": 0, "row_tiles": 1},
+            "w8_rt1": {"stages": 0, "l2_prefetch": 0, "warps": 8, "row_tiles": 1},
+            "w2_rt1": {"stages": 0, "l2_prefetch": 0, "warps": 2, "row_tiles": 1},
+            "pipe_w4": {"stages": 4, "row_tiles": 1, "l2_prefetch": 0}, "pipe_w2": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 0},
+            "pipe_w1": {"stages": 8, "warps": 1, "row_tiles": 1, "l2_prefetch": 0},
+            "pipe_w2_pf": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256}}
 
 
 def build_module(shape, kind: str):

@@ -132,12 +132,17 @@ def test_cuda_forms_build_for_sm90():
 
     from moec.compiler.build import _cuda_modules
 
-    cfg = launch_config(OLMOE)
-    # tensor cores: 4 warps x 2 row tiles of 16 rows per block, 32 tokens (4 tiles of 8) per weight pass, k steps of 64
+    import dataclasses
+
+    default = launch_config(OLMOE)  # the cp.async form: 4 warps x 1 row tile, as many stages (of 4) as fit in 48 KB
+    assert default["gate_up"]["form"] == default["down"]["form"] == "mma.sync m16n8k16, cp.async stages"
+    assert default["gate_up"]["row_tiles"] == 1 and default["gate_up"]["stages"] == 2 and default["down"]["stages"] == 4
+    cfg = launch_config(dataclasses.replace(OLMOE, stages=0))
+    # the register form: 4 warps x 2 row tiles of 16 rows per block, 32 tokens (4 tiles of 8) per weight pass, k steps of 64
     assert cfg["gate_up"] == {"form": "mma.sync m16n8k16", "blocks": (8, 64), "threads": 128, "row_tiles": 2, "n_tiles": 4,
                               "tokens_per_pass": 32, "steps": 32}
     assert cfg["down"]["blocks"] == (16, 64) and cfg["down"]["steps"] == 16
-    src = _cuda_modules(_build(OLMOE, "cuda").mod)[0].inspect_source("cuda")
+    src = _cuda_modules(_build(dataclasses.replace(OLMOE, stages=0), "cuda").mod)[0].inspect_source("cuda")
     kernels = dict((n, int(b)) for b, n in re.findall(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src))
     assert kernels == {"moe_route_prep_kernel": 1024, "moe_gate_up_kernel": 128, "moe_down_kernel": 128, "moe_combine_kernel": 256}
     bodies = _kernel_bodies(src)
@@ -167,12 +172,13 @@ def test_cuda_warp_form_where_no_tensor_cores():
     assert mma_eligible(GroupedExpertsSpec(2048 + 32, 1024, 64, 8, **bf), "down")  # its reduction is I
     assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, w_format="fp8"), "down")
     assert mma_tiles(GroupedExpertsSpec(4096, 14336, 8, 2, **bf)) == (8, 1, 1)
-    assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf)) == (1, 2, 2)
+    assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf)) == (1, 1, 1)  # cp.async stages: one row tile
+    assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf, stages=0)) == (1, 2, 2)
     with pytest.raises(MoecError, match="n_tiles"):
         GroupedExpertsSpec(64, 32, 8, 2, n_tiles=9).check()
     # row_tiles: one 16-row tile per warp doubles the blocks of OLMoE's gate_up (8 -> 16 per expert)
     assert mma_tiles(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, row_tiles=1)) == (4, 1, 1)
-    assert launch_config(OLMOE)["gate_up"]["blocks"] == (8, 64)
+    assert launch_config(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, stages=0))["gate_up"]["blocks"] == (8, 64)
     assert launch_config(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, row_tiles=1))["gate_up"]["blocks"] == (16, 64)
     with pytest.raises(MoecError, match="row_tiles"):
         GroupedExpertsSpec(64, 32, 8, 2, row_tiles=3).check()
@@ -197,7 +203,7 @@ def test_cuda_pipe_form_builds_for_sm90():
     cfg = launch_config(spec)
     assert cfg["gate_up"]["stages"] == 2 and cfg["gate_up"]["shared_bytes"] == 40960 and cfg["gate_up"]["blocks"] == (16, 64)
     assert cfg["down"]["stages"] == 4 and cfg["down"]["shared_bytes"] == 49152 and cfg["down"]["blocks"] == (32, 64)
-    assert "stages" not in launch_config(OLMOE)["gate_up"]  # the default keeps register loads
+    assert "stages" not in launch_config(replace(OLMOE, stages=0))["gate_up"]  # stages=0: register loads
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
     bodies = _kernel_bodies(src)
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
@@ -319,6 +325,11 @@ def test_int64_weight_indexing(monkeypatch):
     _check(spec, _run(ex, spec, *data), *data, tol=2e-5)
     monkeypatch.undo()  # a DeepSeek-V3-sized layer (256 x 4096 x 7168 gate/up weights): 64-bit offsets on CUDA
     big = GroupedExpertsSpec(hidden=7168, inter=2048, experts=256, top_k=8, x_dtype="bfloat16", w_dtype="bfloat16",
-                             h_dtype="bfloat16")
+                             h_dtype="bfloat16", stages=0)
     src = _cuda_modules(tvm.compile(tvm.IRModule({"g": ge.make_gate_up(big, "cuda")}), target=make_target("cuda", "sm_90")).mod)[0]
     assert "w_ptr + ((((((((int64_t)((int)blockIdx.y)) * (int64_t)29360128)" in src.inspect_source("cuda")
+    from dataclasses import replace
+
+    pipe = _cuda_modules(tvm.compile(tvm.IRModule({"g": ge.make_gate_up(replace(big, stages=4), "cuda")}),
+                                      target=make_target("cuda", "sm_90")).mod)[0]
+    assert "((int64_t)((int)blockIdx.y)) * (int64_t)29360128" in pipe.inspect_source("cuda")  # the cp.async form too
