@@ -8,7 +8,8 @@ The model is a named `moec bench` shape with seeded random weights (HF's class),
 torch.export (reusing ``--work``'s ``model.pt2`` when there is one, e.g. the one `moec bench` wrote).
 It runs `moec tune` into a fresh database in ``--work``, then compiles twice: ``--tuning-db none``
 (the rules: dlight and the hand-written kernels) and that database. Each engine prefills the same
-``--streams`` random prompts of ``--context - steps`` tokens and decodes ``--steps`` greedy steps;
+``--streams`` random prompts of ``--context - steps`` tokens and decodes ``--steps`` greedy steps, the two engines
+taking turns step by step (drift in clocks or host load falls on both alike);
 the JSON gives the median step time of each, the tasks, the trials and records applied, and the time
 tuning took. The hand-written kernels (experts, dense GEMMs, norm + router, attention) are not tuned:
 the tasks are the rest. ``--layers`` shortens the model (the tasks do not depend on the depth).
@@ -28,22 +29,32 @@ from pathlib import Path
 import numpy as np
 
 
-def _decode_ms(art: Path, device: str, prompts: np.ndarray, steps: int) -> dict:
+def _decode_ms(arts: dict, device: str, prompts: np.ndarray, steps: int) -> dict:
+    """Prefill the same prompts into each artifact's engine, then decode ``steps`` greedy steps, the engines taking
+    turns step by step (so clock and thermal drift fall on all of them alike); per engine the median step time."""
     import moec
 
-    engine = moec.load(art, device=device, max_batch=len(prompts), max_total_tokens=len(prompts) * (prompts.shape[1] + steps + 16))
-    seqs, logits = engine.prefill([list(p) for p in prompts])
-    nxt, times = logits.argmax(-1), []
+    engines, state = {}, {}
+    for name, art in arts.items():
+        e = engines[name] = moec.load(art, device=device, max_batch=len(prompts),
+                                      max_total_tokens=len(prompts) * (prompts.shape[1] + steps + 16))
+        seqs, logits = e.prefill([list(p) for p in prompts])
+        state[name] = [seqs, logits.argmax(-1), []]
     for _ in range(steps):
-        t = time.perf_counter()
-        nxt = engine.decode_greedy(seqs, list(nxt))
-        times.append(time.perf_counter() - t)
-    tokens = [int(x) for x in nxt]
-    for s in seqs:
-        engine.release(s)
-    ms = 1e3 * np.asarray(times[1:] if steps > 2 else times)  # the first step may still load modules
-    return {"step_ms_median": float(np.median(ms)), "step_ms_min": float(ms.min()), "last_tokens": tokens,
-            "tuning_applied": engine.manifest["tuning"]["applied"]}
+        for name, e in engines.items():
+            seqs, nxt, times = state[name]
+            t = time.perf_counter()
+            state[name][1] = e.decode_greedy(seqs, list(nxt))
+            times.append(time.perf_counter() - t)
+    out = {}
+    for name, e in engines.items():
+        seqs, nxt, times = state[name]
+        ms = 1e3 * np.asarray(times[1:] if steps > 2 else times)  # the first step may still load modules
+        out[name] = {"step_ms_median": float(np.median(ms)), "step_ms_min": float(ms.min()),
+                     "last_tokens": [int(x) for x in nxt], "tuning_applied": e.manifest["tuning"]["applied"]}
+        for s in seqs:
+            e.release(s)
+    return out
 
 
 def main(argv=None) -> int:
@@ -62,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", default="1,128")
     ap.add_argument("--streams", type=int, default=128)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--work", default="/tmp/moec-bench")
     ap.add_argument("--json", required=True)
     ap.add_argument("--commit", default=None)
@@ -117,14 +128,15 @@ def main(argv=None) -> int:
     tune_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, vocab, (a.streams, a.context - a.steps))
-    runs = {}
+    arts = {}
     for name, spec in (("rules", "none"), ("tuned", str(db))):
-        art = work / f"art-tune-{name}-{a.kv_cache}-{target}"
+        art = arts[name] = work / f"art-tune-{name}-{a.kv_cache}-{target}"
         shutil.rmtree(art, ignore_errors=True)
         moec.compile(source, art, target=target, kv_cache=a.kv_cache, tuning_db=spec, progress=True)
-        runs[name] = _decode_ms(art, a.device, prompts, a.steps)
-        print(f"[tune_decode] {name}: decode step {runs[name]['step_ms_median']:.3f} ms "
-              f"({runs[name]['tuning_applied']} tuned kernels)", flush=True)
+    runs = _decode_ms(arts, a.device, prompts, a.steps)
+    for name, r in runs.items():
+        print(f"[tune_decode] {name}: decode step {r['step_ms_median']:.3f} ms ({r['tuning_applied']} tuned kernels)",
+              flush=True)
     commit = a.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=Path(__file__).resolve().parent).stdout.strip()
     if a.device == "cuda":
