@@ -34,7 +34,19 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 VARIANTS = {"olmoe-direct-keys": ("olmoe", {"bitsplit_keys": False}),
             "olmoe-kstep4": ("olmoe", {"kstep": 4}),
             "olmoe-kstep2-direct": ("olmoe", {"kstep": 2, "bitsplit_keys": False}),
-            "mixtral-kstep2": ("mixtral", {"kstep": 2})}
+            "mixtral-kstep2": ("mixtral", {"kstep": 2}),
+            # cp.async stages (tier-2 tiles, and tier-1 tiles with t1_stages) through shared memory, several tiles in
+            # flight per warp; ptxas (sm_90): registers / shared bytes, no spills unless noted
+            "olmoe-pipe3": ("olmoe", {"stages": 3}),  # 168 / 8832
+            "olmoe-pipe4": ("olmoe", {"stages": 4}),  # 168 / 11776
+            "olmoe-pipe6": ("olmoe", {"stages": 6}),  # 167 / 17664
+            "olmoe-pipe4-t1": ("olmoe", {"stages": 4, "t1_stages": 2}),  # 129 / 16640
+            "olmoe-kstep4-pipe6": ("olmoe", {"kstep": 4, "stages": 6}),  # 127 / 11136
+            "olmoe-kstep4-pipe8-t1": ("olmoe", {"kstep": 4, "stages": 8, "t1_stages": 2}),  # 128 / 14848
+            "mixtral-pipe3": ("mixtral", {"stages": 3}),  # 255 / 5568, spills 12 bytes (the default form 16)
+            "mixtral-pipe4": ("mixtral", {"stages": 4}),  # 255 / 7424
+            "mixtral-pipe4-t1": ("mixtral", {"stages": 4, "t1_stages": 2}),  # 255 / 8320
+            "check-pipe3-t1": ("check", {"stages": 3, "t1_stages": 3})}  # checked only: Dh 32, 2-token steps, 1 tile a page
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
 
@@ -155,6 +167,8 @@ def check(root: Path, device: str) -> list[dict]:
     cases = [("check", 3, 37, 2), ("check", 2, 0, 3), ("olmoe", 2, 640, 3), ("mixtral", 2, 100, 2)]
     if device == "cuda":
         cases += [(var, 2, 640 if base == "olmoe" else 100, 3) for var, (base, _) in VARIANTS.items()]
+        # staged forms: no tier-2 pages (a partial tier-1 tile, most splits without tier-1 tiles); no tier-1 tokens
+        cases += [c for var, (_, kw) in VARIANTS.items() if kw.get("stages") for c in ((var, 3, 37, 0), (var, 2, 0, 5))]
     for name, batch, t1, t2 in cases:
         shape = VARIANTS[name][0] if name in VARIANTS else name
         qv, pools, tables, deq, slots = _case(shape, batch, t1, t2, seed=len(results))

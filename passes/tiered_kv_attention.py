@@ -146,6 +146,7 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         self.split_decode = kernels.split_decode
         self.k, self.sig = kernels, sig
         self.pools = dict(sig.pools)  # current value of each pool (threaded through the in-place calls)
+        self._decode_ws = None  # the decode kernel's workspaces, made at the first layer (same shapes in every layer)
 
     def _positions(self) -> relax.Expr:
         return self.sig.cache["q_pos"]
@@ -181,8 +182,10 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
         ps1 = sig.pool_types["t1_k"].shape[3]
         splits = tirx.max(1, tirx.min(8, tirx.floordiv(2048 + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
-        ws = [self._emit(relax.op.zeros(relax.ShapeExpr(shape), "float32"))
-              for shape in ([n, h, sig.m1 * ps1], [n, h, splits, d], [n, h, splits, 2])]
+        if self._decode_ws is None:  # scratch the kernel writes before it reads: one set serves every layer
+            self._decode_ws = [self._emit(relax.op.zeros(relax.ShapeExpr(shape), "float32"))
+                               for shape in ([n, h, sig.m1 * ps1], [n, h, splits, d], [n, h, splits, 2])]
+        ws = self._decode_ws
         pools_read = [p[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")]
         res = self._emit(relax.call_tir_inplace(
             k.decode, [q] + pools_read + [c["t1_table"], c["q_t1"], c["t2_table"], c["t2_np"], out0, p["t1_mass"]] + ws +

@@ -235,7 +235,8 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                            bitsplit_keys: bool | None = None, kstep: int | None = None):
+                            bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
+                            t1_stages: int = 0):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -248,6 +249,16 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     tiles and tier-2 pages are every S-th of the sequence's. Writes (acc, m, l) per split and the
     tier-1 scores. Kernel 2: one block per (sequence, KV head) merges the splits into ``out`` and
     adds each tier-1 token's probability (summed over the KV head's query heads) to ``t1_mass``.
+
+    ``stages`` 0 loads the tier-2 codes straight into registers, tile by tile; ``stages`` S > 1 stages
+    each tier-2 tile through shared memory with ``cp.async`` (16-byte copies, one commit group per
+    tile) in a ring of S tiles per warp: tile t + S - 1 is issued before tile t is computed, so a warp
+    keeps up to S - 1 tiles of bytes in flight whatever its register budget. A stage holds the tile's
+    K and V codes (each token group's rows padded so that the lanes' 4-byte reads hit 32 distinct
+    banks), its value mu / sigma and, for a page's first tile, the page's key sigma / mu.
+    ``t1_stages`` does the same for the tier-1 tiles (FP8 K / V bytes and both scales; each lane
+    copies exactly the 16-byte rows it reads). Both rings share one shared buffer. The math is the
+    register form's, operation for operation: only where the operands come from changes.
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
@@ -267,6 +278,38 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     SRC = [c[0] for c in consts]
     M0, B0, M1c, B1, C0, C1, CC = ([c[j] for c in consts] for j in range(1, 8))
     NT2 = min(D, 128)  # threads of the merge kernel
+    S2, S1 = stages, t1_stages
+    for name, st_ in (("stages", S2), ("t1_stages", S1)):
+        if st_ and not 2 <= st_ <= 8:
+            raise ValueError(f"CUDA tiered decode: {name} must be 0 or 2..8, got {st_}")
+    NSUB = PS2 // TILE  # tiles of a tier-2 page
+    # tier-2 stage: [K codes: TPS groups of KSTEP rows, group stride GS2 bytes][V codes][vmu: TILE][vsig: TILE]
+    # [ksig: D][kmu: D] (float16); lane (tg, cw) reads word tg GS2 / 4 + k W2 + cw of K and of V
+    GB2 = KSTEP * D4
+    GS2 = GB2
+    if S2:
+        if GB2 % 16 or TILE % 8 or D % 8:
+            raise ValueError(f"CUDA tiered decode: stages need 16-byte token groups (KSTEP {KSTEP} x {D4} bytes)")
+        for pad in range(0, 129, 16):  # the smallest padding that spreads the 32 lanes' words over 32 banks
+            if len({(tg_ * (GB2 + pad) // 4 + cw_) % 32 for tg_ in range(TPS) for cw_ in range(LPT)}) == 32:
+                GS2 = GB2 + pad
+                break
+    OFF_V2, OFF_VMU = TPS * GS2, 2 * TPS * GS2
+    OFF_VSIG, OFF_KSIG = OFF_VMU + 2 * TILE, OFF_VMU + 4 * TILE
+    STG2 = OFF_KSIG + 4 * D
+    CPG2 = GB2 // 16  # 16-byte chunks of a token group (tier 2)
+    NCH2 = TPS * CPG2  # chunks of a tile's K codes (and of its V codes)
+    NV2 = TILE * 2 // 16  # chunks of a tile's vmu (and of its vsig)
+    NKS = D // 8  # chunks of a page's ksig (and of its kmu)
+    # tier-1 stage: [K bytes: TILE x D][V bytes][ks: TILE][vs: TILE] (float16)
+    STG1 = -(-(2 * TILE * D + 4 * TILE) // 16) * 16
+    if S1 and (2 * KSTEP) not in (4, 8, 16):
+        raise ValueError(f"CUDA tiered decode: t1_stages need KSTEP 2, 4 or 8 (got {KSTEP})")
+    CP1 = "cp.async.cg.shared.global" if KSTEP == 8 else "cp.async.ca.shared.global"  # the scales' copies
+    CPG = "cp.async.cg.shared.global"
+    SHB = max(S1 * STG1, S2 * STG2, 16)  # bytes of the shared stages (both rings, one buffer)
+    if SHB > 48 * 1024:
+        raise ValueError(f"CUDA tiered decode: {SHB} bytes of shared stages exceed 48 KB")
 
     def xs(w, i):  # the shifted word holding code i
         src = _tab(i, SRC, "uint32")
@@ -310,6 +353,124 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 p_l[g * KSTEP + k] = T.exp2(s_l[g * KSTEP + k] - m_l[g])
                 l_l[g] = l_l[g] + p_l[g * KSTEP + k]
 
+    def cp(dst, src, nbytes=16):
+        return T.evaluate(T.ptx[CPG if nbytes == 16 else CP1](T.address_of(dst), T.address_of(src), nbytes))
+
+    @T.macro
+    def issue2(tt, slot, b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1, t2_ksig1, t2_kmu1):
+        # tier-2 tile tt of this split (page tt // NSUB of the split, rows (tt % NSUB) TILE ..) into stage slot;
+        # the page is looked up at its first tile (tiles are issued in order) and kept in pg2
+        if tt % NSUB == 0:
+            pg2[0] = t2_table[b, sp + (tt // NSUB) * S]
+        for j in T.unroll(-(-NCH2 // 32)):
+            if NCH2 % 32 == 0 or j * 32 + lane < NCH2:
+                cp(sh[(slot * STG2 + (j * 32 + lane) // CPG2 * GS2 + (j * 32 + lane) % CPG2 * 16) // 4],
+                   t2_k32[(((layer * P2 + pg2[0]) * HKV + hk) * PS2 + tt % NSUB * TILE) * W2 + (j * 32 + lane) * 4])
+                cp(sh[(slot * STG2 + OFF_V2 + (j * 32 + lane) // CPG2 * GS2 + (j * 32 + lane) % CPG2 * 16) // 4],
+                   t2_v32[(((layer * P2 + pg2[0]) * HKV + hk) * PS2 + tt % NSUB * TILE) * W2 + (j * 32 + lane) * 4])
+        for j in T.unroll(-(-2 * NV2 // 32)):
+            if j * 32 + lane < NV2:
+                cp(sh[(slot * STG2 + OFF_VMU + (j * 32 + lane) * 16) // 4],
+                   t2_vmu1[((layer * P2 + pg2[0]) * HKV + hk) * PS2 + tt % NSUB * TILE + (j * 32 + lane) * 8])
+            elif j * 32 + lane < 2 * NV2:
+                cp(sh[(slot * STG2 + OFF_VSIG + (j * 32 + lane - NV2) * 16) // 4],
+                   t2_vsig1[((layer * P2 + pg2[0]) * HKV + hk) * PS2 + tt % NSUB * TILE + (j * 32 + lane - NV2) * 8])
+        if tt % NSUB == 0:
+            for j in T.unroll(-(-2 * NKS // 32)):
+                if j * 32 + lane < NKS:
+                    cp(sh[(slot * STG2 + OFF_KSIG + (j * 32 + lane) * 16) // 4],
+                       t2_ksig1[((layer * P2 + pg2[0]) * HKV + hk) * D + (j * 32 + lane) * 8])
+                elif j * 32 + lane < 2 * NKS:
+                    cp(sh[(slot * STG2 + OFF_KSIG + (j * 32 + lane) * 16) // 4],
+                       t2_kmu1[((layer * P2 + pg2[0]) * HKV + hk) * D + (j * 32 + lane - NKS) * 8])
+
+    @T.macro
+    def issue1(it_, slot, b, sp, S, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1):
+        # tier-1 tile it_ of this split into stage slot: each lane copies the 16-byte rows it reads (the same
+        # page, clamped to the last token's, as the register form); lanes cw 0 and 1 the group's scales
+        tok1: T.let[T.int32] = (sp + it_ * S) * TILE + tg * KSTEP
+        pg1: T.let[T.int32] = t1_table[b, T.min(tok1, n1 - 1) // PS1]
+        for k in T.unroll(KSTEP):
+            cp(sh8[slot * STG1 + (tg * KSTEP + k) * D + cw * 16],
+               t1_k8[(((layer * P1 + pg1) * HKV + hk) * PS1 + tok1 % PS1 + k) * D + cw * 16])
+            cp(sh8[slot * STG1 + TILE * D + (tg * KSTEP + k) * D + cw * 16],
+               t1_v8[(((layer * P1 + pg1) * HKV + hk) * PS1 + tok1 % PS1 + k) * D + cw * 16])
+        if cw == 0:
+            cp(sh16[(slot * STG1 + 2 * TILE * D) // 2 + tg * KSTEP],
+               t1_ks1[((layer * P1 + pg1) * HKV + hk) * PS1 + tok1 % PS1], 2 * KSTEP)
+        if cw == 1 % LPT:
+            cp(sh16[(slot * STG1 + 2 * TILE * D + 2 * TILE) // 2 + tg * KSTEP],
+               t1_vs1[((layer * P1 + pg1) * HKV + hk) * PS1 + tok1 % PS1], 2 * KSTEP)
+
+    def sync_warp():
+        return T.evaluate(T.call_extern("void", "__syncwarp"))
+
+    @T.macro
+    def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores):
+        # one tier-1 tile (bytes in k8 / v8, scales in sc16 / vs16, first token of the lane's group tok0)
+        for k in T.unroll(KSTEP):
+            for j in T.unroll(4):
+                kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
+            for g in T.unroll(G):
+                s_l[g * KSTEP + k] = T.float32(0)
+                for i in T.unroll(16):
+                    s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
+                lane_sum(s_l, g * KSTEP + k)
+                s_l[g * KSTEP + k] = T.if_then_else(
+                    tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
+                if tok0 + k < n1 and cw == k % LPT:
+                    scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
+        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+        for k in T.unroll(KSTEP):
+            for j in T.unroll(4):
+                kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
+            for g in T.unroll(G):
+                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                for i in T.unroll(16):
+                    acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
+
+    @T.macro
+    def t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2):
+        # per tier-2 page: q * key sigma (qs, qs2) and q . key mu (ck), from h16 = ksig, h16b = kmu
+        for g in T.unroll(G):
+            ck[g] = T.float32(0)
+            for i in T.unroll(16):
+                # q again from memory (cached): keeps qv out of registers in this loop
+                ck[g] = ck[g] + q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16b[i])
+                qs[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16[i])
+                if BITSPLIT:
+                    ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, CC, "float32")
+                    qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
+                    qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
+
+    @T.macro
+    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt):
+        # one tier-2 tile (codes in kw / vw, value mu / sigma in sc16 / vs16)
+        for k in T.unroll(KSTEP):
+            for g in T.unroll(G):
+                s_l[g * KSTEP + k] = ck[g]
+            if BITSPLIT:
+                for i in T.unroll(16):
+                    for g in T.unroll(G):
+                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i) + \
+                            qs2[g * 16 + i] * f1(xs(kw[k], i), i)
+            else:
+                for i in T.unroll(16):
+                    lv[i] = lev(xs(kw[k], i), i)
+                    for g in T.unroll(G):
+                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * lv[i]
+            for g in T.unroll(G):
+                lane_sum(s_l, g * KSTEP + k)
+        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+        for k in T.unroll(KSTEP):
+            for i in T.unroll(16):
+                lv[i] = lev(xs(vw[k], i), i)
+            for g in T.unroll(G):
+                pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                for i in T.unroll(16):
+                    acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
+
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
@@ -344,6 +505,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         t1_vs1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_vs.data)
         t2_k32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_k.data)
         t2_v32 = T.decl_buffer((NL * P2 * HKV * PS2 * W2,), "uint32", data=t2_v.data)
+        t2_vmu1 = T.decl_buffer((NL * P2 * HKV * PS2,), "float16", data=t2_vmu.data)
+        t2_vsig1 = T.decl_buffer((NL * P2 * HKV * PS2,), "float16", data=t2_vsig.data)
+        t2_ksig1 = T.decl_buffer((NL * P2 * HKV * D,), "float16", data=t2_ksig.data)
+        t2_kmu1 = T.decl_buffer((NL * P2 * HKV * D,), "float16", data=t2_kmu.data)
 
         for bs in T.thread_binding(B * S, thread="blockIdx.x"):
             for hk in T.thread_binding(HKV, thread="blockIdx.y"):
@@ -372,6 +537,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         v8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         kf = T.sblock_alloc_buffer((16,), "float16", scope="local")
                         lv = T.sblock_alloc_buffer((16,), "float32", scope="local")
+                        if S1 + S2 > 0:
+                            pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
+                            sh16 = T.decl_buffer((SHB // 2,), "float16", data=sh.data, scope="shared")
+                            sh8 = T.decl_buffer((SHB,), "float8_e4m3fn", data=sh.data, scope="shared")
                         b: T.let[T.int32] = bs // S
                         sp: T.let[T.int32] = bs % S
                         tg: T.let[T.int32] = lane // LPT
@@ -387,85 +557,91 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             pmu[g] = T.float32(0)
 
                         # ---- tier 1: tiles of TILE FP8 tokens, every S-th
-                        for it in T.serial((T.ceildiv(n1, TILE) - sp + S - 1) // S):
+                        nt1: T.let[T.int32] = (T.ceildiv(n1, TILE) - sp + S - 1) // S
+                        if S1 > 0:
+                            for s0 in T.unroll(S1 - 1):  # prologue: tiles 0 .. S1 - 2 in flight (empty groups past the end)
+                                if s0 < nt1:
+                                    issue1(s0, s0, b, sp, S, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                        for it in T.serial(nt1):
                             tok0: T.let[T.int32] = (sp + it * S) * TILE + tg * KSTEP
-                            page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
-                            row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
-                            for k in T.unroll(KSTEP):
-                                k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
-                                v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
-                            for k in T.unroll(KSTEP):
-                                sc16[k] = t1_ks1[row0 + k]
-                                vs16[k] = t1_vs1[row0 + k]
-                            for k in T.unroll(KSTEP):
-                                for j in T.unroll(4):
-                                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
-                                for g in T.unroll(G):
-                                    s_l[g * KSTEP + k] = T.float32(0)
-                                    for i in T.unroll(16):
-                                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
-                                    lane_sum(s_l, g * KSTEP + k)
-                                    s_l[g * KSTEP + k] = T.if_then_else(
-                                        tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
-                                    if tok0 + k < n1 and cw == k % LPT:
-                                        scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
-                            softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
-                            for k in T.unroll(KSTEP):
-                                for j in T.unroll(4):
-                                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
-                                for g in T.unroll(G):
-                                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                                    for i in T.unroll(16):
-                                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
+                            if S1 > 0:
+                                # tile it's group has landed (S1 - 2 younger ones may be pending); after the warp
+                                # barrier every lane has read tile it - 1, whose slot tile it + S1 - 1 refills
+                                T.evaluate(T.ptx["cp.async.wait_group"](max(S1 - 2, 0)))
+                                sync_warp()
+                                if it + S1 - 1 < nt1:
+                                    issue1(it + S1 - 1, (it + S1 - 1) % S1,
+                                           b, sp, S, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                                for k in T.unroll(KSTEP):
+                                    k8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(it % S1 * STG1 + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
+                                    v8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(
+                                        it % S1 * STG1 + TILE * D + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
+                                for k in T.unroll(KSTEP):
+                                    sc16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D) // 2 + tg * KSTEP + k]
+                                    vs16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D + 2 * TILE) // 2 + tg * KSTEP + k]
+                            else:
+                                page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
+                                row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
+                                for k in T.unroll(KSTEP):
+                                    k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                    v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                for k in T.unroll(KSTEP):
+                                    sc16[k] = t1_ks1[row0 + k]
+                                    vs16[k] = t1_vs1[row0 + k]
+                            t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores)
 
                         # ---- tier 2: 2-bit pages, every S-th
-                        for ip in T.serial((n2 - sp + S - 1) // S):
-                            page2: T.let[T.int32] = t2_table[b, sp + ip * S]
-                            for j in T.unroll(2):
-                                h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
-                                h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
-                            for g in T.unroll(G):
-                                ck[g] = T.float32(0)
-                                for i in T.unroll(16):
-                                    # q again from memory (cached): keeps qv out of registers in this loop
-                                    ck[g] = ck[g] + q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16b[i])
-                                    qs[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16[i])
-                                    if BITSPLIT:
-                                        ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, CC, "float32")
-                                        qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
-                                        qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
-                            for st in T.serial(PS2 // TILE):
-                                r0: T.let[T.int32] = st * TILE + tg * KSTEP
-                                wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
-                                for k in T.unroll(KSTEP):
-                                    kw[k] = t2_k32[wrow + k * W2]
-                                    vw[k] = t2_v32[wrow + k * W2]
-                                sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                for k in T.unroll(KSTEP):
-                                    for g in T.unroll(G):
-                                        s_l[g * KSTEP + k] = ck[g]
-                                    if BITSPLIT:
-                                        for i in T.unroll(16):
-                                            for g in T.unroll(G):
-                                                s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i) + \
-                                                    qs2[g * 16 + i] * f1(xs(kw[k], i), i)
-                                    else:
-                                        for i in T.unroll(16):
-                                            lv[i] = lev(xs(kw[k], i), i)
-                                            for g in T.unroll(G):
-                                                s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * lv[i]
-                                    for g in T.unroll(G):
-                                        lane_sum(s_l, g * KSTEP + k)
-                                softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
-                                for k in T.unroll(KSTEP):
-                                    for i in T.unroll(16):
-                                        lv[i] = lev(xs(vw[k], i), i)
-                                    for g in T.unroll(G):
-                                        pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
-                                        p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                                        for i in T.unroll(16):
-                                            acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
+                        np2: T.let[T.int32] = (n2 - sp + S - 1) // S
+                        if S2 > 0:
+                            sync_warp()  # every lane is past the tier-1 ring's reads: the buffer may be refilled
+                            for s0 in T.unroll(S2 - 1):  # prologue: tiles 0 .. S2 - 2 in flight (empty groups past the end)
+                                if s0 < np2 * NSUB:
+                                    issue2(s0, s0, b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1,
+                                           t2_vsig1, t2_ksig1, t2_kmu1)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                            for ip in T.serial(np2):
+                                for st in T.serial(NSUB):
+                                    # as tier 1: tile ip NSUB + st has landed, tile ip NSUB + st - 1 is read by all
+                                    T.evaluate(T.ptx["cp.async.wait_group"](max(S2 - 2, 0)))
+                                    sync_warp()
+                                    if ip * NSUB + st + S2 - 1 < np2 * NSUB:
+                                        issue2(ip * NSUB + st + S2 - 1, (ip * NSUB + st + S2 - 1) % S2,
+                                               b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1,
+                                               t2_ksig1, t2_kmu1)
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    if st == 0:  # the page's key sigma / mu came with its first tile
+                                        for j in T.unroll(2):
+                                            h16[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
+                                                ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG) // 2 + cw * 16 + j * 8, 1, 8)]
+                                            h16b[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
+                                                ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG + 2 * D) // 2 + cw * 16 + j * 8, 1, 8)]
+                                        t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2)
+                                    for k in T.unroll(KSTEP):
+                                        kw[k] = sh[((ip * NSUB + st) % S2 * STG2 + tg * GS2) // 4 + k * W2 + cw]
+                                        vw[k] = sh[((ip * NSUB + st) % S2 * STG2 + OFF_V2 + tg * GS2) // 4 + k * W2 + cw]
+                                    sc16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
+                                        ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
+                                    vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
+                                        ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt)
+                        else:
+                            for ip in T.serial(np2):
+                                page2: T.let[T.int32] = t2_table[b, sp + ip * S]
+                                for j in T.unroll(2):
+                                    h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                                    h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                                t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2)
+                                for st in T.serial(NSUB):
+                                    r0: T.let[T.int32] = st * TILE + tg * KSTEP
+                                    wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
+                                    for k in T.unroll(KSTEP):
+                                        kw[k] = t2_k32[wrow + k * W2]
+                                        vw[k] = t2_v32[wrow + k * W2]
+                                    sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                    vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt)
 
                         # ---- sum the token groups, write this split's partial result
                         for g in T.unroll(G):

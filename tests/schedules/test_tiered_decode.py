@@ -108,3 +108,41 @@ def test_workspaces_and_splits():
     assert s > 1  # few sequences: the sequence is split over several blocks
     assert decode_splits(128, 16, 40, 16, 27) == 1
     assert decode_splits(1, 2, 1, 16, 0) == 1  # never more splits than tiles of work
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
+def test_cuda_staged_form_compiles_with_64_bit_pool_offsets(shape):
+    # the cp.async form (tier-2 and tier-1 tiles staged through shared memory) builds for sm_90, and every
+    # access of a pool (its own pointer or a typed view, e.g. t2_k32, t2_vmu1) is indexed in 64 bits
+    import re
+
+    from moec.compiler.targets import make_target
+    from moec.runtime.kv_cache import POOLS
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    fn = make_tiered_decode_cuda(*shape, stages=4, t1_stages=2)
+    src = tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+    assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src and "cp.async.wait_group 2" in src
+    assert "__syncwarp()" in src and "__shared__" in src and "tiered_decode_kernel_1" in src
+    pointers = set(re.findall(r"\b(\w+)\[", src))
+    seen = set()
+    for pool in POOLS:
+        for ptr in sorted(p for p in pointers if p == f"{pool}_ptr" or re.fullmatch(rf"{pool}\d+_ptr|{pool}\d+", p)):
+            for m in re.finditer(re.escape(ptr) + r"\[", src):
+                depth, i = 1, m.end()
+                while depth:
+                    depth += {"[": 1, "]": -1}.get(src[i], 0)
+                    i += 1
+                assert "int64_t" in src[m.end():i - 1], f"{ptr}[{src[m.end():i - 1]}] is indexed in 32 bits"
+                seen.add(pool)
+    # every pool the staged loops copy from is seen
+    assert {"t1_k", "t1_v", "t1_ks", "t1_vs", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig"} <= seen, seen
+
+
+def test_cuda_staged_form_rejects_bad_stages():
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    with pytest.raises(ValueError, match="stages"):
+        make_tiered_decode_cuda(16, 16, 128, stages=1)
+    with pytest.raises(ValueError, match="48 KB"):
+        make_tiered_decode_cuda(16, 16, 128, t1_stages=6)  # 6 tier-1 tiles of 8 KB
