@@ -46,7 +46,17 @@ VARIANTS = {"olmoe-direct-keys": ("olmoe", {"bitsplit_keys": False}),
             "mixtral-pipe3": ("mixtral", {"stages": 3}),  # 255 / 5568, spills 12 bytes (the default form 16)
             "mixtral-pipe4": ("mixtral", {"stages": 4}),  # 255 / 7424
             "mixtral-pipe4-t1": ("mixtral", {"stages": 4, "t1_stages": 2}),  # 255 / 8320
-            "check-pipe3-t1": ("check", {"stages": 3, "t1_stages": 3})}  # checked only: Dh 32, 2-token steps, 1 tile a page
+            "check-pipe3-t1": ("check", {"stages": 3, "t1_stages": 3}),  # checked only: Dh 32, 2-token steps, 1 tile a page
+            # fewer instructions per 2-bit code (the loop is issue-bound); SASS of the tier-2 loop per tile of
+            # 256 codes a lane (cuobjdump here): olmoe 1868 default, 1356 regs, 1273 regs-split (5.0 a code)
+            "olmoe-regs": ("olmoe", {"reg_bases": True}),
+            "olmoe-regs-split": ("olmoe", {"reg_bases": True, "split_values": True}),
+            "olmoe-regs-split-pipe4": ("olmoe", {"reg_bases": True, "split_values": True, "stages": 4}),
+            "olmoe-regs-split-kstep4": ("olmoe", {"reg_bases": True, "split_values": True, "kstep": 4}),
+            "mixtral-regs": ("mixtral", {"reg_bases": True}),  # 1627 -> 1371; split_values spills at G = 4
+            "mixtral-regs-pipe4": ("mixtral", {"reg_bases": True, "stages": 4}),
+            "check-regs-split": ("check", {"reg_bases": True, "split_values": True}),  # checked only: G = 2
+            "check-regs-split-pipe3": ("check", {"reg_bases": True, "split_values": True, "stages": 3})}
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
 

@@ -107,9 +107,9 @@ class _Kernels:
         self.append = bb.add_func(make_tiered_append(hkv, d, opts.t1_page, target=kind), "tiered_append")
         self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind), "tiered_attention")
         self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
-        from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_cuda
+        from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_for_models
 
-        decode = make_tiered_decode_cuda(h, hkv, d, opts.t1_page, opts.t2_page) if kind == "cuda" else \
+        decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page) if kind == "cuda" else \
             make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
         self.split_decode = opts.decode_kernel == "split"
         if self.split_decode:
@@ -181,7 +181,9 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         accumulates the importance."""
         sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
         ps1 = sig.pool_types["t1_k"].shape[3]
-        splits = tirx.max(1, tirx.min(8, tirx.floordiv(2048 + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
+        from ..schedules.kernels.tiered_decode import SPLIT_WARPS
+
+        splits = tirx.max(1, tirx.min(8, tirx.floordiv(SPLIT_WARPS + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
         if self._decode_ws is None:  # scratch the kernel writes before it reads: one set serves every layer
             self._decode_ws = [self._emit(relax.op.zeros(relax.ShapeExpr(shape), "float32"))
                                for shape in ([n, h, sig.m1 * ps1], [n, h, splits, d], [n, h, splits, 2])]

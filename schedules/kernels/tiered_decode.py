@@ -151,6 +151,14 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
 
 
 
+def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
+                                  t2_page: int = 128):
+    """The CUDA form compiled models use: tier-2 tiles staged in 4 cp.async stages (on the H200 at 128 x
+    4096: OLMoE 0.716 ms against 0.762 in registers, Mixtral 0.674 against 0.680, both checked against
+    NumPy; bench/results/tiered_decode_h200_pipe.json). Every shape the register form takes allows it."""
+    return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4)
+
+
 # ---------------------------------------------------------------------------------------------------
 # CUDA form
 #
@@ -208,17 +216,22 @@ def _code_consts():
 
 def _tab(i, values, dtype):
     """values[i] for an unrolled loop index i (a chain the simplifier folds once i is a constant)."""
-    mk = (lambda v: T.uint32(v)) if dtype == "uint32" else (lambda v: T.float32(v))
+    mk = {"uint32": T.uint32, "int32": T.int32, "float32": T.float32}[dtype]
     e = mk(values[-1])
     for j in range(len(values) - 2, -1, -1):
         e = T.if_then_else(i == j, mk(values[j]), e)
     return e
 
 
+# one-warp blocks the split kernel aims for: on the H200 at 128 x 4096, Mixtral's 1024 (sequence, KV head)
+# pairs ran 0.62 ms in one split and 0.68 ms in two (bench/results/tiered_decode_h200_pipe.json)
+SPLIT_WARPS = 1024
+
+
 def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int) -> int:
     """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form."""
     units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles: more splits idle
-    return max(1, min(8, -(-2048 // max(1, batch * num_kv_heads)), units))
+    return max(1, min(8, -(-SPLIT_WARPS // max(1, batch * num_kv_heads)), units))
 
 
 def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
@@ -236,7 +249,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
-                            t1_stages: int = 0):
+                            t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -259,6 +272,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     ``t1_stages`` does the same for the tier-1 tiles (FP8 K / V bytes and both scales; each lane
     copies exactly the 16-byte rows it reads). Both rings share one shared buffer. The math is the
     register form's, operation for operation: only where the operands come from changes.
+
+    The tier-2 loop is bound by instruction issue (on the H200, 4 stages in flight bought 6%), so two
+    options cut instructions per 2-bit code. ``reg_bases`` keeps the bit-float bases in registers: a
+    constant base with a constant mask made ptxas emit two LOP3 per bit, a base it cannot fold (the
+    constant OR'ed with ``layer >> 31``, which is zero) lets one LOP3 do mask and OR. ``split_values``
+    accumulates the values as the keys are scored: ``acc += p c0 f0 + p c1 f1 + p cc`` keeps the sums of
+    ``p f0`` and ``p f1`` per channel and ``p`` per head, and applies the per-channel constants once
+    after the loop (two FFMA per code instead of three; 16 more registers per query head).
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
@@ -268,15 +289,18 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     LPT = D // 16  # lanes per token
     TPS = 32 // LPT  # token groups per warp
     KSTEP = min(kstep or (8 if G == 1 else 4), PS1, PS2 // TPS)
-    if KSTEP < 1 or PS1 % KSTEP or PS2 % (TPS * KSTEP):
+    if KSTEP < 2 or PS1 % KSTEP or PS2 % (TPS * KSTEP):  # (vector loads of a step's scales: 2 tokens or more)
         raise ValueError(f"CUDA tiered decode: pages ({PS1}, {PS2}) do not fit tiles of {TPS} x {KSTEP} tokens")
     TILE = TPS * KSTEP
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
+    REG, VSPLIT = bool(reg_bases), bool(split_values)
     NEG = -1e30
     consts = _code_consts()
     SRC = [c[0] for c in consts]
     M0, B0, M1c, B1, C0, C1, CC = ([c[j] for c in consts] for j in range(1, 8))
+    BASES = sorted(set(B0) | set(B1))  # the distinct bit-float bases (reg_bases: one register each)
+    BI0, BI1 = [BASES.index(v) for v in B0], [BASES.index(v) for v in B1]
     NT2 = min(D, 128)  # threads of the merge kernel
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -315,14 +339,16 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         src = _tab(i, SRC, "uint32")
         return T.if_then_else(src == T.uint32(0), w, T.if_then_else(src == T.uint32(1), w << T.uint32(12), w << T.uint32(24)))
 
-    def f0(x, i):
-        return T.reinterpret("float32", (x & _tab(i, M0, "uint32")) | _tab(i, B0, "uint32"))
+    def f0(x, i, bk):
+        base = bk[_tab(i, BI0, "int32")] if REG else _tab(i, B0, "uint32")
+        return T.reinterpret("float32", (x & _tab(i, M0, "uint32")) | base)
 
-    def f1(x, i):
-        return T.reinterpret("float32", (x & _tab(i, M1c, "uint32")) | _tab(i, B1, "uint32"))
+    def f1(x, i, bk):
+        base = bk[_tab(i, BI1, "int32")] if REG else _tab(i, B1, "uint32")
+        return T.reinterpret("float32", (x & _tab(i, M1c, "uint32")) | base)
 
-    def lev(x, i):
-        return _tab(i, CC, "float32") + _tab(i, C0, "float32") * f0(x, i) + _tab(i, C1, "float32") * f1(x, i)
+    def lev(x, i, bk):
+        return _tab(i, CC, "float32") + _tab(i, C0, "float32") * f0(x, i, bk) + _tab(i, C1, "float32") * f1(x, i, bk)
 
     def shfl(v, o):
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
@@ -333,7 +359,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_left(1, r))
 
     @T.macro
-    def softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt):
+    def softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps):
         # online softmax over one tile: s_l[g * KSTEP + k] (log2 domain) -> p_l; the warp-wide tile max
         # rescales the running state only when it grows (a warp-uniform branch)
         for g in T.unroll(G):
@@ -348,6 +374,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 pmu[g] = pmu[g] * mt[1]
                 for i in T.unroll(16):
                     acc[g * 16 + i] = acc[g * 16 + i] * mt[1]
+                if VSPLIT:
+                    ps[g] = ps[g] * mt[1]
+                    for i in T.unroll(16):
+                        a0[g * 16 + i] = a0[g * 16 + i] * mt[1]
+                        a1[g * 16 + i] = a1[g * 16 + i] * mt[1]
                 m_l[g] = mt[0]
             for k in T.unroll(KSTEP):
                 p_l[g * KSTEP + k] = T.exp2(s_l[g * KSTEP + k] - m_l[g])
@@ -406,7 +437,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         return T.evaluate(T.call_extern("void", "__syncwarp"))
 
     @T.macro
-    def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores):
+    def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps):
         # one tier-1 tile (bytes in k8 / v8, scales in sc16 / vs16, first token of the lane's group tok0)
         for k in T.unroll(KSTEP):
             for j in T.unroll(4):
@@ -420,7 +451,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
                 if tok0 + k < n1 and cw == k % LPT:
                     scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
-        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         for k in T.unroll(KSTEP):
             for j in T.unroll(4):
                 kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
@@ -444,7 +475,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
 
     @T.macro
-    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt):
+    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps):
         # one tier-2 tile (codes in kw / vw, value mu / sigma in sc16 / vs16)
         for k in T.unroll(KSTEP):
             for g in T.unroll(G):
@@ -452,24 +483,33 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             if BITSPLIT:
                 for i in T.unroll(16):
                     for g in T.unroll(G):
-                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i) + \
-                            qs2[g * 16 + i] * f1(xs(kw[k], i), i)
+                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i, bk) + \
+                            qs2[g * 16 + i] * f1(xs(kw[k], i), i, bk)
             else:
                 for i in T.unroll(16):
-                    lv[i] = lev(xs(kw[k], i), i)
+                    lv[i] = lev(xs(kw[k], i), i, bk)
                     for g in T.unroll(G):
                         s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * lv[i]
             for g in T.unroll(G):
                 lane_sum(s_l, g * KSTEP + k)
-        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt)
+        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         for k in T.unroll(KSTEP):
-            for i in T.unroll(16):
-                lv[i] = lev(xs(vw[k], i), i)
-            for g in T.unroll(G):
-                pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
-                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+            if VSPLIT:
+                for g in T.unroll(G):
+                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                    ps[g] = ps[g] + p_l[g * KSTEP + k]
+                    for i in T.unroll(16):
+                        a0[g * 16 + i] = a0[g * 16 + i] + p_l[g * KSTEP + k] * f0(xs(vw[k], i), i, bk)
+                        a1[g * 16 + i] = a1[g * 16 + i] + p_l[g * KSTEP + k] * f1(xs(vw[k], i), i, bk)
+            else:
                 for i in T.unroll(16):
-                    acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
+                    lv[i] = lev(xs(vw[k], i), i, bk)
+                for g in T.unroll(G):
+                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                    for i in T.unroll(16):
+                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
 
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
@@ -537,6 +577,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         v8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         kf = T.sblock_alloc_buffer((16,), "float16", scope="local")
                         lv = T.sblock_alloc_buffer((16,), "float32", scope="local")
+                        bk = T.sblock_alloc_buffer((len(BASES),), "uint32", scope="local")
+                        a0 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        a1 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
+                        ps = T.sblock_alloc_buffer((G,), "float32", scope="local")
                         if S1 + S2 > 0:
                             pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
@@ -555,6 +599,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             m_l[g] = T.float32(NEG)
                             l_l[g] = T.float32(0)
                             pmu[g] = T.float32(0)
+                            if VSPLIT:
+                                ps[g] = T.float32(0)
+                                for i in T.unroll(16):
+                                    a0[g * 16 + i] = T.float32(0)
+                                    a1[g * 16 + i] = T.float32(0)
+                        if REG:  # bases ptxas cannot fold into the masks (layer >= 0: the OR adds nothing)
+                            for j in T.unroll(len(BASES)):
+                                bk[j] = _tab(j, BASES, "uint32") | (T.Cast("uint32", layer) >> T.uint32(31))
 
                         # ---- tier 1: tiles of TILE FP8 tokens, every S-th
                         nt1: T.let[T.int32] = (T.ceildiv(n1, TILE) - sp + S - 1) // S
@@ -590,7 +642,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 for k in T.unroll(KSTEP):
                                     sc16[k] = t1_ks1[row0 + k]
                                     vs16[k] = t1_vs1[row0 + k]
-                            t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores)
+                            t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps)
 
                         # ---- tier 2: 2-bit pages, every S-th
                         np2: T.let[T.int32] = (n2 - sp + S - 1) // S
@@ -625,7 +677,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
                                     vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
                                         ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt)
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps)
                         else:
                             for ip in T.serial(np2):
                                 page2: T.let[T.int32] = t2_table[b, sp + ip * S]
@@ -641,8 +693,13 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         vw[k] = t2_v32[wrow + k * W2]
                                     sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
                                     vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt)
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps)
 
+                        if VSPLIT:  # the per-channel constants of the split value sums, once
+                            for g in T.unroll(G):
+                                for i in T.unroll(16):
+                                    acc[g * 16 + i] = acc[g * 16 + i] + _tab(i, CC, "float32") * ps[g] + \
+                                        _tab(i, C0, "float32") * a0[g * 16 + i] + _tab(i, C1, "float32") * a1[g * 16 + i]
                         # ---- sum the token groups, write this split's partial result
                         for g in T.unroll(G):
                             for r in T.unroll(TPS.bit_length() - 1):

@@ -146,3 +146,58 @@ def test_cuda_staged_form_rejects_bad_stages():
         make_tiered_decode_cuda(16, 16, 128, stages=1)
     with pytest.raises(ValueError, match="48 KB"):
         make_tiered_decode_cuda(16, 16, 128, t1_stages=6)  # 6 tier-1 tiles of 8 KB
+
+
+def test_bit_float_decoding_of_2bit_codes_is_exact():
+    # what the CUDA form computes per 2-bit code, emulated in NumPy: the code's two bits masked into float32
+    # bit patterns f0, f1 (from the word, or the word shifted by 12 or 24), then lev = cc + c0 f0 + c1 f1
+    from moec.runtime.kv_quant import NF2_LEVELS
+    from moec.schedules.kernels.tiered_decode import _code_consts
+
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    shifted = [words, words << np.uint32(12), words << np.uint32(24)]
+    for i, (src, m0, b0, m1, b1, c0, c1, cc) in enumerate(_code_consts()):
+        x = shifted[src]
+        f0 = ((x & np.uint32(m0)) | np.uint32(b0)).view(np.float32).astype(np.float64)
+        f1 = ((x & np.uint32(m1)) | np.uint32(b1)).view(np.float32).astype(np.float64)
+        code = (words >> np.uint32(2 * i)) & np.uint32(3)
+        np.testing.assert_allclose(cc + c0 * f0 + c1 * f1, NF2_LEVELS[code], rtol=0, atol=1e-5)
+        # split_values: summing p f0 and p f1 first and applying the constants after is the same sum
+        p = rng.random(words.size)
+        np.testing.assert_allclose(cc * p.sum() + c0 * (p * f0).sum() + c1 * (p * f1).sum(),
+                                   (p * NF2_LEVELS[code]).sum(), rtol=1e-9, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
+def test_cuda_register_bases_and_split_values(shape):
+    # reg_bases: the bit-float bases are values ptxas cannot fold (OR'ed with layer >> 31); split_values: the
+    # value sums of p f0 and p f1 per channel and of p per head, folded into the output once
+    import re
+
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    def src(**kw):
+        fn = make_tiered_decode_cuda(*shape, **kw)
+        return tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+
+    plain, reg = src(), src(reg_bases=True, split_values=True, stages=4)
+    bases = re.findall(r"bk\w*\[(\d+)\] = \(\(uint\)(\d+) \| \(\(\(uint\)layer\) >> \(uint\)31\)\)", reg)
+    assert len(bases) == 9 and not re.search(r"\bbk\w*\[", plain)  # one register per distinct base
+    assert 1065353216 in {int(v) for _, v in bases}  # 1.0f, the base of the low exponent bits
+    assert reg.count("__shfl_xor_sync") == plain.count("__shfl_xor_sync")  # the same reductions
+
+
+def test_models_get_the_staged_form_where_the_shape_allows():
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_for_models
+
+    def src(*shape):
+        fn = make_tiered_decode_for_models(*shape)
+        return tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+
+    assert "cp.async.wait_group 2" in src(16, 16, 128, 16, 128)  # 4 stages: two younger tiles may be pending
+    assert "cp.async.wait_group 2" in src(4, 2, 32, 16, 32)  # 2-token steps of 8 bytes a token: 16-byte groups
+    with pytest.raises(ValueError, match="do not fit tiles"):  # head dim 16: a warp's tile would be one-token steps
+        make_tiered_decode_for_models(2, 2, 16, 16, 32)
