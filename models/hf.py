@@ -40,3 +40,24 @@ def tiny_hf_model(family: str, attn_implementation: str = "eager", seed: int = 0
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def tie_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every decoder layer use the first layer's parameters (in place; returns ``model``).
+
+    For speed runs of shapes whose weights do not fit the machine: each layer still reads its weights
+    from device memory every step (a layer's weights are far larger than any cache), while the host,
+    the disk and the artifact hold one layer's. The importer keeps one parameter per distinct tensor.
+    """
+    layers = model.model.layers
+    first = dict(layers[0].named_parameters())
+    for layer in layers[1:]:
+        for name, p in list(layer.named_parameters()):
+            *path, leaf = name.split(".")
+            owner = layer
+            for part in path:
+                owner = getattr(owner, part)
+            if name not in first or first[name].shape != p.shape:
+                raise ValueError(f"layer parameters differ from layer 0's at {name}: cannot tie")
+            setattr(owner, leaf, first[name])
+    return model

@@ -51,13 +51,49 @@ def _host_tensor(value: torch.Tensor):
     return tvm.runtime.tensor(t.numpy())
 
 
+def _storage_key(value: torch.Tensor):
+    """What makes two weights the same tensor (tied weights: one storage seen under several names)."""
+    if value.layout != torch.strided or value.device.type == "meta":
+        return None
+    return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype)
+
+
 def _importer():
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+    converted = {}  # storage key -> host tensor: a tied weight is converted (and held in memory) once
+
+    def convert(value: torch.Tensor):
+        key = _storage_key(value)
+        if key is None:
+            return _host_tensor(value)
+        if key not in converted:
+            converted[key] = _host_tensor(value)
+        return converted[key]
+
     class Importer(ExportedProgramImporter):
-        _convert_pytorch_tensor_to_tvm = staticmethod(_host_tensor)
+        _convert_pytorch_tensor_to_tvm = staticmethod(convert)
 
     return Importer()
+
+
+def merge_tied_weights(mod, params: list, num_inputs: int):
+    """One parameter per distinct weight: ``main``'s parameters whose host tensors are the same object (tied
+    weights, e.g. an LM head sharing the embedding, or layers sharing one layer's weights) become one."""
+    func = mod["main"]
+    first, binds, keep = {}, {}, []
+    for var, t in zip(list(func.params)[num_inputs:], params):
+        handle = t.__chandle__()
+        if handle in first:
+            binds[var] = first[handle]
+        else:
+            first[handle] = var
+            keep.append(t)
+    if not binds:
+        return mod, params
+    import tvm
+
+    return tvm.IRModule({"main": func.bind_params(binds)}), keep
 
 
 def _check_ops(ep: torch.export.ExportedProgram, name: str) -> None:
@@ -85,7 +121,8 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
         msg = str(exc).strip().splitlines()
         raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
     mod, params = detach_params(mod)
-    weights = [p.numpy() for p in params.get("main", [])]
+    mod, main_params = merge_tied_weights(mod, list(params.get("main", [])), len(user_inputs))
+    weights = [p.numpy() for p in main_params]
     mod, weights = bind_scalar_weights(mod, weights, len(user_inputs))
     if source_hash is None:
         h = hashlib.sha256()

@@ -1,3 +1,4 @@
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -105,3 +106,22 @@ def test_module_with_example_inputs():
     assert imported.num_inputs == 1 and imported.source_kind == "torch"
     s = analyze(imported.main, imported.num_inputs, "tiny")
     assert len(s.moe_layers) == cfg.num_layers
+
+
+def test_tied_weights_are_one_parameter(tmp_path):
+    # layers sharing one layer's weights (and any other tied tensors) import as one parameter each, and the
+    # compiled model still matches torch
+    import moec
+    from moec.models.hf import tie_layers, tiny_hf_model
+    from moec_testing import ATOL, torch_last_logits
+
+    model = tie_layers(tiny_hf_model("mixtral"))
+    unique = {id(p) for p in model.parameters()}
+    assert len(unique) < len(list(model.named_parameters(remove_duplicate=False)))
+    imp = import_model(model)
+    assert len(imp.weights) == len(unique)
+    art = moec.compile(model, tmp_path / "art", target="llvm")
+    engine = moec.load(art)
+    tokens = [5, 6, 7, 8, 9]
+    _, logits = engine.prefill([tokens])
+    np.testing.assert_allclose(logits[0], torch_last_logits(model, tokens), atol=ATOL, rtol=0)
