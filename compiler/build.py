@@ -73,6 +73,7 @@ def compile(  # noqa: A001 - the public name users call
     expert_weights: str | None = None,
     tuning_db: str | Path | None = "auto",
     dense_gemm: bool = True,
+    cuda_graph=False,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -131,6 +132,13 @@ def compile(  # noqa: A001 - the public name users call
         (refused when tuned for another target), "none" only the rules. Kernels with records at a
         token/batch bucket run tuned at that size; all others keep the dlight rules. The manifest's
         ``tuning`` says which database and how many kernels, ``schedules`` each kernel's source.
+    cuda_graph : bool | moec.passes.cuda_graph.GraphBounds
+        CUDA only: also build ``decode_graph``, the decode step with its kernel launches captured and
+        replayed as CUDA graphs (``moec.passes.cuda_graph``), for steps of at most ``max_batch`` streams
+        of at most ``max_context`` tokens (``True``: ``GraphBounds()``, 128 and 4096). Its intermediates
+        get memory planned for those bounds, held while the engine lives. The engine uses it for the
+        steps within the bounds (``moec.load(..., cuda_graph=False)`` turns it off) and the plain
+        ``decode`` for the rest. Off by default.
 
     Returns
     -------
@@ -155,6 +163,7 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"expert weights must be bf16 or fp8, got {expert_weights!r}")
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
+    graph_bounds = _graph_bounds(cuda_graph, tgt)
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
@@ -225,7 +234,7 @@ def compile(  # noqa: A001 - the public name users call
         dense = InsertDenseGEMM(tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
-                                     phases=1 if _until_phase1 else 4, dense_gemm=dense)
+                                     phases=1 if _until_phase1 else 4, dense_gemm=dense, cuda_graph=graph_bounds)
     if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
         with tgt:
             return pipeline(imported.mod), pipeline.entries, tgt
@@ -272,7 +281,7 @@ def compile(  # noqa: A001 - the public name users call
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
             + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None)
             + ["InsertDenseGEMM"] * (dense is not None) + ["AddGreedySampler", "LegalizeOps", "FuseOps",
-               "FuseTIR", "schedules.rules"],
+               "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
                         "tiered": tiered.to_dict() if tiered is not None else None,
@@ -280,10 +289,11 @@ def compile(  # noqa: A001 - the public name users call
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "dense_gemm": dense.manifest() if dense is not None else None,
+                        "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},
             "schedules": pipeline.schedules.sources,
-            "entry_functions": _entry_doc(tiered),
+            "entry_functions": _entry_doc(tiered, graph_bounds is not None),
             "cuda_kernels": cuda_kernels,
             "token_input_dtype": str(imported.main.params[0].ty.dtype),
             "weights": weight_names,
@@ -309,7 +319,42 @@ class UnreplacedExperts(UserWarning):
     """Recognised MoE layers left in the imported (per-token weight gather) form."""
 
 
-def _entry_doc(tiered) -> dict:
+def _graph_bounds(cuda_graph, tgt):
+    """The ``GraphBounds`` of the ``cuda_graph`` option (None when off)."""
+    from ..passes.cuda_graph import GraphBounds
+
+    if cuda_graph is False or cuda_graph is None:
+        return None
+    if cuda_graph is True:
+        cuda_graph = GraphBounds()
+    if not isinstance(cuda_graph, GraphBounds):
+        raise MoecError(f"cuda_graph must be True, False or a GraphBounds, got {cuda_graph!r}")
+    if tgt.kind.name != "cuda":
+        raise MoecError(f"CUDA graphs need --target cuda (got {tgt.kind.name})")
+    return cuda_graph
+
+
+def _graph_manifest(bounds, tiered, rewrite) -> dict | None:
+    if bounds is None:
+        return None
+    from ..passes.cuda_graph import GRAPH_ENTRY, table_widths
+
+    doc = {"entry": GRAPH_ENTRY, "bounds": bounds.to_dict(), "decode_step": rewrite.summary}
+    if tiered is not None:
+        w1, w2 = table_widths(bounds, tiered.t1_page, tiered.t2_page)
+        doc["max_table_widths"] = {"t1": w1, "t2": w2}
+    return doc
+
+
+def _entry_doc(tiered, graph: bool = False) -> dict:
+    doc = _entry_doc_plain(tiered)
+    if graph:
+        doc["decode_graph"] = ("decode with its kernel launches as CUDA graphs (same arguments and results), for steps within "
+                               "options.cuda_graph.bounds; the tiered pools must be the same tensors on every call")
+    return doc
+
+
+def _entry_doc_plain(tiered) -> dict:
     if tiered is None:
         return {
             "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",

@@ -38,13 +38,22 @@ def cmd_compile(args) -> int:
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
-                 dense_gemm=args.dense_gemm)
+                 dense_gemm=args.dense_gemm, cuda_graph=_graph_bounds(args))
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
         from .artifact import read_manifest
 
         print(format_schedule_report(read_manifest(args.output, verify=False)["schedules"]))
     return 0
+
+
+def _graph_bounds(args):
+    """``--cuda-graph`` with its bounds as ``moec.compile``'s ``cuda_graph`` (False when not given)."""
+    if not args.cuda_graph:
+        return False
+    from ..passes.cuda_graph import GraphBounds
+
+    return GraphBounds(max_batch=args.graph_max_batch, max_context=args.graph_max_context)
 
 
 def cmd_tune(args) -> int:
@@ -259,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
                    help="MetaSchedule records from `moec tune`: auto (default) uses the target's database in the moec "
                         "cache if there is one; kernels without records keep the dlight rules")
+    g = p.add_argument_group("CUDA graphs (--target cuda)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="also build the decode step as CUDA graphs (captured once per batch size and table widths, then "
+                        "replayed: no per-kernel launch or VM work); the engine uses them for steps within the bounds")
+    g.add_argument("--graph-max-batch", type=int, default=128, help="most streams in a step the graphs serve (memory is "
+                                                                      "planned for it; default 128)")
+    g.add_argument("--graph-max-context", type=int, default=4096,
+                   help="most tokens of one stream the graphs serve (sizes the tiered page tables; default 4096)")
     p.add_argument("--report-schedules", action="store_true", help="print each kernel's schedule source afterwards")
     p.set_defaults(func=cmd_compile)
 
@@ -374,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", default="1,16,64,128", help="comma-separated concurrent streams")
     p.add_argument("--contexts", default="512,1024,2048,4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
-                   help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered, hf-eager, hf-compile")
+                   help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
+                        "built with --cuda-graph), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")

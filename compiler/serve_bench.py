@@ -12,6 +12,8 @@ context and the bandwidth floor. Systems:
 
   moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
                                                     moec with that KV cache (artifacts kept in --work)
+  moec-<cache>-graph                                the same with ``--cuda-graph`` (bounds: the grid's largest
+                                                    streams and context): decode steps replay CUDA graphs
   hf-eager                                          HF forward with a StaticCache, HF's default experts
                                                     implementation (grouped_mm where torch has it), the
                                                     prefill in chunks of 512 positions
@@ -54,7 +56,8 @@ SHAPES = {
                                  max_position_embeddings=1024, norm_topk_prob=False)),
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
-SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "hf-eager", "hf-compile")
+SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
+           "moec-tiered-graph", "hf-eager", "hf-compile")
 
 
 def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None):
@@ -181,16 +184,21 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
 
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
-                 profile: bool = False) -> None:
+                 profile: bool = False, max_context: int | None = None) -> None:
         import moec
 
         self.kind = kind
         self.profile = profile
-        cache = kind.split("-", 1)[1]
-        art = work / f"art-{cache}-{device}"
+        cache = kind.split("-")[1]
+        graph = False
+        if kind.endswith("-graph"):
+            from ..passes.cuda_graph import GraphBounds
+
+            graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
+        art = work / f"art-{cache}{'-graph' if graph else ''}-{device}"
         if not (art / "manifest.json").exists():
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
-                         kv_cache=cache, progress=True)
+                         kv_cache=cache, progress=True, cuda_graph=graph)
             _share_weights(art, work)
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens)
         self.cfg = model.config
@@ -364,7 +372,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         try:
             if name.startswith("moec-"):
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
-                               profile=profile)
+                               profile=profile, max_context=max(contexts))
             else:
                 system = _HF(name, model, device)
                 runs["experts_implementation"] = system.experts

@@ -13,8 +13,10 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from ..compiler.errors import MoecError
 from ..schedules.rules import schedule_pass
 from .cascade_gating import CascadeGating
+from .cuda_graph import GraphBounds, PrepareDecodeGraph, RewriteDecodeGraph
 from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
 from .fuse_router_norm import FuseRouterIntoNorm
 from .legalize_topk import legalize_topk
@@ -34,6 +36,17 @@ def _dump(directory: Path | None, name: str):
     return _pass
 
 
+def _record_graph(rewrite):
+    """Keep the final kernel split of ``decode_graph`` (``cuda_graph.graph_summary``) on the rewrite pass."""
+
+    @tvm.transform.module_pass(opt_level=0, name="RecordDecodeGraph")
+    def _pass(mod, _ctx):
+        rewrite.record(mod)
+        return mod
+
+    return _pass
+
+
 def fusion_passes(entries: list[str]) -> list:
     """Phase 2 alone (lower to TIR and fuse); tuning runs it on entries with static token/batch sizes."""
     return [
@@ -46,8 +59,13 @@ def fusion_passes(entries: list[str]) -> list:
     ]
 
 
-def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None, schedules=None) -> list:
-    """Phases 2-4: what every entry function goes through once phase 1 has built it."""
+def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None, schedules=None, graph=None) -> list:
+    """Phases 2-4: what every entry function goes through once phase 1 has built it.
+
+    ``graph`` (a ``(PrepareDecodeGraph, RewriteDecodeGraph)`` pair, or None) adds the ``decode_graph`` entry:
+    a copy of ``decode`` whose kernel launches run as CUDA graphs (``passes/cuda_graph.py``).
+    """
+    prepare, rewrite = graph if graph is not None else (None, None)
     return [
         # Phase 2. Lower to TIR and fuse.
         *fusion_passes(entries),
@@ -55,18 +73,21 @@ def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None, 
         # Phase 3. Schedules for the target (tuned records first when given, then the dlight rules).
         schedules if schedules is not None else schedule_pass(target),
         _dump(dump, "phase3_scheduled"),
-        # Phase 4. Lower to the VM.
+        # Phase 4. Lower to the VM (with CUDA graphs: decode_graph, statically planned, then its regions lifted).
+        *([prepare] if prepare is not None else []),
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),
         relax.transform.StaticPlanBlockMemory(),
+        *([rewrite] if rewrite is not None else []),
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),
         relax.transform.LowerRuntimeBuiltin(),
         relax.transform.ComputePrimValue(),
         relax.transform.VMShapeLower(),
         relax.transform.AttachGlobalSymbol(),
+        *([_record_graph(rewrite)] if rewrite is not None else []),
         _dump(dump, "phase4_vm"),
     ]
 
@@ -87,7 +108,7 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
                   fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
-                  grouped_experts=None, dense_gemm=None):
+                  grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
@@ -102,6 +123,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
     computation of the entries with the grouped expert GEMM kernels, and ``dense_gemm`` (an
     ``InsertDenseGEMM`` pass, or None) each linear layer against a transposed 16-bit weight with ``dense_gemm``.
+    ``cuda_graph`` (``GraphBounds``, CUDA only) adds ``decode_graph``, the decode step as CUDA graphs for steps
+    within those bounds (``passes/cuda_graph.py``); None leaves the module as without it.
     """
     dump = Path(debug_dump) if debug_dump else None
     if tiered is not None:
@@ -125,8 +148,14 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([tuning.capture(entries)] if tuning is not None else []),
     ]
     schedules = schedule_pass(target, tuning)
+    graph = None
+    if cuda_graph is not None:
+        if target.kind.name != "cuda":
+            raise MoecError(f"{source}: CUDA graphs need --target cuda (got {target.kind.name})")
+        pages = (tiered.t1_page, tiered.t2_page) if tiered is not None else None
+        graph = (PrepareDecodeGraph(cuda_graph, pages, source), RewriteDecodeGraph(tiered is not None))
     if phases > 1:
-        passes += _lowering(target, entries, dump, schedules)
+        passes += _lowering(target, entries, dump, schedules, graph)
     seq = tvm.transform.Sequential(passes, name="moec")
 
     @tvm.transform.module_pass(opt_level=0, name="moec")
@@ -136,4 +165,5 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
 
     _pipeline.schedules = schedules
     _pipeline.entries = entries
+    _pipeline.graph = graph[1] if graph is not None else None  # its .summary once the pipeline ran
     return _pipeline, insert

@@ -26,6 +26,7 @@ from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error user
 _CUDA_RUNTIME_LOADED = False
 _FATBINS: dict[str, bytes] = {}
 _CUDA_COMPILE = "tvm_callback_cuda_compile"
+_RUN_OR_CAPTURE = "vm.builtin.cuda_graph.run_or_capture"
 
 
 def _register_fatbins(directory: Path, manifest: dict):
@@ -80,7 +81,11 @@ class Engine:
     """Prefill and batched decode over a paged KV cache for one compiled artifact."""
 
     def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
-                 prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None) -> None:
+                 prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None,
+                 cuda_graph: bool | None = None) -> None:
+        """``cuda_graph``: run decode steps through the artifact's CUDA graphs (``moec compile --cuda-graph``) when
+        they fit its bounds. None (default): if the artifact has them and the device is CUDA; False: never; True:
+        the artifact must have them."""
         directory = Path(directory)
         manifest = read_manifest(directory, verify=True)
         self.manifest = manifest
@@ -142,6 +147,7 @@ class Engine:
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
         self._argmax = self.vm["argmax"] if "argmax" in manifest.get("entry_functions", {}) else None
+        self._init_graph(manifest, directory, device, cuda_graph)
         self.lengths: dict[int, int] = {}
         self._next_id = 0
         if self.kv_cache in ("fp8", "tiered"):
@@ -155,6 +161,21 @@ class Engine:
         self._remove = g("vm.builtin.kv_state_remove_sequence")
         self._begin = g("vm.builtin.kv_state_begin_forward")
         self._end = g("vm.builtin.kv_state_end_forward")
+
+    def _init_graph(self, manifest: dict, directory: Path, device: str, cuda_graph: bool | None) -> None:
+        """The ``decode_graph`` entry and its bounds, when used (see ``moec.passes.cuda_graph``)."""
+        doc = (manifest.get("options") or {}).get("cuda_graph")
+        if cuda_graph not in (None, True, False):
+            raise MoecError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
+        if cuda_graph and not doc:
+            raise MoecError(f"{directory}: artifact has no CUDA graphs (compile it with --cuda-graph)")
+        self._decode_graph, self.graph_bounds, self.graph_widths = None, None, None
+        self.graph_steps = 0  # decode steps that ran through the graphs
+        if doc and device == "cuda" and cuda_graph is not False:
+            self._decode_graph = self.vm[doc["entry"]]
+            self.graph_bounds = doc["bounds"]
+            widths = doc.get("max_table_widths")
+            self.graph_widths = (widths["t1"], widths["t2"]) if widths else None
 
     # ----------------------------------------------------------- sequences
     def add_sequence(self) -> int:
@@ -175,7 +196,9 @@ class Engine:
 
         Yields ``{symbol: [calls, seconds]}``, filled as calls finish. The device is synchronised before
         and after each call, so a kernel's time is its own (plus its launch); the forwards run slower
-        than unprofiled ones, and only the split between kernels is meant to be read from it.
+        than unprofiled ones, and only the split between kernels is meant to be read from it. With CUDA graphs a
+        replayed region is one call (``vm.builtin.cuda_graph.run_or_capture``); the calls of a region being captured
+        are neither synchronised (a capture forbids it) nor counted.
         """
         import time
 
@@ -184,13 +207,23 @@ class Engine:
         acc: dict[str, list] = {}
         started: dict[str, float] = {}
         sync = self.device.sync
+        capturing = [0]  # depth of run_or_capture calls
 
         def instrument(func, symbol, before, ret, *args):
+            name = str(symbol)
+            graph = name == _RUN_OR_CAPTURE
+            if capturing[0] and not (graph and not before):
+                return 0
+            if graph and not before:
+                capturing[0] -= 1
+                if capturing[0]:
+                    return 0
             sync()
             if before:
                 started[symbol] = time.perf_counter()
+                capturing[0] += graph
             else:
-                a = acc.setdefault(str(symbol), [0, 0.0])
+                a = acc.setdefault(name, [0, 0.0])
                 a[0] += 1
                 a[1] += time.perf_counter() - started.pop(symbol)
             return 0  # VMInstrumentReturnKind: run the call
@@ -208,6 +241,10 @@ class Engine:
             else:
                 self._remove(self.cache, seq)
             del self.lengths[seq]
+
+    def _graph_max_batch(self) -> int:
+        """The most streams a decode step may have to run through the CUDA graphs (0 when they are not used)."""
+        return self.graph_bounds["max_batch"] if self._decode_graph is not None else 0
 
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size)
@@ -237,11 +274,15 @@ class Engine:
         if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
             raise MoecError(f"token ids must be in [0, {self.vocab_size})")
         if self.tiered is not None:
-            out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos)
+            graph = self._decode_graph if fn is self._decode and len(seq_ids) <= self._graph_max_batch() else None
+            out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos, graph=graph)
             for s, c in zip(seq_ids, counts):
                 self.lengths[s] += c
             return out if on_device else out.numpy()[0]
         self._reserve(seq_ids, counts)
+        if fn is self._decode and len(seq_ids) <= self._graph_max_batch():
+            fn = self._decode_graph
+            self.graph_steps += 1
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
             ids = tvm.runtime.tensor(flat, self.device)
@@ -415,12 +456,21 @@ class _TieredState:
     def _tensor(self, a):
         return self.e._tvm.runtime.tensor(np.ascontiguousarray(a), self.e.device)
 
-    def forward(self, fn, seq_ids, counts, flat, logit_pos):
+    def forward(self, fn, seq_ids, counts, flat, logit_pos, graph=None):
+        """One forward; ``graph`` (the ``decode_graph`` entry, for a decode step of few enough rows) runs it instead
+        of ``fn`` when the page tables fit its widths, with the widths rounded up to powers of two (fewer captures)."""
         pt = self.tables
         slots = [self.slot[s] for s in seq_ids]
         before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots}
         pt.append(dict(zip(slots, counts)))  # all or nothing: raises CacheExhausted before any change
         tab = pt.tables(slots)
+        if graph is not None:
+            w1, w2 = self.e.graph_widths
+            t1, t2 = tab["t1_table"], tab["t2_table"]
+            if t1.shape[1] <= w1 and t2.shape[1] <= w2:
+                tab = dict(tab, t1_table=_pad_width(t1, w1), t2_table=_pad_width(t2, w2))
+                fn = graph
+                self.e.graph_steps += 1
         q_pos, q_slot, q_row, q_t1 = [], [], [], []
         for row, (s, n) in enumerate(zip(slots, counts)):
             length, t1 = before[s]
@@ -461,6 +511,17 @@ class _TieredState:
         args = [t1_table, tab["t1_len"][rows], tab["length"][rows], np.array([plans[i].demote for i in rows], np.int32), new]
         self._rerank(*[self._tensor(a) for a in args], *self.pools)
         self.reranks += 1
+
+
+def _pad_width(table: np.ndarray, bound: int) -> np.ndarray:
+    """``table`` widened with page 0 to the next power of two (at most ``bound``): the kernels read only each row's own
+    pages, and a graph is captured per distinct width."""
+    width = min(bound, 1 << max(0, table.shape[1] - 1).bit_length())
+    if width == table.shape[1]:
+        return table
+    out = np.zeros((table.shape[0], width), table.dtype)
+    out[:, : table.shape[1]] = table
+    return out
 
 
 def load(directory: str | Path, device: str = "cpu", **kwargs) -> Engine:

@@ -32,7 +32,7 @@ def test_inspect_prints_table(zoo):
     assert json.loads(js.stdout)["num_moe_layers"] == 2
 
 
-@pytest.mark.parametrize("case", ["missing", "truncated", "dense", "bad-arch"])
+@pytest.mark.parametrize("case", ["missing", "truncated", "dense", "bad-arch", "graph-on-llvm", "bad-graph-bound"])
 def test_compile_errors_exit_2_and_write_nothing(zoo, tmp_path, case):
     out_dir = tmp_path / "art"
     if case == "missing":
@@ -49,6 +49,10 @@ def test_compile_errors_exit_2_and_write_nothing(zoo, tmp_path, case):
         from test_importers import Dense
 
         src, extra = save_onnx(Dense(), 32, tmp_path / "dense.onnx"), []
+    elif case == "graph-on-llvm":
+        src, extra = zoo.source("tiny", "onnx"), ["--cuda-graph"]
+    elif case == "bad-graph-bound":
+        src, extra = zoo.source("tiny", "onnx"), ["--target", "cuda", "--cuda-graph", "--graph-max-batch", "0"]
     else:
         src, extra = zoo.source("tiny", "onnx"), ["--target", "cuda", "--arch", "sm_9x"]
     res = moec("compile", src, "-o", out_dir, *extra)
