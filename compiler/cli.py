@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="decode latency (TPOT, TTFT) of moec and HF transformers side by side, on the "
                                      "same random weights, over a grid of streams x contexts; JSON and a PNG plot")
-    p.add_argument("--shape", default="tiny-olmoe", help="named model shape: olmoe-1b-7b, tiny-olmoe")
+    p.add_argument("--shape", default="tiny-olmoe", help="named model shape: olmoe-1b-7b, mixtral-8x7b, tiny-olmoe, tiny-mixtral")
     p.add_argument("--streams", default="1,16,64,128", help="comma-separated concurrent streams")
     p.add_argument("--contexts", default="512,1024,2048,4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
@@ -398,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: the shape's); fewer give the per-layer split of a step in less time")
+    p.add_argument("--tie-layers", action="store_true",
+                   help="every decoder layer uses the first layer's weights: a step reads as many weight bytes as the "
+                        "full model, while host memory, disk and artifacts hold one layer (for shapes that do not fit)")
     p.add_argument("--profile", action="store_true",
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
                         "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "

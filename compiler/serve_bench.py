@@ -50,19 +50,33 @@ SHAPES = {
     "olmoe-1b-7b": ("olmoe", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                                   num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                                   max_position_embeddings=4352, norm_topk_prob=False)),
-    # a small OLMoE-like shape for trying the harness on a CPU
+    # HF MixtralConfig of Mixtral-8x7B: 8 experts top-2, 32 layers, d 4096, 32 heads over 8 KV heads, Dh 128.
+    # Its 93 GB of bf16 weights do not fit the GPU machine's disk or host memory: run it with --tie-layers
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=4352, rope_theta=1e6)),
+    # small shapes for trying the harness on a CPU
     "tiny-olmoe": ("olmoe", dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
                                  max_position_embeddings=1024, norm_topk_prob=False)),
+    "tiny-mixtral": ("mixtral", dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=1024)),
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
            "moec-tiered-graph", "hf-eager", "hf-compile")
 
 
-def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None):
+def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None,
+             tie_layers: bool = False):
     """The HF model of ``shape`` with seeded random weights, on ``device`` in ``dtype`` (``layers``: that many
-    decoder layers instead of the shape's, for a per-layer split at a fraction of the time)."""
+    decoder layers instead of the shape's, for a per-layer split at a fraction of the time).
+
+    ``tie_layers``: every decoder layer uses the first layer's weights (``moec.models.hf.tie_layers``), and
+    only that layer is ever materialized. A step still reads every layer's weights from device memory
+    (a layer's weights are far larger than the GPU's cache), so decode speed is that of the full model,
+    while host memory, disk and the artifact hold one layer's weights."""
     import torch
     import transformers as tf
 
@@ -73,13 +87,28 @@ def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int 
         if not isinstance(layers, int) or layers < 1:
             raise MoecError(f"--layers must be a positive integer, got {layers!r}")
         kw = {**kw, "num_hidden_layers": layers}
-    cls, cfg_cls = {"olmoe": (tf.OlmoeForCausalLM, tf.OlmoeConfig)}[family]
+    cls, cfg_cls = {"olmoe": (tf.OlmoeForCausalLM, tf.OlmoeConfig), "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig)}[family]
+    num_layers = kw["num_hidden_layers"]
+    if tie_layers:  # build one layer, then add the others as views of it (their own modules: layer_idx differs)
+        kw = {**kw, "num_hidden_layers": 1}
     cfg = cfg_cls(**kw, experts_implementation="batched_mm", attn_implementation="sdpa", pad_token_id=0,
                   bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(cfg)
-    return model.to(getattr(torch, dtype)).eval()
+    model = model.to(getattr(torch, dtype)).eval()
+    if tie_layers and num_layers > 1:
+        from ..models.hf import tie_layers as tie
+
+        first = model.model.layers[0]
+        cfg.num_hidden_layers = num_layers
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[:1] * num_layers
+        with torch.device("meta"):  # parameters replaced by layer 0's below: nothing is allocated
+            extra = [type(first)(cfg, layer_idx=i) for i in range(1, num_layers)]
+        model.model.layers.extend(extra)
+        tie(model)
+    return model
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -120,7 +149,7 @@ def weight_bytes(model) -> tuple[int, int, int]:
     expert = other = 0
     num_experts = model.config.num_experts
     layers = model.config.num_hidden_layers
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):  # tied layers: each layer reads its copy
         nbytes = p.numel() * p.element_size()
         if ".experts." in name:
             expert += nbytes
@@ -327,7 +356,8 @@ class _HF:
 
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
-              progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None) -> dict:
+              progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None,
+              tie_layers: bool = False) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
@@ -342,12 +372,12 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         raise MoecError("--device cuda: no CUDA device is visible to torch")
     if min(contexts) <= steps:
         raise MoecError(f"every context must exceed the decode steps ({steps})")
-    work = Path(work) / (f"{shape}-{dtype}" if layers is None else f"{shape}-{layers}l-{dtype}")  # as bench/tune_decode.py
-    work.mkdir(parents=True, exist_ok=True)
-    model = build_hf(shape, dtype, device, seed, layers)
+    work = Path(work) / (f"{shape}{'' if layers is None else f'-{layers}l'}{'-tied' if tie_layers else ''}-{dtype}")
+    work.mkdir(parents=True, exist_ok=True)  # (the naming of bench/tune_decode.py)
+    model = build_hf(shape, dtype, device, seed, layers, tie_layers)
     bw = copy_bandwidth(device)
     doc = {"shape": shape, "config": {k: getattr(model.config, k) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
-           "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps,
+           "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
@@ -473,7 +503,7 @@ def main(args) -> int:
 
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
                     checkpoint=write, profile=getattr(args, "profile", False),
-                    layers=getattr(args, "layers", None))
+                    layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

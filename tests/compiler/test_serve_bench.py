@@ -81,3 +81,31 @@ def test_layers_override():
 
     with pytest.raises(MoecError, match="--layers"):
         build_hf("tiny-olmoe", layers=0)
+
+
+def test_tied_layers_read_every_layer_but_store_one(tmp_path):
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from moec.compiler.serve_bench import weight_bytes
+
+    tied, full = build_hf("tiny-mixtral", tie_layers=True), build_hf("tiny-mixtral")
+    assert len(tied.model.layers) == 3 and tied.config.num_hidden_layers == 3
+    assert [m.self_attn.layer_idx for m in tied.model.layers] == [0, 1, 2]  # each layer its own cache slot
+    assert tied.model.layers[2].mlp.experts.down_proj is tied.model.layers[0].mlp.experts.down_proj
+    assert weight_bytes(tied) == weight_bytes(full)  # the floor counts the bytes every layer reads
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert np.isfinite(tied(input_ids=ids).logits.numpy()).all()
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--shape", "tiny-mixtral", "--tie-layers", "--streams", "2", "--contexts", "24", "--steps", "3",
+               "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["tied_layers"] is True
+    for name in ("moec-bf16", "hf-eager"):
+        assert "error" not in doc["systems"][name]["points"][0], doc["systems"][name]
+    # the artifact holds one layer's weights: 9 per layer untied, 9 + embeddings, final norm and head tied
+    with safe_open(tmp_path / "work" / "tiny-mixtral-tied-float32" / "art-bf16-cpu" / "weights.safetensors", "np") as f:
+        assert len(list(f.keys())) == 9 + 3
