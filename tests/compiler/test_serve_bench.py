@@ -54,36 +54,10 @@ def test_bench_refusals(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_bench_profile_splits_the_last_step(tmp_path):
+def test_bench_profile_and_tied_layers(tmp_path):
     """--profile: the last decode step runs untimed with each VM call timed alone; the point keeps the top calls
-    (the grouped expert kernels among them) and the step times exclude it."""
-    out = tmp_path / "p.json"
-    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "3", "--profile",
-                 "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert "profile" not in doc["systems"]["hf-eager"]["points"][0]
-    prof = doc["systems"]["moec-bf16"]["points"][0]["profile"]
-    names = [c["name"] for c in prof["top"]]
-    assert {"moe_gate_up", "moe_down", "argmax_rows"} <= set(names)
-    assert any(n.startswith("vm.builtin.attention_kv_cache") for n in names)  # the paged cache's attention
-    assert prof["kernel_launches"] >= len([n for n in names if not n.startswith("vm.builtin.")])
-    assert 0 < prof["kernels_ms"] <= prof["calls_ms"] <= prof["profiled_step_ms"]
-    assert sum(c["ms"] for c in prof["top"]) + prof["rest_ms"] == pytest.approx(prof["calls_ms"])
-    assert prof["host_ms_estimate"] >= 0
-    chunk = prof["prefill_chunk"]  # a fresh stream's first prefill chunk, profiled the same way
-    assert chunk["tokens"] == 24 - 3 and {"moe_gate_up", "moe_down"} <= {c["name"] for c in chunk["top"]}
-
-
-def test_layers_override():
-    model = build_hf("tiny-olmoe", layers=1)
-    assert model.config.num_hidden_layers == 1 and len(model.model.layers) == 1
-    from moec.compiler.errors import MoecError
-
-    with pytest.raises(MoecError, match="--layers"):
-        build_hf("tiny-olmoe", layers=0)
-
-
-def test_tied_layers_read_every_layer_but_store_one(tmp_path):
+    (the grouped expert kernels among them) and the step times exclude it. --tie-layers (the same run, a tiny
+    Mixtral): every layer reads the first layer's weights, which the artifact holds once."""
     import numpy as np
     import torch
     from safetensors import safe_open
@@ -95,17 +69,35 @@ def test_tied_layers_read_every_layer_but_store_one(tmp_path):
     assert [m.self_attn.layer_idx for m in tied.model.layers] == [0, 1, 2]  # each layer its own cache slot
     assert tied.model.layers[2].mlp.experts.down_proj is tied.model.layers[0].mlp.experts.down_proj
     assert weight_bytes(tied) == weight_bytes(full)  # the floor counts the bytes every layer reads
-    ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        assert np.isfinite(tied(input_ids=ids).logits.numpy()).all()
-    out = tmp_path / "bench.json"
-    rc = main(["bench", "--shape", "tiny-mixtral", "--tie-layers", "--streams", "2", "--contexts", "24", "--steps", "3",
-               "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out)])
-    assert rc == 0
+        assert np.isfinite(tied(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.numpy()).all()
+
+    out = tmp_path / "p.json"
+    assert main(["bench", "--shape", "tiny-mixtral", "--tie-layers", "--streams", "2", "--contexts", "24", "--steps", "3",
+                 "--profile", "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["tied_layers"] is True
-    for name in ("moec-bf16", "hf-eager"):
-        assert "error" not in doc["systems"][name]["points"][0], doc["systems"][name]
-    # the artifact holds one layer's weights: 9 per layer untied, 9 + embeddings, final norm and head tied
+    assert "error" not in doc["systems"]["hf-eager"]["points"][0]
+    assert "profile" not in doc["systems"]["hf-eager"]["points"][0]
+    prof = doc["systems"]["moec-bf16"]["points"][0]["profile"]
+    names = [c["name"] for c in prof["top"]]
+    assert {"moe_gate_up", "moe_down"} <= set(names)
+    assert any(n.startswith("vm.builtin.attention_kv_cache") for n in names)  # the paged cache's attention
+    assert prof["kernel_launches"] >= len([n for n in names if not n.startswith("vm.builtin.")])
+    assert 0 < prof["kernels_ms"] <= prof["calls_ms"] <= prof["profiled_step_ms"]
+    assert sum(c["ms"] for c in prof["top"]) + prof["rest_ms"] == pytest.approx(prof["calls_ms"])
+    assert prof["host_ms_estimate"] >= 0
+    chunk = prof["prefill_chunk"]  # a fresh stream's first prefill chunk, profiled the same way
+    assert chunk["tokens"] == 24 - 3 and {"moe_gate_up", "moe_down"} <= {c["name"] for c in chunk["top"]}
+    # the artifact holds one layer's weights: 9 per layer, plus the embedding, the final norm and the LM head
     with safe_open(tmp_path / "work" / "tiny-mixtral-tied-float32" / "art-bf16-cpu" / "weights.safetensors", "np") as f:
         assert len(list(f.keys())) == 9 + 3
+
+
+def test_layers_override():
+    model = build_hf("tiny-olmoe", layers=1)
+    assert model.config.num_hidden_layers == 1 and len(model.model.layers) == 1
+    from moec.compiler.errors import MoecError
+
+    with pytest.raises(MoecError, match="--layers"):
+        build_hf("tiny-olmoe", layers=0)
