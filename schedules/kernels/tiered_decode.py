@@ -494,20 +494,18 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 lane_sum(s_l, g * KSTEP + k)
         softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         for k in T.unroll(KSTEP):
-            if VSPLIT:
-                for g in T.unroll(G):
-                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
-                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+            if not VSPLIT:
+                for i in T.unroll(16):
+                    lv[i] = lev(xs(vw[k], i), i, bk)
+            for g in T.unroll(G):
+                pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                if VSPLIT:  # sums of p f0, p f1 and p; the level constants are applied after the loop
                     ps[g] = ps[g] + p_l[g * KSTEP + k]
                     for i in T.unroll(16):
                         a0[g * 16 + i] = a0[g * 16 + i] + p_l[g * KSTEP + k] * f0(xs(vw[k], i), i, bk)
                         a1[g * 16 + i] = a1[g * 16 + i] + p_l[g * KSTEP + k] * f1(xs(vw[k], i), i, bk)
-            else:
-                for i in T.unroll(16):
-                    lv[i] = lev(xs(vw[k], i), i, bk)
-                for g in T.unroll(G):
-                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
-                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                else:
                     for i in T.unroll(16):
                         acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
 
