@@ -440,7 +440,10 @@ class _TieredState:
                                        sink=opts["sink"], recent=opts["recent"])
         tvm = engine._tvm
         specs = pool_specs(cfg["num_layers"], t1_pages, t2_pages, cfg["num_kv_heads"], cfg["head_dim"], ps1, ps2)
-        self.pools = [tvm.runtime.empty(specs[name][0], specs[name][1], engine.device) for name in POOLS]
+        # zeroed once: the kernels read whole pages and tiles, and mask the slots past a row's length by their weight
+        # (0 x value), which garbage from recycled device memory (an FP8 NaN byte) would turn into NaN. Everything the
+        # kernels write is finite, so a page freed by one sequence and reused by another is harmless.
+        self.pools = [_zeroed(tvm, specs[name][0], specs[name][1], engine.device) for name in POOLS]
         self.pool_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs.values())
         self._rerank = engine.vm["rerank"] if self.mode == "tiered" else None
         self.slot: dict[int, int] = {}
@@ -511,6 +514,13 @@ class _TieredState:
         args = [t1_table, tab["t1_len"][rows], tab["length"][rows], np.array([plans[i].demote for i in rows], np.int32), new]
         self._rerank(*[self._tensor(a) for a in args], *self.pools)
         self.reranks += 1
+
+
+def _zeroed(tvm, shape, dtype: str, device):
+    """A device tensor of zeros (one host-to-device copy from calloc'ed, untouched pages)."""
+    out = tvm.runtime.empty(shape, dtype, device)
+    out.copyfrom(np.zeros(shape, dtype))
+    return out
 
 
 def _pad_width(table: np.ndarray, bound: int) -> np.ndarray:

@@ -153,10 +153,18 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
 
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
                                   t2_page: int = 128):
-    """The CUDA form compiled models use: tier-2 tiles staged in 4 cp.async stages (on the H200 at 128 x
-    4096: OLMoE 0.716 ms against 0.762 in registers, Mixtral 0.674 against 0.680, both checked against
-    NumPy; bench/results/tiered_decode_h200_pipe.json). Every shape the register form takes allows it."""
-    return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4)
+    """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
+    against NumPy there; bench/results/tiered_decode_h200_regs.json):
+
+    * one query head per KV head (OLMoE): bit-float bases in registers, value sums split per bit and
+      tier-2 tiles staged in 4 cp.async stages, 0.523 ms a layer against 0.762 for the plain register
+      form and 0.714 for the staged one;
+    * grouped queries (Mixtral, 4 per KV head): bases in registers only, 0.565 ms against 0.622; the
+      split value sums spill there, and staging measured slower (0.594 ms)."""
+    if num_heads == num_kv_heads:
+        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4,
+                                       reg_bases=True, split_values=True)
+    return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, reg_bases=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -141,6 +141,38 @@ def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, n
     assert engine.tiered.tables.t1.free == engine.tiered.tables.t1.num_pages
 
 
+@pytest.mark.parametrize("name", ["fp8", "tiered"])
+def test_pools_start_zeroed_whatever_the_device_memory_held(compiled, monkeypatch, name):
+    """Device memory handed out again holds anything, an FP8 NaN byte included; the kernels mask the slots past a
+    row's length by weight (0 x value), so the engine zeroes its pools once. With every fresh device tensor filled
+    with 0xFF bytes (NaN in every float format here), the pools start at zero and the logits are a clean load's."""
+    from moec.runtime import engine as engine_mod
+
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, 200, n)) for n in (150, 37)]
+
+    def run(e):
+        seqs, first = e.prefill(prompts)
+        out = [first]
+        for _ in range(10):
+            out.append(e.decode(seqs, [int(t) for t in out[-1].argmax(-1)]))
+        return np.stack(out)
+
+    clean = run(engine_mod.load(compiled[name], max_batch=4, max_total_tokens=1024))
+    real_empty = tvm.runtime.empty
+
+    def garbage_empty(shape, dtype="float32", device=None, *args, **kwargs):
+        t = real_empty(shape, dtype, device, *args, **kwargs)
+        shape, dtype = tuple(int(x) for x in shape), np.dtype(str(dtype))
+        t.copyfrom(np.full(int(np.prod(shape)) * dtype.itemsize, 0xFF, np.uint8).view(dtype).reshape(shape))
+        return t
+
+    monkeypatch.setattr(tvm.runtime, "empty", garbage_empty)
+    e = engine_mod.load(compiled[name], max_batch=4, max_total_tokens=1024)
+    assert all(not p.numpy().view(np.uint8).any() for p in e.tiered.pools)
+    np.testing.assert_array_equal(run(e), clean)
+
+
 def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
     from moec.runtime.engine import CacheExhausted, load
 
