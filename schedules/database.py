@@ -304,9 +304,10 @@ class TunedSchedules:
                         cond = eq if cond is None else tirx.And(cond, eq)
                     expr = relax.If(relax.prim_value(cond), relax.SeqExpr([], tuned), relax.SeqExpr([], expr))
                 new = self.builder_.emit(expr, name_hint=binding.var.name)
-                if not tvm_ffi.structural_equal(new.ty, value.ty):
-                    # the If's type is the join of its branches' and may drop the call's symbolic shape (seen on
-                    # CUDA for a workspace that an in-place call then mutates): cast back to the call's own type
+                if isinstance(expr, relax.If):
+                    # the If's type is the join of its branches'; a later pass that re-normalises it may see the tuned
+                    # branch at the bucket's static shape and drop the call's symbolic one (a workspace that an in-place
+                    # call then mutates must keep it: seen on CUDA at bucket 128), so the result is always cast back
                     new = self.builder_.match_cast(new, value.ty, name_hint=binding.var.name)
                 self.set_var_remap(binding.var, new)
                 owner.call_sites += 1

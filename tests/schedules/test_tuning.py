@@ -182,3 +182,35 @@ def test_cuda_tasks_and_report_without_a_gpu(tuned):
     assert all(re.fullmatch(r"(fused_)?matmul\d*(_\w+)?", k) for k in fallback), fallback
     assert any(v.startswith("dlight:GEMV") or v.startswith("dlight:Reduction") or v.startswith("dlight:GeneralReduction")
                for v in sources.values())
+
+
+def test_cuda_tiered_compile_applies_records_without_a_gpu(tuned, tmp_path):
+    """A CUDA database applied around the tiered cache's in-place kernels, at decode batch 128.
+
+    No GPU here to measure candidates, so the rules' own schedules of every task are committed as its records; the
+    dispatch then branches on the batch size in front of the decode workspaces that ``tiered_decode`` mutates in
+    place. Re-normalising such a branch could drop the workspace's symbolic shape (seen on the H200 with a tuned
+    database: "in-place mutation ... R.Tensor(ndim=3)"), so the dispatched result is cast back to the call's type.
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    from moec.compiler.build import compile as moec_compile
+    from moec.schedules.database import note_buckets
+    from moec.schedules.tune import extract_tasks, rules_schedule, tuning_target
+
+    phase1, entries, target = moec_compile(tuned["src"], None, target="cuda", arch="sm_90", kv_cache="tiered",
+                                           _until_phase1=True)
+    tasks = extract_tasks(phase1, entries, [128], target)
+    db_dir = tmp_path / "db"
+    db = open_database(db_dir, target, create=True)
+    note_buckets(db_dir, [128])
+    for t in tasks:
+        sch = rules_schedule(t.mod, target)
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(t.mod), [1e-3], tuning_target(target),
+                                                         ms.arg_info.ArgInfo.from_prim_func(t.mod["main"])))
+    art = moec.compile(tuned["src"], tmp_path / "art", target="cuda", arch="sm_90", kv_cache="tiered", tuning_db=db_dir,
+                       debug_dump=tmp_path / "dump")
+    tuning = _manifest(art)["tuning"]
+    assert tuning["applied"] > 0 and tuning["dispatched_call_sites"] > 0
+    scheduled = (tmp_path / "dump" / "phase3_scheduled.py").read_text()
+    assert re.search(r"if \w+ == 128:", scheduled) and "R.match_cast" in scheduled
