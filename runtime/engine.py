@@ -464,9 +464,10 @@ class _TieredState:
         of ``fn`` when the page tables fit its widths, with the widths rounded up to powers of two (fewer captures)."""
         pt = self.tables
         slots = [self.slot[s] for s in seq_ids]
-        before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots}
+        before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots} if any(n != 1 for n in counts) else None
         pt.append(dict(zip(slots, counts)))  # all or nothing: raises CacheExhausted before any change
         tab = pt.tables(slots)
+        t1_rows = tab["t1_table"]  # unpadded, for the decode step's append slots
         if graph is not None:
             w1, w2 = self.e.graph_widths
             t1, t2 = tab["t1_table"], tab["t2_table"]
@@ -474,16 +475,23 @@ class _TieredState:
                 tab = dict(tab, t1_table=_pad_width(t1, w1), t2_table=_pad_width(t2, w2))
                 fn = graph
                 self.e.graph_steps += 1
-        q_pos, q_slot, q_row, q_t1 = [], [], [], []
-        for row, (s, n) in enumerate(zip(slots, counts)):
-            length, t1 = before[s]
-            q_pos.append(np.arange(length, length + n, dtype=np.int32))
-            q_slot.append(pt.append_slots(s, n))
-            q_row.append(np.full(n, row, np.int32))
-            q_t1.append(np.arange(t1 + 1, t1 + n + 1, dtype=np.int32))
-        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        cache = [np.concatenate(q_pos), np.concatenate(q_slot), np.concatenate(q_row), np.concatenate(q_t1), indptr,
-                 tab["t1_table"], tab["t2_table"], tab["t2_np"]]
+        if all(n == 1 for n in counts):  # a decode step: one token a row, every array at once
+            rows = np.arange(len(slots), dtype=np.int32)
+            q_t1 = tab["t1_len"]  # after the append: the new token is the last tier-1 token of its row
+            q_slot = pt.last_slots(t1_rows, q_t1)
+            cache = [tab["length"] - 1, q_slot, rows, q_t1, np.arange(len(slots) + 1, dtype=np.int32),
+                     tab["t1_table"], tab["t2_table"], tab["t2_np"]]
+        else:
+            q_pos, q_slot, q_row, q_t1 = [], [], [], []
+            for row, (s, n) in enumerate(zip(slots, counts)):
+                length, t1 = before[s]
+                q_pos.append(np.arange(length, length + n, dtype=np.int32))
+                q_slot.append(pt.append_slots(s, n))
+                q_row.append(np.full(n, row, np.int32))
+                q_t1.append(np.arange(t1 + 1, t1 + n + 1, dtype=np.int32))
+            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            cache = [np.concatenate(q_pos), np.concatenate(q_slot), np.concatenate(q_row), np.concatenate(q_t1), indptr,
+                     tab["t1_table"], tab["t2_table"], tab["t2_np"]]
         args = [self._tensor(flat)]
         if logit_pos is not None:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))

@@ -132,6 +132,10 @@ class TieredPageTables:
         # per slot: (t1 pages, t2 pages) as int32 arrays, rebuilt only after a page is added or a re-rank
         # moves pages, so a decode step does no host work proportional to the context length
         self._arrays: dict[int, tuple] = {}
+        # the dense tables of the last ``tables()`` call, and the slots whose pages changed since: a decode step
+        # of the same sequences rewrites only those rows
+        self._dense: tuple | None = None
+        self._dirty: set[int] = set()
 
     # ---------------------------------------------------------------- sequences
     def add_sequence(self) -> int:
@@ -146,7 +150,7 @@ class TieredPageTables:
         self.t1.release(seq.t1_pages, slot)
         self.t2.release(seq.t2_pages, slot)
         del self.seqs[slot]
-        self._arrays.pop(slot, None)
+        self._invalidate(slot)
         self._free_slots.append(slot)
 
     def _get(self, slot: int) -> SequencePages:
@@ -171,10 +175,10 @@ class TieredPageTables:
         added = {}
         for slot, n in counts.items():
             seq = self.seqs[slot]
-            added[slot] = self.t1.alloc(need[slot], slot)
+            added[slot] = self.t1.alloc(need[slot], slot) if need[slot] else []
             if added[slot]:
                 seq.t1_pages += added[slot]
-                self._arrays.pop(slot, None)
+                self._invalidate(slot)
             seq.t1_len += n
             seq.length += n
         return added
@@ -207,7 +211,7 @@ class TieredPageTables:
         self.t1.release(freed, slot)
         seq.t1_pages = seq.t1_pages[:still]
         seq.t2_pages += new
-        self._arrays.pop(slot, None)
+        self._invalidate(slot)
         seq.t1_len = keep
         return RerankPlan(slot, keep, demote, tuple(new), tuple(freed))
 
@@ -221,6 +225,14 @@ class TieredPageTables:
         pages = self.page_arrays(slot)[0]
         return (pages[idx // self.t1_page] * self.t1_page + idx % self.t1_page).astype(np.int32)
 
+    def last_slots(self, t1_table: "np.ndarray", t1_len: "np.ndarray") -> "np.ndarray":
+        """Global tier-1 slot ids of each row's last tier-1 token, from ``tables()``' t1_table and t1_len: what
+        ``append_slots(slot, 1)`` gives per sequence, for a whole decode step at once."""
+        import numpy as np
+
+        last = t1_len.astype(np.int64) - 1
+        return (t1_table[np.arange(len(last)), last // self.t1_page] * self.t1_page + last % self.t1_page).astype(np.int32)
+
     def page_arrays(self, slot: int) -> tuple["np.ndarray", "np.ndarray"]:
         """The tier-1 and tier-2 page ids of ``slot`` as int32 arrays (cached; do not modify them)."""
         import numpy as np
@@ -231,21 +243,40 @@ class TieredPageTables:
             a = self._arrays[slot] = (np.asarray(seq.t1_pages, np.int32), np.asarray(seq.t2_pages, np.int32))
         return a
 
+    def _invalidate(self, slot: int) -> None:
+        self._arrays.pop(slot, None)
+        self._dirty.add(slot)
+
     def tables(self, slots: list[int]) -> dict[str, "np.ndarray"]:
         """Dense page tables of ``slots`` for the kernels: t1_table/t2_table (padded with page 0),
-        t1_len, t2_np (tier-2 pages) and length."""
+        t1_len, t2_np (tier-2 pages) and length (fresh arrays the caller may keep or modify).
+
+        The tables of the previous call are kept: for the same sequences in the same order and table widths,
+        only the rows of sequences whose pages changed since are rewritten (a decode step adds a page to a
+        sequence once every ``t1_page`` tokens)."""
         import numpy as np
 
         seqs = [self._get(s) for s in slots]
-        arrays = [self.page_arrays(s) for s in slots]
         m1 = max([len(q.t1_pages) for q in seqs] + [1])
         m2 = max([len(q.t2_pages) for q in seqs] + [1])
-        t1 = np.zeros((len(seqs), m1), np.int32)
-        t2 = np.zeros((len(seqs), m2), np.int32)
-        for i, (a1, a2) in enumerate(arrays):
+        key = tuple(slots)
+        if self._dense is not None and self._dense[0] == key and self._dense[1].shape[1] == m1 \
+                and self._dense[2].shape[1] == m2:
+            _, t1, t2 = self._dense
+            rows = [(i, s) for i, s in enumerate(slots) if s in self._dirty]
+        else:
+            t1 = np.zeros((len(seqs), m1), np.int32)
+            t2 = np.zeros((len(seqs), m2), np.int32)
+            self._dense = (key, t1, t2)
+            rows = list(enumerate(slots))
+        for i, s in rows:
+            a1, a2 = self.page_arrays(s)
             t1[i, : len(a1)] = a1
+            t1[i, len(a1):] = 0
             t2[i, : len(a2)] = a2
-        return {"t1_table": t1, "t1_len": np.array([q.t1_len for q in seqs], np.int32), "t2_table": t2,
+            t2[i, len(a2):] = 0
+        self._dirty.difference_update(slots)
+        return {"t1_table": t1.copy(), "t1_len": np.array([q.t1_len for q in seqs], np.int32), "t2_table": t2.copy(),
                 "t2_np": np.array([len(q.t2_pages) for q in seqs], np.int32),
                 "length": np.array([q.length for q in seqs], np.int32)}
 

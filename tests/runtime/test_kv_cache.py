@@ -77,8 +77,9 @@ def test_rerank_keeps_the_budget_in_whole_tier2_pages():
 
 
 def test_cached_page_arrays_equal_a_fresh_rebuild():
-    """``tables()`` reuses per-sequence page arrays: after random appends, re-ranks, joins and leaves
-    its tables equal ones rebuilt from the page lists (and ``append_slots`` agrees with them)."""
+    """``tables()`` reuses per-sequence page arrays and its last dense tables: after random appends, re-ranks, joins
+    and leaves its tables equal ones rebuilt from the page lists (and ``append_slots`` and ``last_slots`` agree with
+    them)."""
     import numpy as np
 
     from moec.runtime.kv_cache import CacheExhausted, TieredPageTables
@@ -96,7 +97,7 @@ def test_cached_page_arrays_equal_a_fresh_rebuild():
 
     rng = np.random.default_rng(0)
     pt = TieredPageTables(60, 40, 8, 16, max_sequences=6, tier1_fraction=0.2, sink=2, recent=6)
-    live, checked = [], 0
+    live, checked, incremental = [], 0, 0
     for step in range(600):
         op = rng.random()
         if op < 0.08 and len(live) < 6:
@@ -123,12 +124,16 @@ def test_cached_page_arrays_equal_a_fresh_rebuild():
                     except CacheExhausted:
                         pass
         if live:
-            order = list(rng.permutation(live))
+            order = list(rng.permutation(live)) if rng.random() < 0.3 else list(live)  # mostly the last call's rows
+            incremental += pt._dense is not None and pt._dense[0] == tuple(order)
             tab = pt.tables(order)
             t1, t2 = fresh(pt, order)
+            # a decode step's append slots, all rows at once, agree with append_slots per sequence
+            if all(pt.seqs[s].t1_len > 0 for s in order):
+                assert pt.last_slots(tab["t1_table"], tab["t1_len"]).tolist() == [int(pt.append_slots(s, 1)[0]) for s in order]
             np.testing.assert_array_equal(tab["t1_table"], t1)
             np.testing.assert_array_equal(tab["t2_table"], t2)
             assert tab["t2_np"].tolist() == [len(pt.seqs[s].t2_pages) for s in order]
             checked += 1
         pt.check()
-    assert checked > 400 and pt._arrays  # the cache was in use
+    assert checked > 400 and pt._arrays and incremental > 100  # the caches were in use
