@@ -1,6 +1,6 @@
 """Cost of the tiered-KV re-rank on the GPU, amortised over the decode steps between re-ranks.
 
-  python bench/tiered_rerank.py prepare DIR                        # here: compile for sm_90 (fatbin)
+  python bench/tiered_rerank.py prepare DIR [--threads 512]       # here: compile for sm_90 (fatbin) and llvm
   python3 bench/tiered_rerank.py run DIR --json OUT --commit SHA    # GPU machine, runtime-only TVM
 
 OLMoE-1B-7B attention shape (16 KV heads, Dh 128; tier-1 pages of 16, tier-2 pages of 128) at 4096
@@ -10,6 +10,12 @@ page of excess) and demotes one page of 128. The re-rank of one layer is timed f
 by one token a step, its budget by 0.15 tokens, so it demotes one page every 128 / 0.85 = 151 steps:
 with a re-rank every N = 16 steps, 128 * 16 / 151 = 14 of 128 sequences demote per re-rank (the
 engine passes only those rows). Amortised cost per decode step and layer = time / N.
+
+The kernel is the one compiled models use (least-squares 2-bit fit). A third case is the re-rank after a 2048-token prefill chunk: one sequence of 2048 tokens, all in tier 1,
+demotes 13 pages (down to its budget), so one block per KV head does the quadratic ranking over 2048
+tokens. Each case is first checked against the llvm build of the same kernel run on the host (the pools
+after the call: compaction and positions exact, 2-bit statistics within float16 rounding, codes all but a
+few that lie on a threshold).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ HKV, D, PS1, PS2, SINK, RECENT = 16, 128, 16, 128, 4, 64
 CONTEXT, T1, EVERY, STREAMS = 4096, 768, 16, 128
 
 
-def prepare(out: Path) -> None:
+CASES = {"steady": None, "worst": None, "prefill-chunk": (1, 2048, 2048, 13)}  # rows, context, tier-1 tokens, pages
+
+
+def prepare(out: Path, threads: int = 512) -> None:
     import tvm
 
     from moec.compiler.artifact import atomic_directory
@@ -38,18 +47,22 @@ def prepare(out: Path) -> None:
 
     target = make_target("cuda", "sm_90")
     with atomic_directory(out) as tmp:
-        ex = tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda")}),
-                         target=target)
+        func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit="lloyd", threads=threads)
+        ex = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=target)
         kernels = _compile_cuda_kernels(ex, target, tmp, progress=True)
         ex.export_library(str(tmp / "lib.so"))
-        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels}))
+        func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, fit="lloyd", threads=threads)
+        cpu = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=make_target("llvm", None))
+        cpu.export_library(str(tmp / "lib_cpu.so"))
+        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels, "threads": threads}))
 
 
-def _inputs(rows: int, rng):
+def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1):
     from moec.runtime.kv_cache import POOLS, pool_specs
 
-    pages1 = T1 // PS1
-    p1, p2 = rows * pages1, rows * (CONTEXT // PS2 + 1)
+    pages1 = t1 // PS1
+    per_row2 = context // PS2 + 1
+    p1, p2 = rows * pages1, rows * per_row2
     specs = pool_specs(1, p1, p2, HKV, D, PS1, PS2)
     host = {}
     for name, (shape, dt) in specs.items():
@@ -64,15 +77,28 @@ def _inputs(rows: int, rng):
     table = np.arange(p1, dtype=np.int32).reshape(rows, pages1)
     for b in range(rows):  # distinct positions per head: sinks, the recent window and the rest at random
         for h in range(HKV):
-            mid = rng.choice(np.arange(SINK, CONTEXT - RECENT), T1 - SINK - RECENT, replace=False)
-            pos = rng.permutation(np.concatenate([np.arange(SINK), mid, np.arange(CONTEXT - RECENT, CONTEXT)]))
+            mid = rng.choice(np.arange(SINK, context - RECENT), t1 - SINK - RECENT, replace=False)
+            pos = rng.permutation(np.concatenate([np.arange(SINK), mid, np.arange(context - RECENT, context)]))
             host["t1_pos"][0, table[b], h, :] = pos.reshape(pages1, PS1)
-    new_t2 = (np.arange(rows, dtype=np.int32) * (CONTEXT // PS2 + 1))[:, None]
-    args = [host[n] for n in POOLS] + [table, np.full(rows, T1, np.int32), np.full(rows, CONTEXT, np.int32),
-                                       np.full(rows, PS2, np.int32), new_t2,
-                                       np.zeros((rows, HKV, T1), np.float32), np.zeros((rows, HKV, T1), np.int32),
-                                       np.zeros((rows, HKV, 2 * T1), np.int32)]
+    new_t2 = (np.arange(rows, dtype=np.int32) * per_row2)[:, None] + np.arange(pages, dtype=np.int32)[None, :]
+    args = [host[n] for n in POOLS] + [table, np.full(rows, t1, np.int32), np.full(rows, context, np.int32),
+                                       np.full(rows, pages * PS2, np.int32), new_t2,
+                                       np.zeros((rows, HKV, t1), np.float32), np.zeros((rows, HKV, t1), np.int32),
+                                       np.zeros((rows, HKV, 2 * t1), np.int32)]
     return args
+
+
+def _check(gpu_out: dict, cpu_out: dict) -> dict:
+    """The pools after the call on the GPU against the host build's."""
+    exact = ["t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_pos"]
+    res = {"exact": {n: bool(np.array_equal(gpu_out[n], cpu_out[n])) for n in exact}}
+    stats = {n: float(np.max(np.abs(gpu_out[n].astype(np.float32) - cpu_out[n].astype(np.float32)) /
+                            np.maximum(np.abs(cpu_out[n].astype(np.float32)), 1e-3)))
+             for n in ("t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")}
+    codes = {n: float(np.mean(gpu_out[n] != cpu_out[n])) for n in ("t2_k", "t2_v")}
+    res.update(stats_max_rel_error=stats, code_bytes_differing=codes)
+    res["passed"] = all(res["exact"].values()) and max(stats.values()) < 2e-3 and max(codes.values()) < 1e-3
+    return res
 
 
 def run(root: Path, json_out: Path, commit: str) -> int:
@@ -85,31 +111,43 @@ def run(root: Path, json_out: Path, commit: str) -> int:
     _register_fatbins(root, json.loads((root / "index.json").read_text()))
     mod = tvm.runtime.load_module(str(root / "lib.so"))
     dev = tvm.cuda(0)
+    cpu_fn = tvm.runtime.load_module(str(root / "lib_cpu.so"))["tiered_rerank"]
     rng = np.random.default_rng(0)
     steady = round(STREAMS * EVERY / (PS2 / 0.85))
     rows_out = {}
-    for rows in (steady, STREAMS):
-        args = [tvm.runtime.tensor(a, dev) for a in _inputs(rows, rng)]
+    from moec.runtime.kv_cache import POOLS
+
+    for case in CASES:
+        rows, context, t1, pages = CASES[case] or ({"steady": steady, "worst": STREAMS}[case], CONTEXT, T1, 1)
+        host = _inputs(rows, rng, context, t1, pages)
         fn = mod["tiered_rerank"]
+        args = [tvm.runtime.tensor(a, dev) for a in host]
         fn(*args, 0)
         dev.sync()
+        cpu_args = [tvm.runtime.tensor(a, tvm.cpu()) for a in host]
+        cpu_fn(*cpu_args, 0)
+        check = _check({n: args[i].numpy() for i, n in enumerate(POOLS)}, {n: cpu_args[i].numpy() for i, n in enumerate(POOLS)})
         times = []
         for _ in range(10):
+            args = [tvm.runtime.tensor(a, dev) for a in host]  # fresh inputs: the call compacts tier 1 in place
+            dev.sync()
             t = time.perf_counter()
             fn(*args, 0)
             dev.sync()
             times.append(time.perf_counter() - t)
         ms = float(np.median(times) * 1e3)
-        rows_out[str(rows)] = {"rows_demoting": rows, "ms_per_layer": ms, "ms_per_step_per_layer_amortised": ms / EVERY}
-        print(json.dumps(rows_out[str(rows)]), flush=True)
+        rows_out[case] = {"rows": rows, "context": context, "tier1_tokens": t1, "pages_demoted_per_row": pages,
+                          "ms_per_layer": ms, "ms_per_step_per_layer_amortised": ms / EVERY, "check": check}
+        print(json.dumps({"case": case, **rows_out[case]}), flush=True)
     result = {"benchmark": "tiered_rerank", "command": " ".join(["python3"] + sys.argv), "git_commit": commit,
               "device": torch.cuda.get_device_name(0), "host": platform.node(),
               "shape": {"kv_heads": HKV, "head_dim": D, "t1_page": PS1, "t2_page": PS2, "context": CONTEXT,
                         "tier1_tokens_before": T1, "demoted_per_row": PS2, "rerank_every": EVERY, "streams": STREAMS},
+              "threads": json.loads((root / "index.json").read_text()).get("threads"),
               "steady_state_rows": steady, "results": rows_out}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
-    return 0
+    return 0 if all(r["check"]["passed"] for r in rows_out.values()) else 1
 
 
 def main() -> int:
@@ -117,13 +155,14 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("out", type=Path)
+    p.add_argument("--threads", type=int, default=512, help="threads per block (head_dim: the form before 21983bf)")
     p = sub.add_parser("run")
     p.add_argument("root", type=Path)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--commit", default=None)
     args = ap.parse_args()
     if args.cmd == "prepare":
-        prepare(args.out)
+        prepare(args.out, args.threads)
         return 0
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     return run(args.root, args.json, commit)

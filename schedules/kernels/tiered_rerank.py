@@ -102,13 +102,18 @@ def _hash_score(p, layer, h):
 
 
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
-                       recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments"):
+                       recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments",
+                       threads: int = 512):
     """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
 
     ``importance`` "mass" is the score above; "keynorm" is the squared L2 norm of the token's key as
     cached (FP8 code times scale): large keys dominate the logits of every query, and their 2-bit
     error with them; "random" is a hash of (position, layer, head), the same-budget random-choice
     baseline the quality table compares against. ``fit`` is the 2-bit statistics fit (step 3).
+
+    A block per (sequence, KV head) of ``threads`` threads (at least ``head_dim``): the ranking and ordering
+    steps are quadratic in the tier-1 tokens, and after a 2048-token prefill chunk one sequence gives only
+    as many blocks as KV heads, so they get the most threads; the key statistics use a thread per channel.
     """
     if fit not in FITS:
         raise ValueError(f"unknown 2-bit fit {fit!r}: expected one of {', '.join(FITS)}")
@@ -117,9 +122,11 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
         raise ValueError(f"unknown importance {importance!r}: expected one of {', '.join(IMPORTANCE)}")
     rand, keynorm = importance == "random", importance == "keynorm"
     HKV, D, PS1, PS2, D4 = num_kv_heads, head_dim, t1_page, t2_page, head_dim // 4
-    NT = D
+    NT = max(int(threads), D)
     gpu = target == "cuda"
-    if PS2 % NT:
+    if NT % 32 or NT > 1024:
+        raise ValueError(f"re-rank threads must be a multiple of 32 up to 1024, got {NT}")
+    if PS2 % D:
         raise ValueError(f"the tier-2 page ({PS2}) must be a multiple of head_dim ({D})")
     INF = 3.0e38
 
@@ -222,7 +229,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                         T.tvm_storage_sync("shared")
                     # 3a. key statistics: per channel over each new page's tokens
                     for tx in threads():
-                        for pi in T.serial(nd // PS2):
+                        for pi in T.serial(T.if_then_else(tx < D, nd // PS2, 0)):
                             acc[0] = T.float32(0)
                             acc[1] = T.float32(0)
                             for r in T.serial(PS2):
@@ -248,7 +255,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                     # 3b. codes: a token per thread (keys against the page statistics, values per token)
                     for tx in threads():
                         for pi in T.serial(nd // PS2):
-                            for rr in T.serial(PS2 // NT):
+                            for rr in T.serial(T.if_then_else(tx < PS2 % NT, PS2 // NT + 1, PS2 // NT)):
                                 r: T.let[T.int32] = rr * NT + tx
                                 page2: T.let[T.int32] = new_t2[b, pi]
                                 src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
