@@ -401,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-layers", action="store_true",
                    help="every decoder layer uses the first layer's weights: a step reads as many weight bytes as the "
                         "full model, while host memory, disk and artifacts hold one layer (for shapes that do not fit)")
+    p.add_argument("--synthetic-kv", action="store_true",
+                   help="moec tiered and fp8 systems: no prefill; the caches are filled with random entries as a prefill of "
+                        "each context would leave them, and decode is timed over them (TTFT not measured); for shapes whose "
+                        "prefill takes too long here")
     p.add_argument("--profile", action="store_true",
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
                         "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "

@@ -213,11 +213,12 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
 
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
-                 profile: bool = False, max_context: int | None = None) -> None:
+                 profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False) -> None:
         import moec
 
         self.kind = kind
         self.profile = profile
+        self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
         graph = False
         if kind.endswith("-graph"):
@@ -252,13 +253,19 @@ class _Moec:
 
     def run(self, prompts: np.ndarray, steps: int) -> dict:
         e = self.engine
-        self.phase = f"prefill of {len(prompts)} x {prompts.shape[1]} tokens"
-        t = time.perf_counter()
-        seqs, logits = e.prefill([list(p) for p in prompts])
-        ttft = time.perf_counter() - t
+        if self.synthetic_kv:  # caches filled with random entries: the decode steps read what they would after prefill
+            self.phase = f"synthetic KV fill of {len(prompts)} x {prompts.shape[1]} tokens"
+            seqs, ttft = e.fill_synthetic([prompts.shape[1]] * len(prompts)), None
+            nxt_first = prompts[:, -1]
+        else:
+            self.phase = f"prefill of {len(prompts)} x {prompts.shape[1]} tokens"
+            t = time.perf_counter()
+            seqs, logits = e.prefill([list(p) for p in prompts])
+            ttft = time.perf_counter() - t
+            nxt_first = logits.argmax(-1)
         try:
             times = []
-            nxt = logits.argmax(-1)
+            nxt = nxt_first
             timed = steps - 1 if self.profile else steps
             for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
                 self.phase = f"decode step {i}"
@@ -357,8 +364,11 @@ class _HF:
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
               progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None,
-              tie_layers: bool = False) -> dict:
+              tie_layers: bool = False, synthetic_kv: bool = False) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
+
+    ``synthetic_kv``: the tiered and FP8 systems skip prefill and decode over caches filled with random entries
+    (``Engine.fill_synthetic``; their TTFT is then not measured); the other systems prefill as usual.
 
     ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
     stopped from outside still leaves what it measured."""
@@ -378,6 +388,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     bw = copy_bandwidth(device)
     doc = {"shape": shape, "config": {k: getattr(model.config, k) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
+           "synthetic_kv": synthetic_kv,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
@@ -402,7 +413,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         try:
             if name.startswith("moec-"):
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
-                               profile=profile, max_context=max(contexts))
+                               profile=profile, max_context=max(contexts),
+                               synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"))
+                runs["kv_fill"] = "synthetic" if system.synthetic_kv else "prefill"
             else:
                 system = _HF(name, model, device)
                 runs["experts_implementation"] = system.experts
@@ -431,7 +444,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 ms = 1e3 * np.asarray(r["step_s"])
                 point.update({
                     "tpot_ms_median": float(np.median(ms)), "tpot_ms_p99": float(np.percentile(ms, 99)),
-                    "ttft_ms": 1e3 * r["ttft_s"], "decode_tokens_per_s": s / (np.median(ms) / 1e3),
+                    "ttft_ms": None if r["ttft_s"] is None else 1e3 * r["ttft_s"], "decode_tokens_per_s": s / (np.median(ms) / 1e3),
                     "memory_bytes": _memory(device), "memory_bytes_before": before,
                     "kv_bytes_per_token": r["kv_bytes_per_token"],
                     "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),
@@ -441,9 +454,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 runs["points"].append(point)
                 checkpoint(doc)
                 if progress:
+                    ttft = "not measured (synthetic KV)" if point["ttft_ms"] is None else f"{point['ttft_ms']:.1f} ms"
                     print(f"[bench] {name} streams {s} context {c}: TPOT {point['tpot_ms_median']:.2f} ms "
-                          f"(p99 {point['tpot_ms_p99']:.2f}, floor {point['floor_ms']:.2f}), TTFT {point['ttft_ms']:.1f} ms",
-                          flush=True)
+                          f"(p99 {point['tpot_ms_p99']:.2f}, floor {point['floor_ms']:.2f}), TTFT {ttft}", flush=True)
         if name.startswith("hf-") and system.experts != "batched_mm":
             model.set_experts_implementation("batched_mm")  # the form the moec export reads
         del system
@@ -503,7 +516,8 @@ def main(args) -> int:
 
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
                     checkpoint=write, profile=getattr(args, "profile", False),
-                    layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False))
+                    layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False),
+                    synthetic_kv=getattr(args, "synthetic_kv", False))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

@@ -298,6 +298,36 @@ class Engine:
         return out if on_device else out.numpy()[0]
 
     # ----------------------------------------------------------- public API
+    def fill_synthetic(self, lengths, seed: int = 0) -> list[int]:
+        """Benchmarking only: new sequences whose caches hold ``lengths[i]`` tokens of random, well-formed entries,
+        without running prefill (tiered and FP8 caches).
+
+        The page tables are filled as prefill leaves them (appends of one prefill chunk, each followed by the
+        re-rank's plan in the tiered cache), and every pool is overwritten with random values: FP8 codes without
+        NaN, positive scales and 2-bit statistics, positions below each length. A decode step then reads exactly
+        the bytes it reads after a real prefill of that length, so its time is measured without the prefill; what
+        it computes is meaningless. Returns the sequence ids, to be decoded and released as usual.
+        """
+        if self.tiered is None:
+            raise MoecError("fill_synthetic needs the tiered or FP8 cache (--kv-cache tiered|fp8)")
+        lengths = [int(n) for n in lengths]
+        if any(n < 1 for n in lengths):
+            raise MoecError("fill_synthetic: every length must be positive")
+        if len(self.lengths) + len(lengths) > self.max_batch:
+            raise CacheExhausted(f"KV cache holds at most {self.max_batch} sequences; release some first")
+        seqs = []
+        try:
+            for n in lengths:
+                seqs.append(self.add_sequence())
+                self.tiered.fill_tables(seqs[-1], n, self.prefill_chunk)
+                self.lengths[seqs[-1]] = n
+        except CacheExhausted:
+            for s in seqs:
+                self.release(s)
+            raise
+        self.tiered.fill_random_pools(max(lengths), np.random.default_rng(seed))
+        return seqs
+
     def prefill(self, token_id_lists, seq_ids=None, logit_positions=None):
         """Append prompts (one per sequence; new sequences unless ``seq_ids`` given).
 
@@ -497,6 +527,33 @@ class _TieredState:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))
         args += [self._tensor(a) for a in cache] + self.pools
         return fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place): logits on the device
+
+    def fill_tables(self, seq: int, n: int, chunk: int) -> None:
+        """Page tables of ``seq`` as a prefill of ``n`` tokens in ``chunk``-token calls leaves them (no kernel runs)."""
+        slot = self.slot[seq]
+        for c in range(0, n, chunk):
+            self.tables.append({slot: min(chunk, n - c)})
+            if self._rerank is not None:
+                self.tables.plan_rerank(slot)
+
+    def fill_random_pools(self, max_length: int, rng) -> None:
+        """Every pool overwritten with random, well-formed values (see ``Engine.fill_synthetic``): a random block of at
+        most 16M elements repeated over each pool."""
+        from .kv_cache import POOLS
+
+        for name, pool in zip(POOLS, self.pools):
+            shape = tuple(int(x) for x in pool.shape)
+            dtype = np.dtype(str(pool.dtype))
+            block = min(int(np.prod(shape)), 1 << 24)
+            if name.endswith("_pos"):
+                vals = rng.integers(0, max_length, block, dtype=np.int32)
+            elif dtype == np.uint8:
+                vals = rng.integers(0, 256, block, dtype=np.uint8) & (0x77 if name.startswith("t1_") else 0xFF)
+            elif name == "t1_mass":
+                vals = rng.uniform(0.0, 1.0, block).astype(np.float32)
+            else:  # FP8 scales, 2-bit means and deviations
+                vals = rng.uniform(0.01, 0.1, block).astype(dtype)
+            pool.copyfrom(np.resize(vals.astype(dtype), shape))
 
     def after_decode_step(self) -> None:
         self.steps += 1

@@ -101,3 +101,41 @@ def test_layers_override():
 
     with pytest.raises(MoecError, match="--layers"):
         build_hf("tiny-olmoe", layers=0)
+
+
+def test_bench_synthetic_kv(tmp_path):
+    """--synthetic-kv: the tiered system decodes over caches filled with random entries (no prefill, TTFT not
+    measured), whose page tables are those a real prefill of the same prompts leaves; refused for TVM's paged cache."""
+    import numpy as np
+
+    import moec
+    from moec.compiler.errors import MoecError
+
+    out = tmp_path / "s.json"
+    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "300", "--steps", "3", "--synthetic-kv",
+                 "--systems", "moec-tiered", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    run = doc["systems"]["moec-tiered"]
+    assert doc["synthetic_kv"] is True and run["kv_fill"] == "synthetic"
+    point = run["points"][0]
+    assert point["ttft_ms"] is None and point["tpot_ms_median"] > 0 and "error" not in point
+
+    art = tmp_path / "work" / "tiny-olmoe-float32" / "art-tiered-cpu"
+    real, synth = (moec.load(art, max_batch=4, max_total_tokens=2048, prefill_chunk=128) for _ in range(2))
+    lengths = [297, 130]
+    rs, _ = real.prefill([list(range(3, 3 + n)) for n in lengths])
+    ss = synth.fill_synthetic(lengths, seed=3)
+    for a, b in zip(rs, ss):
+        qa, qb = real.tiered.tables.seqs[real.tiered.slot[a]], synth.tiered.tables.seqs[synth.tiered.slot[b]]
+        assert (qa.length, qa.t1_len, len(qa.t1_pages), len(qa.t2_pages)) == (qb.length, qb.t1_len, len(qb.t1_pages),
+                                                                             len(qb.t2_pages))
+    pools = {n: p.numpy() for n, p in zip(("t1_k", "t1_v"), synth.tiered.pools)}
+    assert all((v & 0x7F != 0x7F).all() and v.any() for v in pools.values())  # random FP8 codes, none NaN
+    assert np.isfinite(synth.decode(ss, [5, 6])).all()
+    for s in ss:
+        synth.release(s)
+    synth.tiered.tables.check()
+    assert synth.tiered.tables.t1.free == synth.tiered.tables.t1.num_pages
+    with pytest.raises(MoecError, match="tiered or FP8"):
+        moec.load(moec.compile(tmp_path / "work" / "tiny-olmoe-float32" / "model.pt2", tmp_path / "paged"),
+                  max_batch=2, max_total_tokens=256).fill_synthetic([10])
