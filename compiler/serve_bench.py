@@ -429,7 +429,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 point = {"streams": s, "context": c}
                 before = _memory(device)
                 if progress:
-                    print(f"[bench] {name} streams {s} context {c}: prefill {s} x {c - steps} tokens, then {steps} "
+                    fill = "synthetic KV of" if getattr(system, "synthetic_kv", False) else "prefill"
+                    print(f"[bench] {name} streams {s} context {c}: {fill} {s} x {c - steps} tokens, then {steps} "
                           "decode steps", flush=True)
                 try:
                     r = system.run(prompts[(s, c)], steps)
