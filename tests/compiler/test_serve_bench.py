@@ -103,7 +103,7 @@ def test_layers_override():
         build_hf("tiny-olmoe", layers=0)
 
 
-def test_bench_synthetic_kv(tmp_path):
+def test_bench_synthetic_kv(zoo, tmp_path):
     """--synthetic-kv: the tiered system decodes over caches filled with random entries (no prefill, TTFT not
     measured), whose page tables are those a real prefill of the same prompts leaves; refused for TVM's paged cache."""
     import numpy as np
@@ -137,5 +137,4 @@ def test_bench_synthetic_kv(tmp_path):
     synth.tiered.tables.check()
     assert synth.tiered.tables.t1.free == synth.tiered.tables.t1.num_pages
     with pytest.raises(MoecError, match="tiered or FP8"):
-        moec.load(moec.compile(tmp_path / "work" / "tiny-olmoe-float32" / "model.pt2", tmp_path / "paged"),
-                  max_batch=2, max_total_tokens=256).fill_synthetic([10])
+        moec.load(zoo.artifact("tiny", "onnx"), max_batch=2, max_total_tokens=256).fill_synthetic([10])
