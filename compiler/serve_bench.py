@@ -256,16 +256,15 @@ class _Moec:
         if self.synthetic_kv:  # caches filled with random entries: the decode steps read what they would after prefill
             self.phase = f"synthetic KV fill of {len(prompts)} x {prompts.shape[1]} tokens"
             seqs, ttft = e.fill_synthetic([prompts.shape[1]] * len(prompts)), None
-            nxt_first = prompts[:, -1]
+            nxt = prompts[:, -1]
         else:
             self.phase = f"prefill of {len(prompts)} x {prompts.shape[1]} tokens"
             t = time.perf_counter()
             seqs, logits = e.prefill([list(p) for p in prompts])
             ttft = time.perf_counter() - t
-            nxt_first = logits.argmax(-1)
+            nxt = logits.argmax(-1)
         try:
             times = []
-            nxt = nxt_first
             timed = steps - 1 if self.profile else steps
             for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
                 self.phase = f"decode step {i}"
@@ -299,6 +298,7 @@ class _HF:
     it), a StaticCache, prefill in chunks of positions with only the last token's logits."""
 
     PREFILL_CHUNK = 512  # positions per prefill forward (all streams at once)
+    synthetic_kv = False  # always prefills
 
     def __init__(self, kind: str, model, device: str) -> None:
         import torch
@@ -429,7 +429,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 point = {"streams": s, "context": c}
                 before = _memory(device)
                 if progress:
-                    fill = "synthetic KV of" if getattr(system, "synthetic_kv", False) else "prefill"
+                    fill = "synthetic KV of" if system.synthetic_kv else "prefill"
                     print(f"[bench] {name} streams {s} context {c}: {fill} {s} x {c - steps} tokens, then {steps} "
                           "decode steps", flush=True)
                 try:

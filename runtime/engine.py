@@ -273,15 +273,15 @@ class Engine:
         flat = np.concatenate([np.asarray(t, dtype=self.token_dtype) for t in tokens_per_seq])[None, :]
         if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
             raise MoecError(f"token ids must be in [0, {self.vocab_size})")
+        graph = self._decode_graph if fn is self._decode and len(seq_ids) <= self._graph_max_batch() else None
         if self.tiered is not None:
-            graph = self._decode_graph if fn is self._decode and len(seq_ids) <= self._graph_max_batch() else None
             out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos, graph=graph)
             for s, c in zip(seq_ids, counts):
                 self.lengths[s] += c
             return out if on_device else out.numpy()[0]
         self._reserve(seq_ids, counts)
-        if fn is self._decode and len(seq_ids) <= self._graph_max_batch():
-            fn = self._decode_graph
+        if graph is not None:
+            fn = graph
             self.graph_steps += 1
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
@@ -494,7 +494,8 @@ class _TieredState:
         of ``fn`` when the page tables fit its widths, with the widths rounded up to powers of two (fewer captures)."""
         pt = self.tables
         slots = [self.slot[s] for s in seq_ids]
-        before = {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots} if any(n != 1 for n in counts) else None
+        decode_step = all(n == 1 for n in counts)  # one token a row: every input array at once, below
+        before = None if decode_step else {s: (pt.seqs[s].length, pt.seqs[s].t1_len) for s in slots}
         pt.append(dict(zip(slots, counts)))  # all or nothing: raises CacheExhausted before any change
         tab = pt.tables(slots)
         t1_rows = tab["t1_table"]  # unpadded, for the decode step's append slots
@@ -505,7 +506,7 @@ class _TieredState:
                 tab = dict(tab, t1_table=_pad_width(t1, w1), t2_table=_pad_width(t2, w2))
                 fn = graph
                 self.e.graph_steps += 1
-        if all(n == 1 for n in counts):  # a decode step: one token a row, every array at once
+        if decode_step:
             rows = np.arange(len(slots), dtype=np.int32)
             q_t1 = tab["t1_len"]  # after the append: the new token is the last tier-1 token of its row
             q_slot = pt.last_slots(t1_rows, q_t1)
@@ -547,12 +548,12 @@ class _TieredState:
             block = min(int(np.prod(shape)), 1 << 24)
             if name.endswith("_pos"):
                 vals = rng.integers(0, max_length, block, dtype=np.int32)
-            elif dtype == np.uint8:
+            elif dtype == np.uint8:  # FP8 codes without NaN (tier 1), 2-bit codes (tier 2)
                 vals = rng.integers(0, 256, block, dtype=np.uint8) & (0x77 if name.startswith("t1_") else 0xFF)
             elif name == "t1_mass":
-                vals = rng.uniform(0.0, 1.0, block).astype(np.float32)
+                vals = rng.uniform(0.0, 1.0, block)
             else:  # FP8 scales, 2-bit means and deviations
-                vals = rng.uniform(0.01, 0.1, block).astype(dtype)
+                vals = rng.uniform(0.01, 0.1, block)
             pool.copyfrom(np.resize(vals.astype(dtype), shape))
 
     def after_decode_step(self) -> None:
