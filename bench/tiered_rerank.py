@@ -92,11 +92,13 @@ def _check(gpu_out: dict, cpu_out: dict) -> dict:
     """The pools after the call on the GPU against the host build's."""
     exact = ["t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_pos"]
     res = {"exact": {n: bool(np.array_equal(gpu_out[n], cpu_out[n])) for n in exact}}
-    stats = {n: float(np.max(np.abs(gpu_out[n].astype(np.float32) - cpu_out[n].astype(np.float32)) /
-                            np.maximum(np.abs(cpu_out[n].astype(np.float32)), 1e-3)))
+    # per-page statistics against the largest of their array: a mean near zero summed in another order
+    # differs from the host's by float16 rounding, which relative to itself can look large
+    stats = {n: float(np.max(np.abs(gpu_out[n].astype(np.float32) - cpu_out[n].astype(np.float32))) /
+                      max(float(np.max(np.abs(cpu_out[n].astype(np.float32)))), 1e-6))
              for n in ("t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig")}
     codes = {n: float(np.mean(gpu_out[n] != cpu_out[n])) for n in ("t2_k", "t2_v")}
-    res.update(stats_max_rel_error=stats, code_bytes_differing=codes)
+    res.update(stats_max_error_vs_array_max=stats, code_bytes_differing=codes)
     res["passed"] = all(res["exact"].values()) and max(stats.values()) < 2e-3 and max(codes.values()) < 1e-3
     return res
 
