@@ -386,7 +386,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     work.mkdir(parents=True, exist_ok=True)  # (the naming of bench/tune_decode.py)
     model = build_hf(shape, dtype, device, seed, layers, tie_layers)
     bw = copy_bandwidth(device)
-    doc = {"shape": shape, "config": {k: getattr(model.config, k) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
+    doc = {"shape": shape, "config": {k: getattr(model.config, k, None) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
            "synthetic_kv": synthetic_kv,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}

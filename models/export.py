@@ -49,11 +49,28 @@ def dynamic_shapes_for(num_inputs: int, max_seq: int = 4096) -> tuple:
     return tuple({0: batch, 1: seq} for _ in range(num_inputs))
 
 
+def _hinted_shapes(max_seq: int):
+    """The same axes as dimension hints (ranges, no names): guards torch adds while tracing are kept as
+    guards instead of failing the export."""
+    batch = torch.export.Dim.DYNAMIC(min=1, max=1024)
+    seq = torch.export.Dim.DYNAMIC(min=2, max=max(max_seq, 3))
+    return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+
+
 def to_exported_program(model: nn.Module, vocab_size: int, max_seq: int = 4096) -> torch.export.ExportedProgram:
-    """``torch.export`` of ``model`` with dynamic batch and sequence axes."""
+    """``torch.export`` of ``model`` with dynamic batch and sequence axes.
+
+    Named dimensions first; where torch's tracing adds a guard on them that its solver cannot prove over the
+    whole range (torch 2.11 with Mixtral at 4104 positions: ``min(128 s, 512 s) == 128 s``, true for every
+    s >= 0), the export is retried with range hints, which keep such guards instead of refusing them."""
     wrapped = LogitsOnly(model).eval()
     with torch.no_grad():
-        return torch.export.export(wrapped, example_inputs(vocab_size), dynamic_shapes=_dynamic_shapes(max_seq))
+        try:
+            return torch.export.export(wrapped, example_inputs(vocab_size), dynamic_shapes=_dynamic_shapes(max_seq))
+        except torch._dynamo.exc.UserError as exc:
+            if "Constraints violated" not in str(exc):
+                raise
+        return torch.export.export(wrapped, example_inputs(vocab_size), dynamic_shapes=_hinted_shapes(max_seq))
 
 
 def save_pt2(model: nn.Module, vocab_size: int, path: str | Path, max_seq: int = 4096) -> Path:

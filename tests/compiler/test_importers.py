@@ -125,3 +125,45 @@ def test_tied_weights_are_one_parameter(tmp_path):
     tokens = [5, 6, 7, 8, 9]
     _, logits = engine.prefill([tokens])
     np.testing.assert_allclose(logits[0], torch_last_logits(model, tokens), atol=ATOL, rtol=0)
+
+
+def test_export_retries_with_range_hints_when_a_guard_cannot_be_proved(tmp_path, monkeypatch):
+    # torch 2.11 refuses Mixtral's export over named dimensions ("Constraints violated (seq)! ... guard
+    # min(128*s, 512*s) == 128*s"); the export then retries with range hints, and that program must import with
+    # dynamic axes and compile to the same logits as torch
+    import moec
+    from moec.models.hf import tiny_hf_model
+    from moec_testing import ATOL, torch_last_logits
+
+    real = torch.export.export
+    calls = []
+
+    def refusing(mod, args, dynamic_shapes=None, **kw):
+        named = isinstance(dynamic_shapes["input_ids"][1], torch.export.dynamic_shapes._Dim)
+        calls.append("named" if named else "hinted")
+        if named:
+            raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION,
+                                              "Constraints violated (seq)! Not all values of seq satisfy the guard")
+        return real(mod, args, dynamic_shapes=dynamic_shapes, **kw)
+
+    monkeypatch.setattr(torch.export, "export", refusing)
+    model = tiny_hf_model("mixtral")
+    ep = to_exported_program(model, model.config.vocab_size, max_seq=64)
+    assert calls == ["named", "hinted"]
+    monkeypatch.setattr(torch.export, "export", real)
+    art = moec.compile(ep, tmp_path / "art", target="llvm")
+    engine = moec.load(art)
+    for tokens in ([5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1]):  # two lengths: the sequence axis stayed dynamic
+        _, logits = engine.prefill([tokens])
+        np.testing.assert_allclose(logits[0], torch_last_logits(model, tokens), atol=ATOL, rtol=0)
+
+
+def test_export_passes_other_user_errors_through(monkeypatch):
+    def refusing(*a, **k):
+        raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.DYNAMIC_CONTROL_FLOW, "data-dependent branch")
+
+    monkeypatch.setattr(torch.export, "export", refusing)
+    from moec.models.hf import tiny_hf_model
+
+    with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent"):
+        to_exported_program(tiny_hf_model("mixtral"), 512)
