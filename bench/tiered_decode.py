@@ -29,34 +29,18 @@ SHAPES = {  # name: heads, kv heads, head dim, tier-1 page, tier-2 page
     "mixtral": (32, 8, 128, 16, 128),
 }
 STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
-# checked and timed too: direct keys for the record; smaller token steps use fewer registers (ptxas: 168 at
-# kstep 8, 122 at 4, 95 at 2 with direct keys, for olmoe; mixtral spills at 4), so more warps fit an SM
-VARIANTS = {"olmoe-direct-keys": ("olmoe", {"bitsplit_keys": False}),
-            "olmoe-kstep4": ("olmoe", {"kstep": 4}),
-            "olmoe-kstep2-direct": ("olmoe", {"kstep": 2, "bitsplit_keys": False}),
-            "mixtral-kstep2": ("mixtral", {"kstep": 2}),
-            # cp.async stages (tier-2 tiles, and tier-1 tiles with t1_stages) through shared memory, several tiles in
-            # flight per warp; ptxas (sm_90): registers / shared bytes, no spills unless noted
-            "olmoe-pipe3": ("olmoe", {"stages": 3}),  # 168 / 8832
-            "olmoe-pipe4": ("olmoe", {"stages": 4}),  # 168 / 11776
-            "olmoe-pipe6": ("olmoe", {"stages": 6}),  # 167 / 17664
-            "olmoe-pipe4-t1": ("olmoe", {"stages": 4, "t1_stages": 2}),  # 129 / 16640
-            "olmoe-kstep4-pipe6": ("olmoe", {"kstep": 4, "stages": 6}),  # 127 / 11136
-            "olmoe-kstep4-pipe8-t1": ("olmoe", {"kstep": 4, "stages": 8, "t1_stages": 2}),  # 128 / 14848
-            "mixtral-pipe3": ("mixtral", {"stages": 3}),  # 255 / 5568, spills 12 bytes (the default form 16)
-            "mixtral-pipe4": ("mixtral", {"stages": 4}),  # 255 / 7424
-            "mixtral-pipe4-t1": ("mixtral", {"stages": 4, "t1_stages": 2}),  # 255 / 8320
-            "check-pipe3-t1": ("check", {"stages": 3, "t1_stages": 3}),  # checked only: Dh 32, 2-token steps, 1 tile a page
-            # fewer instructions per 2-bit code (the loop is issue-bound); SASS of the tier-2 loop per tile of
-            # 256 codes a lane (cuobjdump here): olmoe 1868 default, 1356 regs, 1273 regs-split (5.0 a code)
-            "olmoe-regs": ("olmoe", {"reg_bases": True}),
-            "olmoe-regs-split": ("olmoe", {"reg_bases": True, "split_values": True}),
-            "olmoe-regs-split-pipe4": ("olmoe", {"reg_bases": True, "split_values": True, "stages": 4}),
-            "olmoe-regs-split-kstep4": ("olmoe", {"reg_bases": True, "split_values": True, "kstep": 4}),
-            "mixtral-regs": ("mixtral", {"reg_bases": True}),  # 1627 -> 1371; split_values spills at G = 4
-            "mixtral-regs-pipe4": ("mixtral", {"reg_bases": True, "stages": 4}),
-            "check-regs-split": ("check", {"reg_bases": True, "split_values": True}),  # checked only: G = 2
-            "check-regs-split-pipe3": ("check", {"reg_bases": True, "split_values": True, "stages": 3})}
+# checked and timed too (earlier variant sets: the commits of bench/results/tiered_decode_h200_*.json):
+# the compiled models' forms before the uniform grid (a4843a9), and the fields forms (one LOP3 and one FFMA
+# a 2-bit code; ``make_tiered_decode_cuda(fields=True)``) with and without cp.async stages
+VARIANTS = {"olmoe-regs-split-pipe4": ("olmoe", {"reg_bases": True, "split_values": True, "stages": 4}),
+            "mixtral-regs": ("mixtral", {"reg_bases": True}),
+            "olmoe-fields": ("olmoe", {"reg_bases": True, "fields": True}),
+            "olmoe-fields-pipe4": ("olmoe", {"reg_bases": True, "fields": True, "stages": 4}),
+            "olmoe-fields-kstep4-pipe4": ("olmoe", {"reg_bases": True, "fields": True, "kstep": 4, "stages": 4}),
+            "mixtral-fields": ("mixtral", {"reg_bases": True, "fields": True}),
+            "mixtral-fields-pipe4": ("mixtral", {"reg_bases": True, "fields": True, "stages": 4}),
+            "check-fields": ("check", {"reg_bases": True, "fields": True}),  # checked only: G = 2, Dh 32
+            "check-fields-pipe3": ("check", {"reg_bases": True, "fields": True, "stages": 3})}
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
 

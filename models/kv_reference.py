@@ -5,7 +5,7 @@ their dequantized values according to a ``TierPolicy`` (formats from ``moec.runt
 the perplexity cost of a cache policy can be measured on the model trained on real text, and the
 compiled kernels can be checked against the same dequantized values.
 
-Per layer, KV head and token the cache keeps a tier: 1 (FP8 e4m3, per-token scale) or 2 (2-bit NF2;
+Per layer, KV head and token the cache keeps a tier: 1 (FP8 e4m3, per-token scale) or 2 (2-bit uniform grid;
 keys per channel over a tier-2 page, values per token). The policy, applied after prefill and then
 every ``rerank_every`` decode steps:
 
@@ -74,7 +74,7 @@ class TierPolicy:
     score: str = "keynorm"  # importance of the tiered mode: one of SCORES, or a product "a*b"
     decay: float = 0.97  # per-query decay of the "ema" score
     demote: str = "kv"  # what a demotion quantizes to 2-bit: "kv", or "k" / "v" alone (an ablation; the other stays FP8)
-    fit: str = "lloyd"  # 2-bit mu/sigma: "lloyd" (the compiled default) or "moments" (kv_quant.nf2_quantize)
+    fit: str = "lloyd"  # 2-bit mu/sigma: "lloyd" (the compiled default) or "moments" (kv_quant.q2_quantize)
     rotate: str = ""  # "k", "v" or "kv": quantize those in a rotated basis (orthogonal_rotation), "" none
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ def orthogonal_rotation(dim: int, seed: int = 0) -> np.ndarray:
     Randomised Hadamard ``diag(signs) H / sqrt(dim)`` when ``dim`` is a power of two (applied in a
     kernel as a fast transform of q and of the output), else a seeded random orthogonal matrix. A
     block quantized as ``x R`` and dequantized times ``R^T`` sees outlier channels spread out, so its
-    per-token statistics fit the Gaussian NF2 levels better; ``q . k = (q R) . (k R)``.
+    per-token statistics fit the grid's Gaussian-optimal step better; ``q . k = (q R) . (k R)``.
     """
     rng = np.random.default_rng(seed)
     if dim & (dim - 1) == 0:
@@ -190,8 +190,8 @@ class _LayerCache:
             z = (k - mu) / sd
             if kind == "keyz":  # squared distance from the per-channel mean, in channel standard deviations
                 return (z**2).sum(-1)
-            th = self._t(q.NF2_THRESHOLDS.astype(np.float64))  # 2-bit key error
-            zq = self._t(q.NF2_LEVELS.astype(np.float64))[torch.searchsorted(th, z.contiguous(), right=True)]
+            th = self._t(q.Q2_THRESHOLDS.astype(np.float64))  # 2-bit key error
+            zq = self._t(q.Q2_LEVELS.astype(np.float64))[torch.searchsorted(th, z.contiguous(), right=True)]
             return (((z - zq) * sd) ** 2).sum(-1)
         return {"mass": self.mass, "ema": self.ema, "max": self.maxp, "since": self.since}[kind][:, :, :n].clone()
 
@@ -256,7 +256,7 @@ class _LayerCache:
     def _roundtrip2(self, x: np.ndarray, side: str, quantize, axis: int) -> torch.Tensor:
         """2-bit round trip of pages ``x [P, T, Dh]``, in the rotated basis when the policy says so."""
         rot = self.rot if side in self.policy.rotate else None
-        y = q.nf2_dequantize(*quantize(x if rot is None else x @ rot), axis=axis)
+        y = q.q2_dequantize(*quantize(x if rot is None else x @ rot), axis=axis)
         return self._t(y if rot is None else y @ rot.T)
 
 

@@ -9,7 +9,7 @@ table per sequence serves every layer). Formats are those of ``moec.runtime.kv_q
     v_scale
     pos         int32   [P1, Hkv, t1_page]       the token's position in its sequence
     mass        float32 [P1, Hkv, t1_page]       accumulated attention probability
-  tier 2 (2-bit NF2), pages of ``t2_page`` tokens, always full:
+  tier 2 (2-bit codes, uniform grid), pages of ``t2_page`` tokens, always full:
     k, v        uint8   [P2, Hkv, t2_page, Dh/4] 4 codes a byte, channel 4j+i in bits 2i..2i+1
     k_mu, k_sig float16 [P2, Hkv, Dh]            keys: per channel over the page's tokens
     v_mu, v_sig float16 [P2, Hkv, t2_page]       values: per token

@@ -5,9 +5,13 @@ Tier 1 — FP8 e4m3 with one scale per (token, KV head):
     code  = e4m3(x / scale), stored as its byte (uint8).
     Bytes per element: 1 + 2 / Dh.
 
-Tier 2 — 2-bit non-uniform (NF2) codes with per-block mean and standard deviation:
-    levels = (-1.5104, -0.4528, +0.4528, +1.5104)  (Lloyd-Max quantizer of a unit Gaussian;
-    decision thresholds -0.9816, 0, +0.9816); x ≈ mu + sigma * levels[code].
+Tier 2 — 2-bit codes on a uniform grid with per-block mean and standard deviation:
+    levels = (-3, -1, +1, +3) * 255 / 512 = (-1.494, -0.498, +0.498, +1.494) (the uniform 4-level quantizer
+    of a unit Gaussian, step 0.996 against the optimal 0.9957; decision thresholds -0.996, 0, +0.996);
+    x ≈ mu + sigma * levels[code]. A uniform grid makes the level an affine function of the code's
+    2-bit integer, which the CUDA decode kernel dequantizes with one logic op and one FMA (see
+    ``schedules.kernels.tiered_decode``); its squared error on a Gaussian is 1% above the non-uniform
+    Lloyd-Max levels (+-0.4528, +-1.5104) after the least-squares fit below.
     Keys are quantized per channel (mu, sigma over the tokens of one tier-2 page, for each KV head and
     channel: outlier channels keep their own range, as KIVI found); values per token (mu, sigma over
     the Dh channels of one token and KV head). mu and sigma are float16.
@@ -22,8 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 E4M3_MAX = 448.0
-NF2_LEVELS = np.array([-1.5104, -0.4528, 0.4528, 1.5104], dtype=np.float32)
-NF2_THRESHOLDS = np.array([-0.9816, 0.0, 0.9816], dtype=np.float32)
+Q2_STEP = 255 / 256  # exact in float32, as are the levels and thresholds below
+Q2_LEVELS = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32) * np.float32(Q2_STEP)
+Q2_THRESHOLDS = np.array([-1.0, 0.0, 1.0], dtype=np.float32) * np.float32(Q2_STEP)
 _MIN_SCALE = np.float32(2.0**-24)
 
 
@@ -56,22 +61,22 @@ def unpack2(packed: np.ndarray) -> np.ndarray:
     return (p & 3).reshape(*packed.shape[:-1], -1)
 
 
-def _nf2_codes(z: np.ndarray) -> np.ndarray:
-    return np.searchsorted(NF2_THRESHOLDS, z, side="right").astype(np.uint8)
+def _q2_codes(z: np.ndarray) -> np.ndarray:
+    return np.searchsorted(Q2_THRESHOLDS, z, side="right").astype(np.uint8)
 
 
 FITS = ("moments", "lloyd")
 
 
-def nf2_quantize(x: np.ndarray, axis: int, fit: str = "moments",
+def q2_quantize(x: np.ndarray, axis: int, fit: str = "moments",
                  iters: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """2-bit NF2 codes of ``x[..., T, Dh]`` with mu/sigma over ``axis`` (-2: per channel, -1: per token).
+    """2-bit codes of ``x[..., T, Dh]`` with mu/sigma over ``axis`` (-2: per channel, -1: per token).
 
     Returns ``(packed uint8 [..., T, Dh/4], mu float16, sigma float16)`` where mu/sigma have ``axis``
     reduced away. ``fit="moments"`` (the cache's format today) takes mu and sigma as the block's mean
     and standard deviation, optimal for Gaussian data. ``fit="lloyd"`` then alternates ``iters`` times
     between coding with (mu, sigma) and refitting (mu, sigma) by least squares to the codes' levels,
-    the squared-error-optimal affine fit of the NF2 shape for the block's own distribution (the
+    the squared-error-optimal affine fit of the grid for the block's own distribution (the
     dequantization is unchanged, so only the quantizer differs).
     """
     x = np.asarray(x, dtype=np.float32)
@@ -84,11 +89,11 @@ def nf2_quantize(x: np.ndarray, axis: int, fit: str = "moments",
 
     def codes(mu, sigma):
         z = (x - np.expand_dims(mu.astype(np.float32), axis)) / np.expand_dims(sigma.astype(np.float32), axis)
-        return _nf2_codes(z)
+        return _q2_codes(z)
 
     c = codes(mu, sigma)
     for _ in range(iters if fit == "lloyd" else 0):
-        lv = NF2_LEVELS[c].astype(np.float64)
+        lv = Q2_LEVELS[c].astype(np.float64)
         lm, xm = lv.mean(axis=axis, keepdims=True), x.mean(axis=axis, keepdims=True, dtype=np.float64)
         var = ((lv - lm) ** 2).mean(axis=axis)
         cov = ((lv - lm) * (x - xm)).mean(axis=axis)
@@ -101,19 +106,19 @@ def nf2_quantize(x: np.ndarray, axis: int, fit: str = "moments",
     return pack2(c), mu, sigma
 
 
-def nf2_dequantize(packed: np.ndarray, mu: np.ndarray, sigma: np.ndarray, axis: int) -> np.ndarray:
-    z = NF2_LEVELS[unpack2(packed)]
+def q2_dequantize(packed: np.ndarray, mu: np.ndarray, sigma: np.ndarray, axis: int) -> np.ndarray:
+    z = Q2_LEVELS[unpack2(packed)]
     return np.expand_dims(mu.astype(np.float32), axis) + np.expand_dims(sigma.astype(np.float32), axis) * z
 
 
 def quantize_keys_2bit(k: np.ndarray, fit: str = "moments"):
     """Keys of one tier-2 page ``[Hkv, T, Dh]``: per-channel statistics over the T tokens."""
-    return nf2_quantize(k, axis=-2, fit=fit)
+    return q2_quantize(k, axis=-2, fit=fit)
 
 
 def quantize_values_2bit(v: np.ndarray, fit: str = "moments"):
     """Values ``[Hkv, T, Dh]``: per-token statistics over the Dh channels."""
-    return nf2_quantize(v, axis=-1, fit=fit)
+    return q2_quantize(v, axis=-1, fit=fit)
 
 
 def bytes_per_element(tier1_fraction: float, head_dim: int, page_tokens: int) -> dict:

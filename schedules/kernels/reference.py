@@ -72,10 +72,10 @@ def fill_pools(kv: list[tuple[np.ndarray, np.ndarray]], t1_lens: list[int], p1: 
             sl = slice(n1 + pi * ps2, n1 + (pi + 1) * ps2)
             packed, mu, sig = q.quantize_keys_2bit(k[:, sl])
             pools["t2_k"][page], pools["t2_kmu"][page], pools["t2_ksig"][page] = packed, mu, sig
-            kd[:, sl] = q.nf2_dequantize(packed, mu, sig, axis=-2)
+            kd[:, sl] = q.q2_dequantize(packed, mu, sig, axis=-2)
             packed, mu, sig = q.quantize_values_2bit(v[:, sl])
             pools["t2_v"][page], pools["t2_vmu"][page], pools["t2_vsig"][page] = packed, mu, sig
-            vd[:, sl] = q.nf2_dequantize(packed, mu, sig, axis=-1)
+            vd[:, sl] = q.q2_dequantize(packed, mu, sig, axis=-1)
         deq.append((kd, vd))
         slots_all.append(slots)
     tables = {"t1_table": t1_table, "t1_len": np.array(t1_lens, np.int32), "t2_table": t2_table,
@@ -135,8 +135,8 @@ def rerank_reference(pools: dict, tables: dict, length: np.ndarray, demote: np.n
                 idx = by_pos[pi * ps2:(pi + 1) * ps2]
                 k = np.stack([q.fp8_dequantize(pools["t1_k"][loc[i][0], h, loc[i][1]], pools["t1_ks"][loc[i][0], h, loc[i][1]]) for i in idx])
                 v = np.stack([q.fp8_dequantize(pools["t1_v"][loc[i][0], h, loc[i][1]], pools["t1_vs"][loc[i][0], h, loc[i][1]]) for i in idx])
-                out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.nf2_quantize(k, axis=-2, fit=fit)
-                out["t2_v"][page2, h], out["t2_vmu"][page2, h], out["t2_vsig"][page2, h] = q.nf2_quantize(v, axis=-1, fit=fit)
+                out["t2_k"][page2, h], out["t2_kmu"][page2, h], out["t2_ksig"][page2, h] = q.q2_quantize(k, axis=-2, fit=fit)
+                out["t2_v"][page2, h], out["t2_vmu"][page2, h], out["t2_vsig"][page2, h] = q.q2_quantize(v, axis=-1, fit=fit)
                 out["t2_pos"][page2, h] = pos[idx]
             holes = [i for i in dem if i < keep]
             movers = [i for i in range(keep, n1) if i not in set(dem)]

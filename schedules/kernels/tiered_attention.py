@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .tiered_decode import LOG2E, _fp8_to_f32, _nf2_level
+from .tiered_decode import LOG2E, _fp8_to_f32, _q2_level
 
 MASS_CHUNK = 128
 
@@ -106,7 +106,7 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
                             ml[2] = T.float32(0)
                             for d in T.serial(D):
                                 ml[2] += q[n, h, d] * (T.Cast("float32", t2_kmu[layer, page2, hk, d]) + T.Cast(
-                                    "float32", t2_ksig[layer, page2, hk, d]) * _nf2_level(t2_k[layer, page2, hk, j, d // 4], d))
+                                    "float32", t2_ksig[layer, page2, hk, d]) * _q2_level(t2_k[layer, page2, hk, j, d // 4], d))
                             ml[2] = ml[2] * sm_scale * T.float32(LOG2E)
                             new_m2: T.let[T.float32] = T.max(ml[0], ml[2])
                             alpha2: T.let[T.float32] = T.exp2(ml[0] - new_m2)
@@ -115,7 +115,7 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
                             vmu: T.let[T.float32] = T.Cast("float32", t2_vmu[layer, page2, hk, j])
                             vsig: T.let[T.float32] = T.Cast("float32", t2_vsig[layer, page2, hk, j])
                             for d in T.serial(D):
-                                acc[d] = acc[d] * alpha2 + p2 * (vmu + vsig * _nf2_level(t2_v[layer, page2, hk, j, d // 4], d))
+                                acc[d] = acc[d] * alpha2 + p2 * (vmu + vsig * _q2_level(t2_v[layer, page2, hk, j, d // 4], d))
                             ml[0] = new_m2
                     for d in T.serial(D):
                         out[n, h, d] = T.if_then_else(ml[1] > T.float32(0), acc[d] / ml[1], T.float32(0))
@@ -298,9 +298,9 @@ def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: i
                                         if is2:
                                             if j0 + j < PS2:
                                                 ks_s[j, d] = T.Cast("float32", t2_kmu[layer, pg2, hk, d]) + T.Cast(
-                                                    "float32", t2_ksig[layer, pg2, hk, d]) * _nf2_level(t2_k[layer, pg2, hk, j0 + j, d // 4], d)
+                                                    "float32", t2_ksig[layer, pg2, hk, d]) * _q2_level(t2_k[layer, pg2, hk, j0 + j, d // 4], d)
                                                 vs_s[j, d] = T.Cast("float32", t2_vmu[layer, pg2, hk, j0 + j]) + T.Cast(
-                                                    "float32", t2_vsig[layer, pg2, hk, j0 + j]) * _nf2_level(t2_v[layer, pg2, hk, j0 + j, d // 4], d)
+                                                    "float32", t2_vsig[layer, pg2, hk, j0 + j]) * _q2_level(t2_v[layer, pg2, hk, j0 + j, d // 4], d)
                                             else:
                                                 ks_s[j, d] = T.float32(0)
                                                 vs_s[j, d] = T.float32(0)

@@ -2,7 +2,7 @@
 
 One call per layer. For every sequence b and query head h (KV head ``h // (H / Hkv)``) it runs an
 online softmax over the sequence's tier-1 tokens (FP8 e4m3 bytes times a per-token scale) and then
-its tier-2 pages (2-bit NF2 codes: keys ``mu + sigma * level`` per channel, values per token), all
+its tier-2 pages (2-bit codes on a uniform grid: keys ``mu + sigma * level`` per channel, values per token), all
 dequantized in registers, and writes ``out[b, h, :]``. It also adds each tier-1 token's final
 attention probability, summed over the query heads of its KV head, to ``t1_mass`` (the importance
 the re-rank reads); the scores of pass one are kept in ``scores`` (a workspace) for that.
@@ -31,7 +31,7 @@ try:
 except ImportError:  # runtime-only TVM (the GPU bench): decode_splits / decode_workspaces still work
     T = None
 
-from ...runtime.kv_quant import NF2_LEVELS
+from ...runtime.kv_quant import Q2_LEVELS
 
 LOG2E = math.log2(math.e)
 
@@ -48,9 +48,9 @@ def _fp8_to_f32(byte):
     return T.if_then_else((bits & T.uint32(128)) != T.uint32(0), -mag, mag)
 
 
-def _nf2_level(packed, d):
+def _q2_level(packed, d):
     code = (T.Cast("uint32", packed) >> T.Cast("uint32", (d % 4) * 2)) & T.uint32(3)
-    lv = [float(x) for x in NF2_LEVELS]
+    lv = [float(x) for x in Q2_LEVELS]
     return T.if_then_else(code == T.uint32(0), T.float32(lv[0]), T.if_then_else(
         code == T.uint32(1), T.float32(lv[1]), T.if_then_else(code == T.uint32(2), T.float32(lv[2]), T.float32(lv[3]))))
 
@@ -128,7 +128,7 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                         for j in T.serial(PS2):
                             for d in T.serial(D):
                                 kv[d] = T.Cast("float32", t2_kmu[layer, page2, hk, d]) + T.Cast("float32", t2_ksig[layer, page2, hk, d]) * \
-                                    _nf2_level(t2_k[layer, page2, hk, j, d // 4], d)
+                                    _q2_level(t2_k[layer, page2, hk, j, d // 4], d)
                             s_val[0] = T.float32(0)
                             for d in T.serial(D):
                                 s_val[0] += q[b, h, d] * kv[d]
@@ -138,7 +138,7 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                             for d in T.serial(D):
                                 acc[d] = acc[d] * T.exp2(m_val[h] - new_m[0]) + T.exp2(s_val[0] - new_m[0]) * (
                                     T.Cast("float32", t2_vmu[layer, page2, hk, j]) + T.Cast("float32", t2_vsig[layer, page2, hk, j]) *
-                                    _nf2_level(t2_v[layer, page2, hk, j, d // 4], d))
+                                    _q2_level(t2_v[layer, page2, hk, j, d // 4], d))
                             m_val[h] = new_m[0]
                     for d in T.serial(D):
                         out[b, h, d] = T.if_then_else(l_val[h] > T.float32(0), acc[d] / l_val[h], T.float32(0))
@@ -154,28 +154,27 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
                                   t2_page: int = 128):
     """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
-    against NumPy there; bench/results/tiered_decode_h200_regs.json):
-
-    * one query head per KV head (OLMoE): bit-float bases in registers, value sums split per bit and
-      tier-2 tiles staged in 4 cp.async stages, 0.523 ms a layer against 0.762 for the plain register
-      form and 0.714 for the staged one;
-    * grouped queries (Mixtral, 4 per KV head): bases in registers only, 0.565 ms against 0.622; the
-      split value sums spill there, and staging measured slower (0.594 ms)."""
-    if num_heads == num_kv_heads:
-        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4,
-                                       reg_bases=True, split_values=True)
-    return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, reg_bases=True)
+    against NumPy there; bench/results/tiered_decode_h200_fields.json): 2-bit fields (one LOP3 and one
+    FFMA a code), bases in registers, tier-2 tiles staged in 4 cp.async stages. OLMoE (one query head
+    per KV head) 0.371 ms a layer against 0.526 for the per-bit form with split value sums; Mixtral (4
+    query heads per KV head) 0.454 against 0.574 for the per-bit form with bases in registers."""
+    return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, reg_bases=True,
+                                   fields=True)
 
 
 # ---------------------------------------------------------------------------------------------------
 # CUDA form
 #
-# 2-bit codes are decoded without integer-to-float conversions: a code's two bits b0, b1 are each
-# masked, in place, into a float32 bit pattern with a fixed base (one LOP3 each), so that
-# f = Y + b (X - Y) exactly. The NF2 level is affine in the bits (the levels are symmetric:
-# lev = -L1 + (L1 - L0) b0 + (L1 + L0) b1), hence affine in (f0, f1). Bit positions from 20 up keep
-# (X - Y) / X well away from the float32 rounding; codes below are shifted up by 12 or 24 (two shifts
-# per 16 codes). Per code position the constants differ, and are folded at compile time.
+# 2-bit codes are decoded without integer-to-float conversions. Per bit (any symmetric grid): a code's
+# two bits b0, b1 are each masked, in place, into a float32 bit pattern with a fixed base (one LOP3
+# each), so that f = Y + b (X - Y) exactly; the level is affine in the bits (lev = -L1 + (L1 - L0) b0
+# + (L1 + L0) b1), hence affine in (f0, f1). Bit positions from 20 up keep (X - Y) / X well away from
+# the float32 rounding; codes below are shifted up by 12 or 24 (two shifts per 16 codes).
+# Per field (``fields``, the uniform grid of ``kv_quant``): the code's two bits are masked together into
+# the mantissa of 1.0 at bits p, p + 1, so f = 1 + c 2^(p - 23) for the code's integer c, and the level
+# lo + step c is affine in f: one LOP3 and one FMA a code. Fields sit at p = 14 .. 20 (four codes per
+# shifted copy of the word: w << 14, w << 6, w >> 2, w >> 10), where f's informative part is at least
+# 2^-9 of f. Per code position the constants differ, and are folded at compile time.
 
 
 def _bit_float(k: int) -> tuple[int, float, float]:
@@ -212,13 +211,40 @@ def _code_plan():
 
 def _code_consts():
     """Per code position: (src, mask0, base0, mask1, base1, c0, c1, cc) with lev = cc + c0 f0 + c1 f1."""
-    l0, l1 = float(NF2_LEVELS[2]), float(NF2_LEVELS[3])
+    l0, l1 = float(Q2_LEVELS[2]), float(Q2_LEVELS[3])
     out = []
     for src, p in _code_plan():
         b0, y0, x0 = _bit_float(p)
         b1, y1, x1 = _bit_float(p + 1)
         c0, c1 = (l1 - l0) / (x0 - y0), (l1 + l0) / (x1 - y1)
         out.append((src, 1 << p, b0, 1 << (p + 1), b1, c0, c1, -l1 - c0 * y0 - c1 * y1))
+    return out
+
+
+FIELD_SHIFTS = (14, 6, -2, -10)  # codes 4 j .. 4 j + 3 of a word sit at bits 14 .. 21 of w shifted by FIELD_SHIFTS[j]
+
+
+def uniform_grid() -> tuple[float, float] | None:
+    """(lowest level, step) when the 2-bit levels are evenly spaced (the ``fields`` form needs it), else None."""
+    import numpy as np
+
+    lv = np.asarray(Q2_LEVELS, np.float64)
+    d = np.diff(lv)
+    return (float(lv[0]), float(d[0])) if np.allclose(d, d[0], rtol=1e-6, atol=0) else None
+
+
+def _field_consts():
+    """Per code position i: (source j, mask, c1, cc) with level = cc + c1 f, f the field's bit-float."""
+    grid = uniform_grid()
+    if grid is None:
+        raise ValueError("the fields form of the tiered decode needs evenly spaced 2-bit levels")
+    lo, step = grid
+    out = []
+    for i in range(16):
+        p = 2 * i + FIELD_SHIFTS[i // 4]
+        assert 14 <= p <= 20
+        c1 = step * 2.0 ** (23 - p)  # f = 1 + c 2^(p - 23): level = lo + step c = lo - c1 + c1 f
+        out.append((i // 4, 3 << p, c1, lo - c1))
     return out
 
 
@@ -257,7 +283,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
-                            t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False):
+                            t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -288,6 +314,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     accumulates the values as the keys are scored: ``acc += p c0 f0 + p c1 f1 + p cc`` keeps the sums of
     ``p f0`` and ``p f1`` per channel and ``p`` per head, and applies the per-channel constants once
     after the loop (two FFMA per code instead of three; 16 more registers per query head).
+
+    ``fields`` (needs the uniform grid of ``kv_quant``) decodes a code's two bits together: one LOP3 and one
+    FFMA a code for the keys (q * sigma * c1 per channel and page, the offsets folded into q . mu) and for the
+    values. The value sums are kept in the bit-float domain over the tier-2 pages: after the tier-1 tiles
+    each channel's sum is divided by its c1, the tier-2 tokens add ``p f`` (and ``p`` to a per-head sum),
+    and after the loop ``acc = c1 acc + cc sum(p)``: no registers beyond the plain form's.
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
@@ -302,13 +334,20 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     TILE = TPS * KSTEP
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
-    REG, VSPLIT = bool(reg_bases), bool(split_values)
+    REG, VSPLIT, FIELDS = bool(reg_bases), bool(split_values), bool(fields)
+    if FIELDS and VSPLIT:
+        raise ValueError("CUDA tiered decode: fields and split_values are two forms of the value sums; pick one")
     NEG = -1e30
     consts = _code_consts()
     SRC = [c[0] for c in consts]
     M0, B0, M1c, B1, C0, C1, CC = ([c[j] for c in consts] for j in range(1, 8))
     BASES = sorted(set(B0) | set(B1))  # the distinct bit-float bases (reg_bases: one register each)
+
     BI0, BI1 = [BASES.index(v) for v in B0], [BASES.index(v) for v in B1]
+    if FIELDS:
+        fc = _field_consts()
+        FSRC, FMASK, FC1, FCC = ([c[j] for c in fc] for j in range(4))
+        BASES = [0x3F800000]  # every field sits in the mantissa of 1.0
     NT2 = min(D, 128)  # threads of the merge kernel
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -355,6 +394,16 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         base = bk[_tab(i, BI1, "int32")] if REG else _tab(i, B1, "uint32")
         return T.reinterpret("float32", (x & _tab(i, M1c, "uint32")) | base)
 
+    def xf(w, i):  # the shifted copy of word w whose bits 14 .. 21 hold code i's field
+        src = _tab(i, FSRC, "uint32")
+        sh = [T.uint32(abs(v)) for v in FIELD_SHIFTS]
+        return T.if_then_else(src == T.uint32(0), w << sh[0], T.if_then_else(
+            src == T.uint32(1), w << sh[1], T.if_then_else(src == T.uint32(2), w >> sh[2], w >> sh[3])))
+
+    def ff(x, i, bk):  # the field's bit-float 1 + c 2^(p - 23)
+        base = bk[0] if REG else T.uint32(BASES[0])
+        return T.reinterpret("float32", (x & _tab(i, FMASK, "uint32")) | base)
+
     def lev(x, i, bk):
         return _tab(i, CC, "float32") + _tab(i, C0, "float32") * f0(x, i, bk) + _tab(i, C1, "float32") * f1(x, i, bk)
 
@@ -382,8 +431,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 pmu[g] = pmu[g] * mt[1]
                 for i in T.unroll(16):
                     acc[g * 16 + i] = acc[g * 16 + i] * mt[1]
-                if VSPLIT:
+                if VSPLIT or FIELDS:
                     ps[g] = ps[g] * mt[1]
+                if VSPLIT:
                     for i in T.unroll(16):
                         a0[g * 16 + i] = a0[g * 16 + i] * mt[1]
                         a1[g * 16 + i] = a1[g * 16 + i] * mt[1]
@@ -477,7 +527,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 # q again from memory (cached): keeps qv out of registers in this loop
                 ck[g] = ck[g] + q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16b[i])
                 qs[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E) * T.Cast("float32", h16[i])
-                if BITSPLIT:
+                if FIELDS:
+                    ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, FCC, "float32")
+                    qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, FC1, "float32")
+                elif BITSPLIT:
                     ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, CC, "float32")
                     qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
                     qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
@@ -488,7 +541,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         for k in T.unroll(KSTEP):
             for g in T.unroll(G):
                 s_l[g * KSTEP + k] = ck[g]
-            if BITSPLIT:
+            if FIELDS:
+                for i in T.unroll(16):
+                    for g in T.unroll(G):
+                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * ff(xf(kw[k], i), i, bk)
+            elif BITSPLIT:
                 for i in T.unroll(16):
                     for g in T.unroll(G):
                         s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * f0(xs(kw[k], i), i, bk) + \
@@ -502,13 +559,17 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 lane_sum(s_l, g * KSTEP + k)
         softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         for k in T.unroll(KSTEP):
-            if not VSPLIT:
+            if not VSPLIT and not FIELDS:
                 for i in T.unroll(16):
                     lv[i] = lev(xs(vw[k], i), i, bk)
             for g in T.unroll(G):
                 pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
                 p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                if VSPLIT:  # sums of p f0, p f1 and p; the level constants are applied after the loop
+                if FIELDS:  # sums of p f and p in the bit-float domain; the level constants are applied after the loop
+                    ps[g] = ps[g] + p_l[g * KSTEP + k]
+                    for i in T.unroll(16):
+                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * ff(xf(vw[k], i), i, bk)
+                elif VSPLIT:  # sums of p f0, p f1 and p; the level constants are applied after the loop
                     ps[g] = ps[g] + p_l[g * KSTEP + k]
                     for i in T.unroll(16):
                         a0[g * 16 + i] = a0[g * 16 + i] + p_l[g * KSTEP + k] * f0(xs(vw[k], i), i, bk)
@@ -605,8 +666,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             m_l[g] = T.float32(NEG)
                             l_l[g] = T.float32(0)
                             pmu[g] = T.float32(0)
-                            if VSPLIT:
+                            if VSPLIT or FIELDS:
                                 ps[g] = T.float32(0)
+                            if VSPLIT:
                                 for i in T.unroll(16):
                                     a0[g * 16 + i] = T.float32(0)
                                     a1[g * 16 + i] = T.float32(0)
@@ -650,6 +712,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                     vs16[k] = t1_vs1[row0 + k]
                             t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps)
 
+                        if FIELDS:  # the value sums move to the bit-float domain of the tier-2 fields
+                            for g in T.unroll(G):
+                                for i in T.unroll(16):
+                                    acc[g * 16 + i] = acc[g * 16 + i] * _tab(i, [1.0 / c for c in FC1], "float32")
                         # ---- tier 2: 2-bit pages, every S-th
                         np2: T.let[T.int32] = (n2 - sp + S - 1) // S
                         if S2 > 0:
@@ -701,6 +767,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                     vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
                                     t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps)
 
+                        if FIELDS:  # back from the bit-float domain: acc = c1 acc + cc sum(p), once
+                            for g in T.unroll(G):
+                                for i in T.unroll(16):
+                                    acc[g * 16 + i] = acc[g * 16 + i] * _tab(i, FC1, "float32") + _tab(i, FCC, "float32") * ps[g]
                         if VSPLIT:  # the per-channel constants of the split value sums, once
                             for g in T.unroll(G):
                                 for i in T.unroll(16):

@@ -13,10 +13,10 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
    ``order[:, :, :M]`` lists the demoted slots in ascending slot order (for the compaction) and
    ``order[:, :, M:]`` in ascending position order (M = M1 * PS1);
 3. quantize the demoted tokens, in position order, into the new tier-2 pages ``new_t2[b, :]``
-   (keys: statistics per channel over the page, values per token; NF2 codes). ``fit="moments"``
+   (keys: statistics per channel over the page, values per token; 2-bit codes on the uniform grid of ``kv_quant``). ``fit="moments"``
    takes mu and sigma as the mean and standard deviation; ``fit="lloyd"`` then refits them
    ``LLOYD_ITERS`` times by least squares to the levels of the current codes, as
-   ``runtime.kv_quant.nf2_quantize`` does (the squared-error-optimal affine fit; same format);
+   ``runtime.kv_quant.q2_quantize`` does (the squared-error-optimal affine fit; same format);
 4. compact tier 1: the m-th kept token in slots ``>= keep`` moves into the m-th demoted slot, which
    is below ``keep`` (as many holes lie below ``keep`` as kept tokens above it; sources and
    destinations are disjoint, so the moves are independent).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...runtime.kv_quant import FITS, NF2_LEVELS, NF2_THRESHOLDS
+from ...runtime.kv_quant import FITS, Q2_LEVELS, Q2_THRESHOLDS
 from .tiered_decode import _fp8_to_f32
 
 EULER_GAMMA = 0.5772156649015329
@@ -55,17 +55,17 @@ def harmonic_np(n):
             + np.float32(1.0 / 120) / (n * n * n * n)).astype(np.float32)
 
 
-def _nf2_code(z):
-    t0, t1, t2 = (float(x) for x in NF2_THRESHOLDS)
+def _q2_code(z):
+    t0, t1, t2 = (float(x) for x in Q2_THRESHOLDS)
     return T.Cast("uint32", T.if_then_else(z < T.float32(t0), 0, T.if_then_else(z < T.float32(t1), 1, T.if_then_else(z < T.float32(t2), 2, 3))))
 
 
 IMPORTANCE = ("mass", "keynorm", "random")
-LLOYD_ITERS = 3  # kv_quant.nf2_quantize's default
+LLOYD_ITERS = 3  # kv_quant.q2_quantize's default
 
 
-def _nf2_value(code):
-    lv = [float(x) for x in NF2_LEVELS]
+def _q2_value(code):
+    lv = [float(x) for x in Q2_LEVELS]
     return T.if_then_else(code == T.uint32(0), T.float32(lv[0]), T.if_then_else(
         code == T.uint32(1), T.float32(lv[1]), T.if_then_else(code == T.uint32(2), T.float32(lv[2]), T.float32(lv[3]))))
 
@@ -73,14 +73,14 @@ def _nf2_value(code):
 @T.macro
 def _lloyd(stat, acc, n, values):
     """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
-    NF2 levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
+    grid levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
     holds their sum. Uses ``acc[1:5]``."""
     for _ in T.serial(LLOYD_ITERS):
         acc[1] = T.float32(0)
         acc[2] = T.float32(0)
         acc[3] = T.float32(0)
         for j in T.serial(n):
-            acc[4] = _nf2_value(_nf2_code((values(j) - stat[0]) / stat[1]))
+            acc[4] = _q2_value(_q2_code((values(j) - stat[0]) / stat[1]))
             acc[1] += acc[4]
             acc[2] += acc[4] * acc[4]
             acc[3] += values(j) * acc[4]
@@ -265,7 +265,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 for cc in T.serial(D4):
                                     t2_k[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
                                     for e in T.serial(4):
-                                        t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                        t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
                                             (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
                                              - T.Cast("float32", t2_kmu[layer, page2, h, cc * 4 + e])) /
                                             T.Cast("float32", t2_ksig[layer, page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
@@ -286,7 +286,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 for cc in T.serial(D4):
                                     t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
                                     for e in T.serial(4):
-                                        t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _nf2_code(
+                                        t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
                                             (row[cc * 4 + e] - stat[0]) / stat[1]) << T.Cast("uint32", e * 2))
                     if gpu:
                         T.tvm_storage_sync("shared")

@@ -28,8 +28,8 @@ def _dequantized(pools, tables, b, h):
     for pi in range(tables["t2_np"][b]):
         pg = tables["t2_table"][b, pi]
         pos.extend(pools["t2_pos"][pg, h])
-        ks.append(q.nf2_dequantize(pools["t2_k"][pg, h][None], pools["t2_kmu"][pg, h][None], pools["t2_ksig"][pg, h][None], axis=-2)[0])
-        vs.append(q.nf2_dequantize(pools["t2_v"][pg, h][None], pools["t2_vmu"][pg, h][None], pools["t2_vsig"][pg, h][None], axis=-1)[0])
+        ks.append(q.q2_dequantize(pools["t2_k"][pg, h][None], pools["t2_kmu"][pg, h][None], pools["t2_ksig"][pg, h][None], axis=-2)[0])
+        vs.append(q.q2_dequantize(pools["t2_v"][pg, h][None], pools["t2_vmu"][pg, h][None], pools["t2_vsig"][pg, h][None], axis=-1)[0])
     k = np.concatenate([np.atleast_2d(x) for x in ks])
     v = np.concatenate([np.atleast_2d(x) for x in vs])
     return np.array(pos), k, v

@@ -152,7 +152,7 @@ def test_cuda_staged_form_rejects_bad_stages():
 def test_bit_float_decoding_of_2bit_codes_is_exact():
     # what the CUDA form computes per 2-bit code, emulated in NumPy: the code's two bits masked into float32
     # bit patterns f0, f1 (from the word, or the word shifted by 12 or 24), then lev = cc + c0 f0 + c1 f1
-    from moec.runtime.kv_quant import NF2_LEVELS
+    from moec.runtime.kv_quant import Q2_LEVELS
     from moec.schedules.kernels.tiered_decode import _code_consts
 
     rng = np.random.default_rng(0)
@@ -163,11 +163,11 @@ def test_bit_float_decoding_of_2bit_codes_is_exact():
         f0 = ((x & np.uint32(m0)) | np.uint32(b0)).view(np.float32).astype(np.float64)
         f1 = ((x & np.uint32(m1)) | np.uint32(b1)).view(np.float32).astype(np.float64)
         code = (words >> np.uint32(2 * i)) & np.uint32(3)
-        np.testing.assert_allclose(cc + c0 * f0 + c1 * f1, NF2_LEVELS[code], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(cc + c0 * f0 + c1 * f1, Q2_LEVELS[code], rtol=0, atol=1e-5)
         # split_values: summing p f0 and p f1 first and applying the constants after is the same sum
         p = rng.random(words.size)
         np.testing.assert_allclose(cc * p.sum() + c0 * (p * f0).sum() + c1 * (p * f1).sum(),
-                                   (p * NF2_LEVELS[code]).sum(), rtol=1e-9, atol=1e-6)
+                                   (p * Q2_LEVELS[code]).sum(), rtol=1e-9, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128)])
