@@ -170,6 +170,43 @@ def test_bit_float_decoding_of_2bit_codes_is_exact():
                                    (p * Q2_LEVELS[code]).sum(), rtol=1e-9, atol=1e-6)
 
 
+def test_field_decoding_of_2bit_codes_is_exact():
+    # the fields form per 2-bit code, emulated in NumPy: code i's two bits masked together into the mantissa
+    # of 1.0 from the word shifted by FIELD_SHIFTS[i // 4], then lev = cc + c1 f; and the value sums kept in
+    # the field domain over tier 2 (divided by c1 after tier 1, mapped back once) give the same output
+    from moec.runtime.kv_quant import Q2_LEVELS
+    from moec.schedules.kernels.tiered_decode import FIELD_SHIFTS, _field_consts
+
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    shifted = [words << np.uint32(s) if s >= 0 else words >> np.uint32(-s) for s in FIELD_SHIFTS]
+    for i, (src, mask, c1, cc) in enumerate(_field_consts()):
+        f = ((shifted[src] & np.uint32(mask)) | np.uint32(0x3F800000)).view(np.float32)
+        code = (words >> np.uint32(2 * i)) & np.uint32(3)
+        lev = np.float32(cc) + np.float32(c1) * f  # the kernel's float32 FFMA (rounded once more here)
+        np.testing.assert_allclose(lev, Q2_LEVELS[code], rtol=0, atol=2e-6)
+        p, a_t1 = rng.random(words.size).astype(np.float32), np.float32(rng.standard_normal())
+        acc = np.float32(a_t1 * np.float32(1 / c1))
+        acc = np.float32(acc + (p * f).sum(dtype=np.float32))
+        out = np.float32(acc * np.float32(c1) + np.float32(cc) * p.sum(dtype=np.float32))
+        # the field domain's offset (f ~ 1) costs float32 precision: c1 acc and cc sum(p) are each about
+        # c1 sum(p) (c1 = 2^3 .. 2^9) and cancel, so the error is a few ulp of c1 sum(p) (here up to 0.06 on
+        # 4096 tokens; the H200 check saw output errors up to 9e-5, against 1e-7 for the per-bit forms)
+        want = a_t1 + (p.astype(np.float64) * Q2_LEVELS[code]).sum()
+        assert abs(float(out) - want) <= 4 * 2.0**-23 * c1 * float(p.sum()) + 1e-4
+
+
+def test_fields_need_the_uniform_grid(monkeypatch):
+    from moec.schedules.kernels import tiered_decode as td
+
+    with pytest.raises(ValueError, match="pick one"):
+        td.make_tiered_decode_cuda(16, 16, 128, fields=True, split_values=True)
+    monkeypatch.setattr(td, "Q2_LEVELS", np.array([-1.5104, -0.4528, 0.4528, 1.5104], np.float32))  # Lloyd-Max
+    assert td.uniform_grid() is None
+    with pytest.raises(ValueError, match="evenly spaced"):
+        td.make_tiered_decode_cuda(16, 16, 128, fields=True)
+
+
 @pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128)])
 def test_cuda_register_bases_and_split_values(shape):
     # reg_bases: the bit-float bases are values ptxas cannot fold (OR'ed with layer >> 31); split_values: the
@@ -198,10 +235,10 @@ def test_models_get_the_fastest_measured_form():
         return tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
 
     base_reg = r"\(\(uint\)\d+ \| \(\(\(uint\)layer\) >> \(uint\)31\)\)"
-    mha = src(16, 16, 128, 16, 128)  # OLMoE: 4 stages (two younger tiles may be pending), bases in registers
-    assert "cp.async.wait_group 2" in mha and re.search(base_reg, mha)
-    gqa = src(32, 8, 128, 16, 128)  # Mixtral: bases in registers, tiles straight into registers
-    assert "cp.async" not in gqa and re.search(base_reg, gqa)
+    # both: 2-bit fields (one base, 1.0f, in a register), 4 stages (two younger tiles may be pending)
+    for src_ in (src(16, 16, 128, 16, 128), src(32, 8, 128, 16, 128)):  # OLMoE, Mixtral
+        assert "cp.async.wait_group 2" in src_
+        assert re.findall(base_reg, src_) == ["((uint)1065353216 | (((uint)layer) >> (uint)31))"]
     assert "cp.async.wait_group 2" in src(4, 4, 32, 16, 32)  # 2-token steps of 8 bytes a token: 16-byte groups
     with pytest.raises(ValueError, match="do not fit tiles"):  # head dim 16: a warp's tile would be one-token steps
         make_tiered_decode_for_models(2, 2, 16, 16, 32)
