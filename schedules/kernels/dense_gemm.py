@@ -26,7 +26,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
-from .grouped_experts import _MMA_TYPE, MMA_K, _mma_mainloop
+from .grouped_experts import _MMA_TYPE, MMA_K, SMEM_LIMIT, _mma_mainloop, _mma_pipe_mainloop
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -43,6 +43,8 @@ class DenseSpec:
     warps: int = 4  # NW
     row_tiles: int = 1  # RT: 16-row tiles per warp
     n_tiles: int = 4  # NT: 8-token tiles per block
+    stages: int = 0  # 0: operands loaded into registers; 2..8: cp.async stages through shared memory (as fit)
+    l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -54,6 +56,13 @@ class DenseSpec:
                 raise MoecError(f"dense_gemm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
         if self.n_tiles > 8 or self.row_tiles > 4:
             raise MoecError(f"dense_gemm: at most 8 token tiles and 4 row tiles (registers), got {self.n_tiles}, {self.row_tiles}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
+            raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
+        if self.l2_prefetch not in (0, 64, 128, 256):
+            raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
+        if self.stages and pipe_stages(self)[0] < 2:
+            raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {SMEM_LIMIT} bytes "
+                            "of shared memory; use fewer warps, row tiles or token tiles")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,8 +81,24 @@ def eligible(spec: DenseSpec) -> str | None:
     return None
 
 
+def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
+    """``(stages, shared bytes per stage)`` of the cp.async form: at most ``spec.stages``, as many as fit in
+    ``SMEM_LIMIT`` (0: the register form). A stage is one k-step of 64: each warp's RT tiles of 16 rows x
+    128 bytes and the pass's 8 NT token rows x 128 bytes."""
+    per_stage = spec.warps * spec.row_tiles * 16 * MMA_K * 2 + 8 * spec.n_tiles * MMA_K * 2
+    if not spec.stages:
+        return 0, per_stage
+    n = min(spec.stages, SMEM_LIMIT // per_stage)
+    return (n if n >= 2 else 0), per_stage
+
+
 def launch_config(spec: DenseSpec) -> dict:
     rows = spec.warps * spec.row_tiles * 16
+    if spec.stages:
+        st, per = pipe_stages(spec)
+        return {"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per,
+                "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)), "threads": 32 * spec.warps,
+                "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles, "steps": spec.in_features // MMA_K}
     return {"form": "mma.sync m16n8k16", "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
             "threads": 32 * spec.warps, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
             "steps": spec.in_features // MMA_K}
@@ -119,6 +144,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
     NBY = -(-N // ROWS)
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    if spec.stages:
+        return _make_dense_pipe(spec)
     mainloop = _mma_mainloop()
 
     @T.prim_func(s_tir=True)
@@ -147,6 +174,59 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                         nv: T.let[T.int32] = T.Cast("int32", M) - p0
                         mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < N,
                                  lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
+                        for r in T.unroll(RT):
+                            if rb + r * 16 < N:
+                                for n in T.unroll(NT):
+                                    for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
+                                        if n * 8 + 2 * q + c % 2 < nv:
+                                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+
+    return dense_gemm
+
+
+def _make_dense_pipe(spec: DenseSpec):
+    """The CUDA form with the weight and token operands staged through shared memory by cp.async, up to S
+    k-steps in flight per block (``_mma_pipe_mainloop``, the grouped expert kernels' loop): a block keeps S - 1
+    steps of its weight rows on the way without holding them in registers. Tiles, grid and epilogue as the
+    register form; thread tx copies the token chunks tx, tx + 32 NW, ... (row ``chunk // 8`` of the pass)."""
+    N, K, odt = spec.out_features, spec.in_features, spec.out_dtype
+    NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
+    TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
+    NBY = -(-N // ROWS)
+    S = pipe_stages(spec)[0]
+    XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+
+    @T.prim_func(s_tir=True)
+    def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr(_attrs())
+        M = T.int64()
+        x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+        w = T.match_buffer(w_h, (N, K), wdt)
+        y = T.match_buffer(y_h, (M, N), odt)
+        for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
+            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    with T.sblock("dense"):
+                        T.reads()
+                        T.writes()
+                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                        lane: T.let[T.int32] = tx % 32
+                        g: T.let[T.int32] = lane // 4
+                        q: T.let[T.int32] = lane % 4
+                        rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
+                        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
+                        nv: T.let[T.int32] = T.Cast("int32", M) - p0
+                        mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
+                                 lambda t: rb + t * 16, lambda t: rb + t * 16 < N, lambda row, k: w[row, k],
+                                 lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
                         for r in T.unroll(RT):
                             if rb + r * 16 < N:
                                 for n in T.unroll(NT):

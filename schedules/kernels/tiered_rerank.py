@@ -23,8 +23,9 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
 
 The same TIR serves both targets: each phase is a loop over ``head_dim`` "threads", bound to
 ``threadIdx.x`` on CUDA (one block per sequence and KV head, a barrier between phases) and serial
-on llvm. Phases talk through global workspaces: ``score`` float32, ``rank`` and ``order`` int32,
-each [B, Hkv, M1 * PS1] (``order`` twice that).
+on llvm. Phases talk through global workspaces: ``score`` float32 (once ranked, it holds each slot's
+position as int32 bits), ``rank`` and ``order`` int32, each [B, Hkv, M1 * PS1] (``order`` twice that).
+The key statistics of step 3 run a thread per (page, channel), ``threads // head_dim`` pages at a time.
 
 Buffers (layout of ``moec.runtime.kv_cache``): the tier-1 pool (k, v, ks, vs, pos, mass), the tier-2
 pool (k, v, kmu, ksig, vmu, vsig, pos), t1_table [B, M1], t1_len / length / demote [B] int32,
@@ -129,6 +130,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     if PS2 % D:
         raise ValueError(f"the tier-2 page ({PS2}) must be a multiple of head_dim ({D})")
     INF = 3.0e38
+    KG = NT // D  # pages whose key statistics run side by side (a thread per channel of each)
 
     def threads():
         return T.thread_binding(NT, thread="threadIdx.x") if gpu else T.serial(NT)
@@ -209,6 +211,15 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 rank[b, h, i] = cnt[0]
                     if gpu:
                         T.tvm_storage_sync("shared")
+                    # the scores are ranked: their workspace keeps each slot's position (its bits), so that the
+                    # ordering below reads one word per token instead of a table lookup and a gather
+                    for tx in threads():
+                        for c in T.serial(T.ceildiv(n1, NT)):
+                            i: T.let[T.int32] = c * NT + tx
+                            if i < n1:
+                                score[b, h, i] = T.reinterpret("float32", t1_pos[layer, t1_table[b, i // PS1], h, i % PS1])
+                    if gpu:
+                        T.tvm_storage_sync("shared")
                     # order: the demoted slots, ascending
                     for tx in threads():
                         for c in T.serial(T.ceildiv(n1, NT)):
@@ -222,19 +233,21 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     cnt[0] = 0
                                     for j in T.serial(n1):
                                         cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (
-                                            t1_pos[layer, t1_table[b, j // PS1], h, j % PS1] <
-                                            t1_pos[layer, t1_table[b, i // PS1], h, i % PS1]))
+                                            T.reinterpret("int32", score[b, h, j]) < T.reinterpret("int32", score[b, h, i])))
                                     order[b, h, M1 * PS1 + cnt[0]] = i
                     if gpu:
                         T.tvm_storage_sync("shared")
-                    # 3a. key statistics: per channel over each new page's tokens
+                    # 3a. key statistics: per channel over each new page's tokens; thread tx takes channel tx % D
+                    # of the pages tx // D, tx // D + NT // D, ... (a prefill chunk demotes a dozen pages at once)
                     for tx in threads():
-                        for pi in T.serial(T.if_then_else(tx < D, nd // PS2, 0)):
+                        for pj in T.serial(T.if_then_else(tx < KG * D, (nd // PS2 - tx // D + KG - 1) // KG, 0)):
+                            pi: T.let[T.int32] = pj * KG + tx // D
+                            ch: T.let[T.int32] = tx % D
                             acc[0] = T.float32(0)
                             acc[1] = T.float32(0)
                             for r in T.serial(PS2):
                                 src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, tx]) * \
+                                x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, ch]) * \
                                     T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
                                 acc[0] += x
                                 acc[1] += x * x
@@ -245,11 +258,11 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             if lloyd:
                                 _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
                                     t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
-                                         order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, tx]) * T.Cast("float32", t1_ks[
+                                         order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, ch]) * T.Cast("float32", t1_ks[
                                              layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
                                              order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
-                            t2_kmu[layer, new_t2[b, pi], h, tx] = T.Cast("float16", stat[0])
-                            t2_ksig[layer, new_t2[b, pi], h, tx] = T.Cast("float16", stat[1])
+                            t2_kmu[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[0])
+                            t2_ksig[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[1])
                     if gpu:
                         T.tvm_storage_sync("shared")
                     # 3b. codes: a token per thread (keys against the page statistics, values per token)

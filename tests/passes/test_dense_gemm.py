@@ -74,6 +74,37 @@ def test_cuda_form_tensor_cores_and_nvcc():
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 
 
+def test_cuda_cp_async_stages_form():
+    # the staged form (not yet the compiled default): the grouped expert kernels' cp.async loop, as many stages
+    # as fit in 48 KB of shared memory; nvcc accepts it
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels.dense_gemm import pipe_stages
+
+    spec = DenseSpec(out_features=2048, in_features=2048, stages=4)
+    cfg = launch_config(spec)
+    assert cfg["stages"] == 4 and cfg["shared_bytes"] == 4 * (4 * 16 * 64 * 2 + 32 * 64 * 2) == 49152
+    assert pipe_stages(DenseSpec(2048, 2048, stages=8, n_tiles=8)) == (3, 16384)  # 3 fit, not 8
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda")}),
+                                    target=make_target("cuda", "sm_90")).mod)[0].inspect_source("cuda")
+    assert "cp.async.wait_group 2" in src and "cp.async.cg.shared.global.L2::256B" in src
+    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    with pytest.raises(MoecError, match="stages must be"):
+        DenseSpec(64, 64, stages=1).check()
+    with pytest.raises(MoecError, match="exceed"):  # one stage of 8 warps x 4 tiles is 64 KB
+        DenseSpec(64, 64, stages=2, warps=8, row_tiles=4).check()
+    # the llvm form ignores the launch options: same numbers
+    x = np.random.default_rng(0).standard_normal((5, 128)).astype(ml_dtypes.bfloat16)
+    w = np.random.default_rng(1).standard_normal((64, 128)).astype(ml_dtypes.bfloat16)
+    f = tvm.compile(make_dense(DenseSpec(64, 128, stages=4), "llvm"), target="llvm")
+    y = tvm.runtime.tensor(np.zeros((5, 64), np.float32))
+    f(tvm.runtime.tensor(x), tvm.runtime.tensor(w), y)
+    np.testing.assert_allclose(y.numpy(), reference(x, w), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------- pass: IR before / after
 
 

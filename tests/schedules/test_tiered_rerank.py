@@ -33,11 +33,14 @@ def _case(seed):
     return pools, tables, length, demote, new_t2
 
 
-@pytest.fixture(scope="module", params=[("mass", "moments"), ("keynorm", "moments"), ("mass", "lloyd")])
+# threads: 512 runs every new page's key statistics side by side (16 pages of D channels); 32 runs them one page
+# after another (the loop over a thread's pages), 64 two at a time
+@pytest.fixture(scope="module", params=[("mass", "moments", 512), ("keynorm", "moments", 512), ("mass", "lloyd", 512),
+                                        ("mass", "lloyd", 32), ("mass", "moments", 64)])
 def kernel(request):
-    importance, fit = request.param
-    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit)
-    return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param
+    importance, fit, threads = request.param
+    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit, threads=threads)
+    return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param[:2]
 
 
 ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")
