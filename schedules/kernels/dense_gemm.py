@@ -144,9 +144,14 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
     NBY = -(-N // ROWS)
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    if spec.stages:
-        return _make_dense_pipe(spec)
-    mainloop = _mma_mainloop()
+    # ``spec.stages``: the operands staged through shared memory by cp.async, up to S k-steps in flight per block
+    # (``_mma_pipe_mainloop``, the grouped expert kernels' loop), so a block keeps S - 1 steps of its weight rows
+    # on the way without holding them in registers; thread tx copies the token chunks tx, tx + 32 NW, ... (row
+    # ``chunk // 8`` of the pass). Tiles, grid and epilogue are the register form's.
+    S = pipe_stages(spec)[0]
+    XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step (staged form)
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch) if S else _mma_mainloop()
+    XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
 
     @T.prim_func(s_tir=True)
     def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -163,8 +168,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                         T.writes()
                         wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
                         af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
-                        xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
-                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+                        xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
@@ -172,61 +177,15 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
                         rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
                         p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
                         nv: T.let[T.int32] = T.Cast("int32", M) - p0
-                        mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < N,
-                                 lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
-                        for r in T.unroll(RT):
-                            if rb + r * 16 < N:
-                                for n in T.unroll(NT):
-                                    for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
-                                        if n * 8 + 2 * q + c % 2 < nv:
-                                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
-
-    return dense_gemm
-
-
-def _make_dense_pipe(spec: DenseSpec):
-    """The CUDA form with the weight and token operands staged through shared memory by cp.async, up to S
-    k-steps in flight per block (``_mma_pipe_mainloop``, the grouped expert kernels' loop): a block keeps S - 1
-    steps of its weight rows on the way without holding them in registers. Tiles, grid and epilogue as the
-    register form; thread tx copies the token chunks tx, tx + 32 NW, ... (row ``chunk // 8`` of the pass)."""
-    N, K, odt = spec.out_features, spec.in_features, spec.out_dtype
-    NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
-    TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
-    NBY = -(-N // ROWS)
-    S = pipe_stages(spec)[0]
-    XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
-
-    @T.prim_func(s_tir=True)
-    def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr(_attrs())
-        M = T.int64()
-        x = T.match_buffer(x_h, (M, K), spec.x_dtype)
-        w = T.match_buffer(w_h, (N, K), wdt)
-        y = T.match_buffer(y_h, (M, N), odt)
-        for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
-            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
-                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
-                    with T.sblock("dense"):
-                        T.reads()
-                        T.writes()
-                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
-                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
-                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
-                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
-                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
-                        lane: T.let[T.int32] = tx % 32
-                        g: T.let[T.int32] = lane // 4
-                        q: T.let[T.int32] = lane % 4
-                        rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
-                        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
-                        nv: T.let[T.int32] = T.Cast("int32", M) - p0
-                        mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
-                                 lambda t: rb + t * 16, lambda t: rb + t * 16 < N, lambda row, k: w[row, k],
-                                 lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
+                        if S > 0:
+                            ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
+                            xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
+                                     lambda t: rb + t * 16, lambda t: rb + t * 16 < N, lambda row, k: w[row, k],
+                                     lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
+                        else:
+                            mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < N,
+                                     lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
                         for r in T.unroll(RT):
                             if rb + r * 16 < N:
                                 for n in T.unroll(NT):
