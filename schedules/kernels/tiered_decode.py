@@ -48,11 +48,15 @@ def _fp8_to_f32(byte):
     return T.if_then_else((bits & T.uint32(128)) != T.uint32(0), -mag, mag)
 
 
-def _q2_level(packed, d):
-    code = (T.Cast("uint32", packed) >> T.Cast("uint32", (d % 4) * 2)) & T.uint32(3)
+def q2_value(code):
+    """The grid level of a 2-bit ``code`` (uint32), as float32."""
     lv = [float(x) for x in Q2_LEVELS]
     return T.if_then_else(code == T.uint32(0), T.float32(lv[0]), T.if_then_else(
         code == T.uint32(1), T.float32(lv[1]), T.if_then_else(code == T.uint32(2), T.float32(lv[2]), T.float32(lv[3]))))
+
+
+def _q2_level(packed, d):
+    return q2_value((T.Cast("uint32", packed) >> T.Cast("uint32", (d % 4) * 2)) & T.uint32(3))
 
 
 def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...runtime.kv_quant import FITS, Q2_LEVELS, Q2_THRESHOLDS
-from .tiered_decode import _fp8_to_f32
+from ...runtime.kv_quant import FITS, Q2_THRESHOLDS
+from .tiered_decode import _fp8_to_f32, q2_value
 
 EULER_GAMMA = 0.5772156649015329
 
@@ -65,12 +65,6 @@ IMPORTANCE = ("mass", "keynorm", "random")
 LLOYD_ITERS = 3  # kv_quant.q2_quantize's default
 
 
-def _q2_value(code):
-    lv = [float(x) for x in Q2_LEVELS]
-    return T.if_then_else(code == T.uint32(0), T.float32(lv[0]), T.if_then_else(
-        code == T.uint32(1), T.float32(lv[1]), T.if_then_else(code == T.uint32(2), T.float32(lv[2]), T.float32(lv[3]))))
-
-
 @T.macro
 def _lloyd(stat, acc, n, values):
     """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
@@ -81,7 +75,7 @@ def _lloyd(stat, acc, n, values):
         acc[2] = T.float32(0)
         acc[3] = T.float32(0)
         for j in T.serial(n):
-            acc[4] = _q2_value(_q2_code((values(j) - stat[0]) / stat[1]))
+            acc[4] = q2_value(_q2_code((values(j) - stat[0]) / stat[1]))
             acc[1] += acc[4]
             acc[2] += acc[4] * acc[4]
             acc[3] += values(j) * acc[4]
