@@ -30,7 +30,7 @@ SHAPES = {"olmoe_proj": (2048, 2048), "olmoe_lm_head": (50304, 2048), "mixtral_p
 TOKENS = (1, 16, 64, 128, 4096)
 # the launch forms timed beside the default (register loads): cp.async stages (``DenseSpec.stages``), with
 # fewer warps a block (more blocks at decode sizes), or 64-token passes (the weight read once per 64 tokens)
-VARIANTS = {"": {}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8}}
+VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8}}
 
 
 def build_module(kind: str):

@@ -24,7 +24,7 @@ from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
 from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, shape_of
-from ..schedules.kernels.dense_gemm import DenseSpec, eligible, make_dense
+from ..schedules.kernels.dense_gemm import DenseSpec, compiled_spec, eligible, make_dense
 
 
 
@@ -48,7 +48,7 @@ def _match(g: DataflowGraph, mv):
     n, k = ws
     if xs is None or len(xs) < 2 or xs[-1] != k:
         return None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
-    spec = DenseSpec(out_features=int(n), in_features=int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv))
+    spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv))
     why = eligible(spec)
     if why is not None or spec.out_dtype not in ("float32", "float16", "bfloat16"):
         return None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"

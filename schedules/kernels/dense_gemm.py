@@ -81,6 +81,21 @@ def eligible(spec: DenseSpec) -> str | None:
     return None
 
 
+# Compiled models' kernel shape (H200, bench/results/dense_gemm_stages.json): four cp.async stages beat the
+# register form at every size (2048 x 2048 at 128 tokens: 12.1 against 18.5 us; 4096 x 4096: 30.0 against
+# 46.8); 8-token-tile blocks of 64 tokens win for LM heads at decode batches (50304 x 2048 at 128 tokens:
+# 118 against 153 us) while 32-token blocks keep the projections fastest up to 128 tokens.
+COMPILED_STAGES = 4
+WIDE_OUT_FEATURES = 16384  # from here on (LM heads) blocks take 8 token tiles
+
+
+def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
+                  out_dtype: str = "float32") -> DenseSpec:
+    """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above)."""
+    return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
+                     out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4)
+
+
 def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
     """``(stages, shared bytes per stage)`` of the cp.async form: at most ``spec.stages``, as many as fit in
     ``SMEM_LIMIT`` (0: the register form). A stage is one k-step of 64: each warp's RT tiles of 16 rows x

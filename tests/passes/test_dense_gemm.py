@@ -15,7 +15,7 @@ import moec
 from moec.compiler.errors import MoecError
 from moec.compiler.targets import make_target
 from moec.passes.dense_gemm import InsertDenseGEMM
-from moec.schedules.kernels.dense_gemm import DenseSpec, eligible, launch_config, make_dense, reference
+from moec.schedules.kernels.dense_gemm import DenseSpec, compiled_spec, eligible, launch_config, make_dense, reference
 
 from moec_testing import prefill_and_decode as _run
 
@@ -75,7 +75,7 @@ def test_cuda_form_tensor_cores_and_nvcc():
 
 
 def test_cuda_cp_async_stages_form():
-    # the staged form (not yet the compiled default): the grouped expert kernels' cp.async loop, as many stages
+    # the staged form (compiled models' default): the grouped expert kernels' cp.async loop, as many stages
     # as fit in 48 KB of shared memory; nvcc accepts it
     from tvm.support import nvcc
 
@@ -148,6 +148,7 @@ def test_ir_before_after(bmm):
     ops = _ops(after["main"])
     assert "relax.matmul" not in ops and "relax.permute_dims" not in ops and "relax.call_tir" in ops
     assert p.manifest() == {"replaced": {"main": 1}, "skipped": {"main": []}, "kernels": ["dense_gemm"]}
+    assert list(p.kernels) == [compiled_spec(64, 128)]  # the staged form, 4 token tiles (not an LM head)
     prim = after["dense_gemm"]
     assert int(prim.attrs["op_pattern"]) == 8
     # the call reads the weight as stored [N, K] and writes [M, N] float32 (then the graph's own cast)
@@ -175,6 +176,15 @@ def test_ir_ineligible_stays(kw, why):
     after = p(before)
     assert "relax.matmul" in _ops(after["main"]) and "dense_gemm" not in [gv.name_hint for gv in after.get_global_vars()]
     assert p.replaced == {"main": 0} and len(p.skipped["main"]) == 1 and why in p.skipped["main"][0]
+
+
+def test_compiled_spec():
+    # four cp.async stages everywhere; LM-head-wide layers take 8 token tiles a block (3 stages fit then)
+    proj, head = compiled_spec(2048, 2048), compiled_spec(50304, 2048)
+    assert (proj.stages, proj.n_tiles, launch_config(proj)["stages"]) == (4, 4, 4)
+    assert (head.stages, head.n_tiles, launch_config(head)["stages"]) == (4, 8, 3)
+    assert compiled_spec(2048, 2048, "float16", "float16", "float16").out_dtype == "float16"
+    proj.check(), head.check()
 
 
 def test_refusals():
