@@ -11,6 +11,11 @@ D hidden, I expert width. Per layer::
     y[s]  = rw[s] * (h[p] @ W2[e]^T)              # W2 [E, D, I]; rw [T, K] the routing weights; y float32 [S, D]
     out[t] = sum_k y[t * K + k]                   # in slot order k = 0..K-1 (deterministic, no float atomics)
 
+Offloaded experts (``slots`` = S): W1, W2 (and FP8 scales) are a pool of S expert slots [S, ...], fewer than E
+when the experts do not all fit; the GEMMs then take ``offsets`` [2E + 1], route_prep's bounds followed by each
+expert's slot (the expert cache's residency table, concatenated by the graph), read once per block. Only the
+routed experts' entries are read; the others may name any slot or none.
+
 FP8 weights (``w_format="fp8"``): W1 and W2 as e4m3 bytes (uint8) with one float32 scale per output
 channel, s1 [E, 2I] and s2 [E, D] (``quantize_fp8``); the bytes are decoded in registers with integer
 arithmetic (TVM's llvm fp8 cast is wrong, so both forms decode the same way) and each dot product is
@@ -83,8 +88,12 @@ class GroupedExpertsSpec:
     row_tiles: int = 0  # RT: 16-row tiles per warp of the mma forms, 1 or 2 (0: from NT, ``mma_tiles``)
     stages: int = 4  # mma forms: 0 loads into registers; 2..8 at most that many cp.async stages through shared memory
     l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
+    slots: int = 0  # 0: W1, W2 stacked per expert [E, ...]; S: a pool of S expert slots [S, ...] (offloaded experts):
+    #                 the GEMMs then take offsets [2E + 1], the bounds and then each expert's slot (``_weight_slot``)
 
     def check(self) -> None:
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 0:
+            raise MoecError(f"grouped_experts: slots must be 0 (weights per expert) or a positive slot count, got {self.slots!r}")
         if not isinstance(self.n_tiles, int) or isinstance(self.n_tiles, bool) or not 0 <= self.n_tiles <= 8:
             raise MoecError(f"grouped_experts: n_tiles must be an integer in 0..8, got {self.n_tiles!r}")
         if self.row_tiles not in (0, 1, 2) or isinstance(self.row_tiles, bool):
@@ -181,6 +190,17 @@ def _windex(shape):
     if e * r * c < INT64_INDEX_ELEMENTS:
         return shape, lambda i: i
     return (T.int64(e), T.int64(r), T.int64(c)), lambda i: T.Cast("int64", i)
+
+
+def _offsets_len(spec) -> int:
+    """Entries of the ``offsets`` the GEMMs read: E + 1 bounds, then (``spec.slots``) each expert's weight slot."""
+    return spec.experts + 1 + (spec.experts if spec.slots else 0)
+
+
+def _weight_slot(spec, offsets, e):
+    """Where expert ``e``'s weights sit on the stacked axis: ``e``, or with ``spec.slots`` the slot that the
+    entry ``offsets[E + 1 + e]`` names (the expert cache's residency table, concatenated after the bounds)."""
+    return offsets[spec.experts + 1 + e] if spec.slots else e
 
 
 def _in_range(e, E):
@@ -496,7 +516,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
         return _make_gate_up_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
-    wshape, ei = _windex((E, 2 * I, D))
+    wshape, ei = _windex((spec.slots or E, 2 * I, D))
     NT, RT, _ = mma_tiles(spec)
     cfg = _mma_launch(spec, "gate_up")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
@@ -512,7 +532,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
         N = T.int64()
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
         order = T.match_buffer(order_h, (N * K,), "int32")
         h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
         for e in T.thread_binding(E, thread="blockIdx.y"):
@@ -533,13 +553,14 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                         rb: T.let[T.int32] = jb * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         for ps in T.serial((cnt + TOK - 1) // TOK):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             for n in T.unroll(NT):
                                 tok[n] = T.if_then_else(n * 8 + g < nv, order[T.min(lo + ps * TOK + n * 8 + g, lo + cnt - 1)] // K, -1)
                             mainloop(wa, af, xb, xf, acc, g, q, nv, 2 * RT, NT, KC,
                                      lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
-                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(e), row, k],
+                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(we), row, k],
                                      lambda n: tok[n] >= 0, lambda n, k: x[tok[n], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -559,7 +580,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
     if spec.stages:
         return _make_down_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
-    wshape, ei = _windex((E, D, I))
+    wshape, ei = _windex((spec.slots or E, D, I))
     NT, _, RT = mma_tiles(spec)
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
@@ -572,7 +593,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
         N = T.int64()
         h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
         w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
         order = T.match_buffer(order_h, (N * K,), "int32")
         rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
         y = T.match_buffer(y_h, (N * K, D), "float32")
@@ -593,10 +614,11 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                         rb: T.let[T.int32] = db * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         for ps in T.serial((cnt + TOK - 1) // TOK):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(wa, af, hb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < D,
-                                     lambda row, k: w[ei(e), row, k], lambda n: n * 8 + g < nv,
+                                     lambda row, k: w[ei(we), row, k], lambda n: n * 8 + g < nv,
                                      lambda n, k: h[lo + ps * TOK + n * 8 + g, k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < D:
@@ -615,7 +637,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     (``_mma_pipe_mainloop``, ``mma_stages``); tiles, passes and epilogue as ``_make_gate_up_mma``."""
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
-    wshape, ei = _windex((E, 2 * I, D))
+    wshape, ei = _windex((spec.slots or E, 2 * I, D))
     NT, RT, _ = mma_tiles(spec)
     cfg = _mma_launch(spec, "gate_up")
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
@@ -632,7 +654,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
         N = T.int64()
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
         order = T.match_buffer(order_h, (N * K,), "int32")
         h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
         for e in T.thread_binding(E, thread="blockIdx.y"):
@@ -655,6 +677,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                         rb: T.let[T.int32] = jb * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         for ps in T.serial((cnt + TOK - 1) // TOK):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             for j in T.unroll(XL):
@@ -662,7 +685,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                                                          order[T.min(lo + ps * TOK + (j * 32 * NW + tx) // 8, lo + cnt - 1)] // K, -1)
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, 2 * RT, NT, KC, S, NW, XL,
                                      lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
-                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(e), row, k],
+                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(we), row, k],
                                      lambda j: ltok[j] >= 0, lambda j, k: x[ltok[j], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -678,7 +701,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
 def _make_down_pipe(spec: GroupedExpertsSpec):
     """down on tensor cores with cp.async stages (``_mma_pipe_mainloop``); epilogue as ``_make_down_mma``."""
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
-    wshape, ei = _windex((E, D, I))
+    wshape, ei = _windex((spec.slots or E, D, I))
     NT, _, RT = mma_tiles(spec)
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
@@ -691,7 +714,7 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
         N = T.int64()
         h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
         w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (E + 1,), "int32")
+        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
         order = T.match_buffer(order_h, (N * K,), "int32")
         rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
         y = T.match_buffer(y_h, (N * K, D), "float32")
@@ -714,10 +737,11 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         rb: T.let[T.int32] = db * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         for ps in T.serial((cnt + TOK - 1) // TOK):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,
-                                     lambda t: rb + t * 16 < D, lambda row, k: w[ei(e), row, k],
+                                     lambda t: rb + t * 16 < D, lambda row, k: w[ei(we), row, k],
                                      lambda j: (j * 32 * NW + tx) // 8 < nv,
                                      lambda j, k: h[lo + ps * TOK + (j * 32 * NW + tx) // 8, k], ab)
                             for r in T.unroll(RT):
@@ -758,7 +782,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
     fp8 = spec.w_format == "fp8"
-    wshape, ei = _windex((E, 2 * I, D))
+    wshape, ei = _windex((spec.slots or E, 2 * I, D))
 
     def swiglu(g, u):
         return T.Cast(spec.h_dtype, g / (T.float32(1) + T.exp(-g)) * u)
@@ -776,13 +800,14 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                         T.writes()
                         acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         p: T.let[T.int32] = offsets[e] + i
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         t: T.let[T.int32] = order[p] // K
                         acc[0] = T.float32(0)
                         acc[1] = T.float32(0)
                         for d in T.serial(D):
-                            acc[0] = acc[0] + _f32(x[t, d]) * _wval(spec, w[ei(e), g0 + j, d])
-                            acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[ei(e), u0 + j, d])
-                        h[p, j] = swiglu(acc[0] * scale(s1, e, g0 + j), acc[1] * scale(s1, e, u0 + j))
+                            acc[0] = acc[0] + _f32(x[t, d]) * _wval(spec, w[ei(we), g0 + j, d])
+                            acc[1] = acc[1] + _f32(x[t, d]) * _wval(spec, w[ei(we), u0 + j, d])
+                        h[p, j] = swiglu(acc[0] * scale(s1, we, g0 + j), acc[1] * scale(s1, we, u0 + j))
 
     cfg = _warp_launch(spec)["gate_up"]
     NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
@@ -805,6 +830,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                         j: T.let[T.int32] = jb * NW + tx // 32
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         if j < I:
                             for g in T.serial((cnt + TB - 1) // TB):
                                 for b in T.unroll(TB):
@@ -814,9 +840,9 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 for it in T.serial(IT):
                                     if full or (it * 32 + lane) * VEC < D:
                                         for v in T.vectorized(VEC):
-                                            wg[v] = w[ei(e), g0 + j, (it * 32 + lane) * VEC + v]
+                                            wg[v] = w[ei(we), g0 + j, (it * 32 + lane) * VEC + v]
                                         for v in T.vectorized(VEC):
-                                            wu[v] = w[ei(e), u0 + j, (it * 32 + lane) * VEC + v]
+                                            wu[v] = w[ei(we), u0 + j, (it * 32 + lane) * VEC + v]
                                         for b in T.unroll(TB):
                                             if tok[b] >= 0:
                                                 for v in T.vectorized(VEC):
@@ -830,7 +856,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 if lane == 0:
                                     for b in T.unroll(TB):
                                         if tok[b] >= 0:
-                                            h[lo + g * TB + b, j] = swiglu(acc[b] * scale(s1, e, g0 + j), acc[TB + b] * scale(s1, e, u0 + j))
+                                            h[lo + g * TB + b, j] = swiglu(acc[b] * scale(s1, we, g0 + j), acc[TB + b] * scale(s1, we, u0 + j))
 
     body = body_cuda if target == "cuda" else body_llvm
     attrs = _attrs("moe_gate_up")
@@ -841,8 +867,8 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
             N = T.int64()
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             w = T.match_buffer(w_h, wshape, "uint8")
-            s1 = T.match_buffer(s_h, (E, 2 * I), "float32")
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            s1 = T.match_buffer(s_h, (spec.slots or E, 2 * I), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
             body(x, w, s1, offsets, order, h)
@@ -853,7 +879,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
             N = T.int64()
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             w = T.match_buffer(w_h, wshape, spec.w_dtype)
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
             body(x, w, w, offsets, order, h)  # no scales: the body never reads them
@@ -867,7 +893,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
         return _make_down_mma(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     fp8 = spec.w_format == "fp8"
-    wshape, ei = _windex((E, D, I))
+    wshape, ei = _windex((spec.slots or E, D, I))
 
     def scale(s2, e, d):
         return s2[e, d] if fp8 else T.float32(1)
@@ -882,10 +908,11 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         p: T.let[T.int32] = offsets[e] + i
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         acc[0] = T.float32(0)
                         for c in T.serial(I):
-                            acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[ei(e), d, c])
-                        y[order[p], d] = acc[0] * scale(s2, e, d) * _f32(rw[order[p] // K, order[p] % K])
+                            acc[0] = acc[0] + _f32(h[p, c]) * _wval(spec, w[ei(we), d, c])
+                        y[order[p], d] = acc[0] * scale(s2, we, d) * _f32(rw[order[p] // K, order[p] % K])
 
     cfg = _warp_launch(spec)["down"]
     NW, VEC, IT, TB, NBX = spec.warps, cfg["vec"], cfg["iters"], spec.token_tile, cfg["blocks"][0]
@@ -906,6 +933,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                         d: T.let[T.int32] = db * NW + tx // 32
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         if d < D:
                             for g in T.serial((cnt + TB - 1) // TB):
                                 for b in T.unroll(TB):
@@ -913,7 +941,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 for it in T.serial(IT):
                                     if full or (it * 32 + lane) * VEC < I:
                                         for v in T.vectorized(VEC):
-                                            wv[v] = w[ei(e), d, (it * 32 + lane) * VEC + v]
+                                            wv[v] = w[ei(we), d, (it * 32 + lane) * VEC + v]
                                         for b in T.unroll(TB):
                                             if g * TB + b < cnt:
                                                 for v in T.vectorized(VEC):
@@ -926,7 +954,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                                 if lane == 0:
                                     for b in T.unroll(TB):
                                         if g * TB + b < cnt:
-                                            y[order[lo + g * TB + b], d] = acc[b] * scale(s2, e, d) * _f32(
+                                            y[order[lo + g * TB + b], d] = acc[b] * scale(s2, we, d) * _f32(
                                                 rw[order[lo + g * TB + b] // K, order[lo + g * TB + b] % K])
 
     body = body_cuda if target == "cuda" else body_llvm
@@ -939,8 +967,8 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
             N = T.int64()
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
             w = T.match_buffer(w_h, wshape, "uint8")
-            s2 = T.match_buffer(s_h, (E, D), "float32")
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            s2 = T.match_buffer(s_h, (spec.slots or E, D), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
             y = T.match_buffer(y_h, (N * K, D), "float32")
@@ -952,7 +980,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
             N = T.int64()
             h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
             w = T.match_buffer(w_h, wshape, spec.w_dtype)
-            offsets = T.match_buffer(off_h, (E + 1,), "int32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
             order = T.match_buffer(order_h, (N * K,), "int32")
             rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
             y = T.match_buffer(y_h, (N * K, D), "float32")

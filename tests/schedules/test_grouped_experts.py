@@ -333,3 +333,115 @@ def test_int64_weight_indexing(monkeypatch):
     pipe = _cuda_modules(tvm.compile(tvm.IRModule({"g": ge.make_gate_up(replace(big, stages=4), "cuda")}),
                                       target=make_target("cuda", "sm_90")).mod)[0]
     assert "((int64_t)((int)blockIdx.y)) * (int64_t)29360128" in pipe.inspect_source("cuda")  # the cp.async form too
+
+
+# ---------------------------------------------------------------------------- slot pool (offloaded experts)
+
+
+def _pool(rng, spec, w, fill, used):
+    """Stacked per-expert weights ``w`` [E, ...] placed in a pool of ``spec.slots`` slots at random distinct slots
+    (the experts in ``used`` only: the others are not resident); every other slot holds ``fill``, so a read of a
+    wrong slot shows in the output. Returns (pool, slot_of [E] int32, non-residents at a slot far out of range)."""
+    pool = np.full((spec.slots,) + w.shape[1:], fill, w.dtype)
+    slot_of = np.full(spec.experts, 10**6, np.int32)
+    slot_of[used] = rng.choice(spec.slots, len(used), replace=False)
+    pool[slot_of[used]] = w[used]
+    return pool, slot_of
+
+
+def _run_slots(ex, spec, x, w1, w2, slot_of, ids, rw, scales=None, dev=None):
+    """route_prep as usual, then the GEMMs read offsets [2E + 1]: its bounds and the residency table."""
+    dev = dev or tvm.cpu()
+    tt = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+    t, k = ids.shape
+    offsets, order = tt(np.zeros(spec.experts + 1, np.int32)), tt(np.zeros(t * k, np.int32))
+    ids_t = tt(ids.astype(spec.ids_dtype))
+    ex["moe_route_prep"](ids_t, offsets, order)
+    full = tt(np.concatenate([offsets.numpy(), slot_of]))
+    h = tt(np.zeros((t * k, spec.inter), NP[spec.h_dtype]))
+    y = tt(np.zeros((t * k, spec.hidden), np.float32))
+    out = tt(np.zeros((t, spec.hidden), NP[spec.out_dtype]))
+    s1, s2 = ([tt(scales[0])], [tt(scales[1])]) if scales is not None else ([], [])
+    ex["moe_gate_up"](tt(x), tt(w1), *s1, full, order, h)
+    ex["moe_down"](h, tt(w2), *s2, full, order, tt(rw), y)
+    ex["moe_combine"](y, ids_t, out)
+    return offsets.numpy(), order.numpy(), h.numpy().astype(np.float32), out.numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize("slots", [5, 11])  # fewer slots than the 8 experts (only the routed ones resident), and more
+def test_llvm_slot_pool_matches_numpy(slots):
+    """``slots``: the expert weights are a pool of slots and a table names each expert's; same numbers as the
+    stacked weights, and only the routed experts' slots are read (the rest hold NaN)."""
+    spec = GroupedExpertsSpec(hidden=48, inter=24, experts=8, top_k=2, slots=slots)
+    rng = np.random.default_rng(slots)
+    x, w1, w2, _, rw = _data(spec, 13, seed=slots)
+    used = rng.choice(8, 4, replace=False)
+    ids = _ids(rng, 13, 2, 8, used)
+    p1, slot_of = _pool(rng, spec, w1, np.nan, used)
+    p2 = np.full((slots,) + w2.shape[1:], np.nan, w2.dtype)
+    p2[slot_of[used]] = w2[used]
+    ex = _build(spec)
+    prim = tvm.IRModule(make_grouped_experts(spec))["gate_up"]
+    assert f"w: T.Buffer(({slots}, 48, 48)" in prim.script() and "offsets: T.Buffer((17,), \"int32\")" in prim.script()
+    got = _run_slots(ex, spec, x, p1, p2, slot_of, ids, rw)
+    _check(spec, got, x, w1, w2, ids, rw, tol=2e-5)
+
+
+def test_llvm_slot_pool_fp8():
+    from dataclasses import replace
+
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, quantize_fp8
+
+    spec = GroupedExpertsSpec(hidden=64, inter=24, experts=8, top_k=4, w_format="fp8", slots=6)
+    rng = np.random.default_rng(4)
+    x, w1, w2, _, rw = _data(spec, 9, seed=4)
+    used = rng.choice(8, 5, replace=False)
+    ids = _ids(rng, 9, 4, 8, used)
+    (c1, s1), (c2, s2) = quantize_fp8(w1), quantize_fp8(w2)
+    pc1, slot_of = _pool(rng, spec, c1, 0x7F, used)  # 0x7F: the e4m3 NaN
+    pc2 = np.full((6,) + c2.shape[1:], 0x7F, np.uint8)
+    ps1, ps2 = np.full((6, 48), np.nan, np.float32), np.full((6, 64), np.nan, np.float32)
+    pc2[slot_of[used]], ps1[slot_of[used]], ps2[slot_of[used]] = c2[used], s1[used], s2[used]
+    got = _run_slots(_build(spec), spec, x, pc1, pc2, slot_of, ids, rw, scales=(ps1, ps2))
+    _check(spec, got, x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw, tol=2e-5)
+    with pytest.raises(MoecError, match="slots must be"):
+        replace(spec, slots=-1).check()
+
+
+@pytest.mark.parametrize("launch", [{}, {"stages": 0}, {"w_format": "fp8"}])
+def test_cuda_slot_pool_builds_for_sm90(launch):
+    """The CUDA forms (cp.async, register mma, FP8 warp) read each expert's slot once per block, from
+    ``offsets[E + 1 + e]``, and index the pool with it."""
+    from dataclasses import replace
+
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = replace(OLMOE, slots=24, **launch)
+    src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    bodies = _kernel_bodies(src)
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        assert "int we = offsets_ptr[(((int)blockIdx.y) + 65)];" in bodies[name], name
+        assert re.search(r"w_ptr\[\(*\(?we \*", bodies[name]) or "(we *" in bodies[name], name
+    with make_target("cuda", "sm_90"):
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [{}, {"stages": 0}, {"tensor_cores": False}])
+def test_cuda_slot_pool_matches_numpy_on_gpu(launch):
+    from dataclasses import replace
+
+    require_cuda()
+    spec = replace(GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", slots=10), **launch)
+    rng = np.random.default_rng(7)
+    x, w1, w2, _, rw = _data(spec, 37, seed=7)
+    used = rng.choice(16, 8, replace=False)
+    ids = _ids(rng, 37, 4, 16, used)
+    p1, slot_of = _pool(rng, spec, w1, np.nan, used)
+    p2 = np.full((10,) + w2.shape[1:], np.nan, w2.dtype)
+    p2[slot_of[used]] = w2[used]
+    got = _run_slots(_build(spec, "cuda"), spec, x, p1, p2, slot_of, ids, rw, dev=tvm.cuda())
+    _check(spec, got, x, w1, w2, ids, rw, tol=3e-2)
