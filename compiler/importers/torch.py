@@ -36,19 +36,18 @@ def _topk(node, importer):
 EXTRA_CONVERTERS = {"amax.default": _amax, "topk.default": _topk}
 
 
-def _host_tensor(value: torch.Tensor):
-    """A weight as a TVM host tensor, bfloat16 included, through NumPy (bfloat16 as ``ml_dtypes``): the same
-    path with every torch build (DLPack export of bfloat16, and ``Tensor.numpy()`` of it, vary between builds)."""
+def _host_array(value: torch.Tensor):
+    """A weight as a NumPy array on the host, sharing the tensor's memory where it can; bfloat16 as ``ml_dtypes``
+    (through an int16 view: DLPack export of bfloat16, and ``Tensor.numpy()`` of it, vary between torch builds)."""
     import ml_dtypes
-    import tvm
 
     t = value.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
     t = t.cpu().contiguous()
     if t.dtype == torch.bfloat16:
-        return tvm.runtime.tensor(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-    return tvm.runtime.tensor(t.numpy())
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def _storage_key(value: torch.Tensor):
@@ -58,23 +57,34 @@ def _storage_key(value: torch.Tensor):
     return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype)
 
 
-def _importer():
+def _importer(param_keys: set):
+    """TVM's importer with the weight conversion replaced. Buffers and constants (bound into the graph) become
+    TVM host tensors of their values. Parameters (kept as inputs) become empty TVM tensors of their shape and
+    dtype, which is all the importer reads of them, with the host array behind each in ``sources`` (by handle):
+    a model's weights are not copied into TVM memory and back."""
+    import tvm
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    converted = {}  # storage key -> host tensor: a tied weight is converted (and held in memory) once
+    converted, sources = {}, {}  # storage key -> TVM tensor (a tied weight is converted once); handle -> array
 
     def convert(value: torch.Tensor):
         key = _storage_key(value)
-        if key is None:
-            return _host_tensor(value)
-        if key not in converted:
-            converted[key] = _host_tensor(value)
-        return converted[key]
+        if key is not None and key in converted:
+            return converted[key]
+        arr = _host_array(value)
+        if key is not None and key in param_keys:
+            out = tvm.runtime.empty(arr.shape, str(arr.dtype))
+            sources[out.__chandle__()] = arr
+        else:
+            out = tvm.runtime.tensor(arr)
+        if key is not None:
+            converted[key] = out
+        return out
 
     class Importer(ExportedProgramImporter):
         _convert_pytorch_tensor_to_tvm = staticmethod(convert)
 
-    return Importer()
+    return Importer(), sources
 
 
 def merge_tied_weights(mod, params: list, num_inputs: int):
@@ -115,14 +125,16 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
     ep = ep.run_decompositions()
     _check_ops(ep, name)
     user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-    try:  # TVM's from_exported_program with the weights converted by _host_tensor (decomposed above)
-        mod = _importer().from_exported_program(ep, True, True, False, EXTRA_CONVERTERS)  # keep params as inputs, unwrap
+    importer, sources = _importer({_storage_key(p) for _, p in ep.named_parameters()} - {None}
+                                  - {_storage_key(b) for _, b in ep.named_buffers()})
+    try:  # TVM's from_exported_program with the weights converted by _importer's (decomposed above)
+        mod = importer.from_exported_program(ep, True, True, False, EXTRA_CONVERTERS)  # keep params as inputs, unwrap
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
     mod, params = detach_params(mod)
     mod, main_params = merge_tied_weights(mod, list(params.get("main", [])), len(user_inputs))
-    weights = [p.numpy() for p in main_params]
+    weights = [sources[p.__chandle__()] if p.__chandle__() in sources else p.numpy() for p in main_params]
     mod, weights = bind_scalar_weights(mod, weights, len(user_inputs))
     if source_hash is None:
         h = hashlib.sha256()

@@ -127,6 +127,22 @@ def test_tied_weights_are_one_parameter(tmp_path):
     np.testing.assert_allclose(logits[0], torch_last_logits(model, tokens), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_are_imported_without_copies(dtype):
+    # the importer reads only shapes and dtypes of the parameters: the imported weights are the model's own
+    # memory (a copy into TVM tensors and back doubled a large model's import), with the same values
+    from moec.models.hf import tiny_hf_model
+
+    model = tiny_hf_model("olmoe").to(dtype)
+    imp = import_model(model)
+    host = [(p.detach().view(torch.int16) if dtype == torch.bfloat16 else p.detach()).numpy() for p in model.parameters()]
+    assert len(imp.weights) == len(host)
+    for w in imp.weights:
+        raw = w.view(np.int16) if dtype == torch.bfloat16 else w
+        src = [h for h in host if np.shares_memory(raw, h)]
+        assert len(src) == 1 and np.array_equal(raw, src[0])
+
+
 def test_export_retries_with_range_hints_when_a_guard_cannot_be_proved(tmp_path, monkeypatch):
     # torch 2.11 refuses Mixtral's export over named dimensions ("Constraints violated (seq)! ... guard
     # min(128*s, 512*s) == 128*s"); the export then retries with range hints, and that program must import with
