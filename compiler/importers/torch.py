@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import ImportFailure
@@ -139,7 +140,7 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
     if source_hash is None:
         h = hashlib.sha256()
         for w in weights:
-            h.update(w.tobytes())
+            h.update(np.ascontiguousarray(w).reshape(-1).view(np.uint8).data)  # the bytes, not a copy of them
         h.update(str(ep.graph).encode())
         source_hash = h.hexdigest()
     return ImportedModel(
