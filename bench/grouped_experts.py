@@ -13,7 +13,8 @@ the four kernels exactly as ``InsertGroupedExperts`` emits them (route_prep, gat
 routing weight, combine), lowered by phases 2-4 of the "moec" pipeline: on CUDA gate_up and down run on
 tensor cores (mma.sync); ``experts_warp`` is the same with ``tensor_cores=False`` (the warp-per-row form);
 ``experts_fp8`` the same with FP8 e4m3 weights and per-output-channel scales (``--expert-weights fp8``;
-bandwidth on its own bytes, half).
+bandwidth on its own bytes, half); ``experts_slots`` the default form reading a pool of E expert slots through
+a residency table (``slots``, the offloaded-experts form), the experts at permuted slots.
 
 Correctness: the TVM output against a float32 PyTorch reference of the same function (h rounded to bf16
 as the kernel stores it), relative to the output's scale. Timings: TVM through the VM's
@@ -104,6 +105,26 @@ def build_module(shape, kind: str):
                 y = bb.emit(relax.call_tir(gv["down"], [h, *w2, off, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
                 out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
             bb.emit_func_output(out)
+    # offloaded experts' form (``slots``): the same kernels reading a pool of E slots through a residency table
+    spec = _spec(*shape, slots=e)
+    gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_slots")
+          for n, make in KERNELS.items()}
+    t = tvm.tirx.Var("t", "int64")
+    x = relax.Var("x", relax.TensorType((t, d), DTYPE))
+    ids = relax.Var("ids", relax.TensorType((t, k), "int64"))
+    rw = relax.Var("rw", relax.TensorType((t, k), "float32"))
+    w1, w2 = relax.Var("w1", relax.TensorType((e, 2 * i, d), DTYPE)), relax.Var("w2", relax.TensorType((e, d, i), DTYPE))
+    slot_of = relax.Var("slot_of", relax.TensorType((e,), "int32"))
+    with bb.function("experts_slots", [x, ids, rw, w1, w2, slot_of]):
+        with bb.dataflow():
+            prep = bb.emit(relax.call_tir(gv["route_prep"], [ids], out_ty=[relax.TensorType([e + 1], "int32"),
+                                                                          relax.TensorType([t * k], "int32")]))
+            off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
+            full = bb.emit(relax.op.concat([off, slot_of], axis=0))
+            h = bb.emit(relax.call_tir(gv["gate_up"], [x, w1, full, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
+            y = bb.emit(relax.call_tir(gv["down"], [h, w2, full, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
+            out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
+        bb.emit_func_output(out)
     return bb.get()
 
 
@@ -113,7 +134,8 @@ def compile_module(shape, target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(_funcs())))
+    return tvm.compile(build_module(shape, kind), target=target,
+                       relax_pipeline=lowering_pipeline(target, list(_funcs()) + ["experts_slots"]))
 
 
 def prepare(out: Path, small: bool) -> None:
@@ -294,10 +316,22 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
         vm.save_function(f"experts_{v}", f"experts_{v}_timed", *args)
         res = vm.time_evaluator(f"experts_{v}_timed", dev, number=number, repeat=repeat)()
         ms[f"moec_grouped_{v}"] = float(np.median(np.asarray(res.results))) * 1e3
-    # FP8 e4m3 weights: against the reference over the dequantized weights
-    (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
+    # the slot-pool form (offloaded experts): the experts at permuted slots of a pool, read through the table
+    perm = torch.randperm(e, generator=torch.Generator().manual_seed(t)).to(inp["w1"].device)
+    p1, p2 = torch.empty_like(inp["w1"]), torch.empty_like(inp["w2"])
+    p1[perm], p2[perm] = inp["w1"], inp["w2"]
     import tvm
 
+    args_s = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (p1, p2, perm.to(torch.int32))]
+    out_s = torch.from_dlpack(vm["experts_slots"](*args_s)).float()
+    row["slots_max_rel_error_vs_fp32"] = float((out_s - ref).abs().max()) / scale
+    row["passed"] = row["passed"] and row["slots_max_rel_error_vs_fp32"] < 2e-2
+    vm.save_function("experts_slots", "experts_slots_timed", *args_s)
+    res = vm.time_evaluator("experts_slots_timed", dev, number=number, repeat=repeat)()
+    ms["moec_grouped_slots"] = float(np.median(np.asarray(res.results))) * 1e3
+    del p1, p2, args_s
+    # FP8 e4m3 weights: against the reference over the dequantized weights
+    (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
     out8 = torch.from_dlpack(vm["experts_fp8"](*args8)).float()
     ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
