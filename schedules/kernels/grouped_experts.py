@@ -164,7 +164,7 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
         raise MoecError(f"grouped_experts: target must be 'llvm' or 'cuda', got {target!r}")
     if target == "cuda" and spec.experts > 32 * 1024:
         raise MoecError(f"grouped_experts: {spec.experts} experts exceed the route_prep kernel's shared counts")
-    if target == "cuda" and spec.stages:
+    if target == "cuda" and _staged(spec):
         for kernel in ("gate_up", "down"):
             if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
                 raise MoecError(f"grouped_experts: two cp.async stages of {kernel} ({2 * mma_stages(spec, kernel)[1]} bytes) "
@@ -316,10 +316,29 @@ _MMA_TYPE = {"bfloat16": "bf16", "float16": "fp16"}
 def mma_eligible(spec: GroupedExpertsSpec, kernel: str) -> bool:
     """Whether the CUDA ``kernel`` ("gate_up" or "down") of ``spec`` has an mma.sync form: 16-bit float
     weights with activations of the same dtype, the reduction a multiple of 64 and the rows of 16."""
-    if not spec.tensor_cores or spec.w_format != "float" or spec.w_dtype not in _MMA_TYPE:
-        return False
     act, rows, red = (spec.x_dtype, spec.inter, spec.hidden) if kernel == "gate_up" else (spec.h_dtype, spec.hidden, spec.inter)
-    return act == spec.w_dtype and red % MMA_K == 0 and rows % 16 == 0
+    if not spec.tensor_cores or red % MMA_K or rows % 16:
+        return False
+    if spec.w_format == "fp8":  # e4m3 bytes widened in registers to the activations' 16-bit type
+        return act in _MMA_TYPE
+    return spec.w_dtype in _MMA_TYPE and act == spec.w_dtype
+
+
+def _staged(spec: GroupedExpertsSpec) -> bool:
+    """Whether the mma forms stage their operands through shared memory (16-bit weights with ``stages``; FP8
+    weights take the register form)."""
+    return bool(spec.stages) and spec.w_format == "float"
+
+
+# e4m3 byte -> the 16-bit float whose bits hold its sign, exponent and mantissa in place: exact, with the value
+# scaled by 2^-120 (bfloat16, 8 exponent bits) or 2^-8 (float16, 5); the epilogues multiply it back
+_FP8_WIDEN = {"bfloat16": (4, 2.0**120), "float16": (7, 2.0**8)}
+
+
+def _fp8_widen(byte, dtype: str):
+    shift = _FP8_WIDEN[dtype][0]
+    b = T.Cast("uint32", byte)
+    return T.reinterpret(dtype, T.Cast("uint16", ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(shift))))
 
 
 def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
@@ -338,7 +357,7 @@ def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
         want, nt = 2 * 128 * spec.top_k / spec.experts, 1
         while nt < 8 and nt * 8 < want:
             nt *= 2
-    rt = spec.row_tiles or (1 if spec.stages else 2 if nt <= 4 else 1)
+    rt = spec.row_tiles or (1 if _staged(spec) else 2 if nt <= 4 else 1)
     return nt, rt, rt
 
 
@@ -353,7 +372,7 @@ def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
     nt, rt_gu, rt_dn = mma_tiles(spec)
     tiles = 2 * rt_gu if kernel == "gate_up" else rt_dn
     per_stage = spec.warps * tiles * 16 * MMA_K * 2 + 8 * nt * MMA_K * 2
-    if not spec.stages:
+    if not _staged(spec):
         return 0, per_stage
     n = min(spec.stages, SMEM_LIMIT // per_stage)
     return (n if n >= 2 else 0), per_stage
@@ -365,7 +384,9 @@ def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
     per_block = spec.warps * rt * 16
     cfg = {"form": "mma.sync m16n8k16", "blocks": (-(-rows // per_block), spec.experts), "threads": 32 * spec.warps,
            "row_tiles": rt, "n_tiles": nt, "tokens_per_pass": 8 * nt, "steps": red // MMA_K}
-    if spec.stages:
+    if spec.w_format == "fp8":
+        cfg["form"] = "mma.sync m16n8k16, e4m3 weights widened in registers"
+    if _staged(spec):
         st, per_stage = mma_stages(spec, kernel)
         cfg.update({"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per_stage})
     return cfg
@@ -376,7 +397,7 @@ def _mma(a, a_off, b, b_off, c, c_off, ab: str):
                             dtype="float32")
 
 
-def _mma_mainloop():
+def _mma_mainloop(widen=None):
     """The k loop of the mma forms (gate_up, down and ``dense_gemm``), as a TIR macro.
 
     ``tiles`` tiles of 16 weight rows per warp (tile t's first row ``tile_row(t)``, read if ``tile_ok(t)``), NT
@@ -384,7 +405,10 @@ def _mma_mainloop():
     ``tile_row(t) + g`` and ``+ g + 8`` (``w_at(row, k)``) and of token g of each tile n with tokens (n * 8 < nv;
     ``x_at(n, k)`` where ``x_ok(n)``, else zeros), then issues the four m16n8k16 of each (tile, token tile): the
     fragments read k = 16 q + 4 s + (0..3) at step s for both operands. ``acc[(t * NT + n) * 4 + c]`` holds the
-    float32 result of row ``tile_row(t) + g + 8 (c // 2)`` and token ``n * 8 + 2 q + c % 2``."""
+    float32 result of row ``tile_row(t) + g + 8 (c // 2)`` and token ``n * 8 + 2 q + c % 2``. ``widen``: the
+    weight elements are loaded as they are stored (``wa``: e4m3 bytes) and widened to the mma type on the way to
+    the fragments (``af``)."""
+    conv = widen or (lambda v: v)
 
     @T.macro
     def mainloop(wa, af, xb, xf, acc, g, q, nv, tiles, nt, steps, tile_row, tile_ok, w_at, x_ok, x_at, ab):
@@ -411,7 +435,7 @@ def _mma_mainloop():
             for t in T.unroll(tiles):
                 for st in T.unroll(4):
                     for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k = 4 st + 2 (a // 4) + a % 2
-                        af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+                        af[(t * 4 + st) * 8 + a] = conv(wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2])
             for t in T.unroll(tiles):
                 if tile_ok(t):
                     for n in T.unroll(nt):
@@ -503,6 +527,13 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
     return mainloop
 
 
+def _mma_weight_form(spec: GroupedExpertsSpec, act: str):
+    """(stored weight dtype, mma operand dtype, mma type, widening or None, epilogue factor) of the mma forms."""
+    if spec.w_format == "fp8":
+        return "uint8", act, _MMA_TYPE[act], lambda v: _fp8_widen(v, act), _FP8_WIDEN[act][1]
+    return spec.w_dtype, spec.w_dtype, _MMA_TYPE[spec.w_dtype], None, 1.0
+
+
 def _make_gate_up_mma(spec: GroupedExpertsSpec):
     """gate_up on tensor cores. Warp w of block (jb, e) owns RT tiles of 16 rows j of the gate and the up
     halves; an expert's tokens go NT * 8 at a time (one weight pass each). Each k-step of 64 lane l
@@ -511,8 +542,10 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     tile; the four m16n8k16 of the step take them as k = 16 q + 4 s + (0..3) for step s (fragment positions
     2q, 2q + 1, 2q + 8, 2q + 9), the same permutation of k for both operands, so the sum is unchanged.
     Accumulators float32; SwiGLU in the epilogue where the gate and up results of a (row, token) meet in
-    one lane."""
-    if spec.stages:
+    one lane. FP8 weights: the 16 bytes of a lane are one 8-byte load per row, widened in registers
+    (``_fp8_widen``) into the activations' type; the epilogue multiplies each row by its scale (and the
+    widening's power of two) before the SwiGLU."""
+    if _staged(spec):
         return _make_gate_up_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
@@ -520,21 +553,18 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     NT, RT, _ = mma_tiles(spec)
     cfg = _mma_launch(spec, "gate_up")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    mainloop = _mma_mainloop()
+    wdt, odt, ab, widen, f = _mma_weight_form(spec, spec.x_dtype)
+    fp8 = spec.w_format == "fp8"
+    mainloop = _mma_mainloop(widen)
 
     def swiglu(gv, uv):
         return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
 
-    @T.prim_func(s_tir=True)
-    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-        T.func_attr(_attrs("moe_gate_up"))
-        N = T.int64()
-        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-        w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+    def scale(s1, we, row):
+        return s1[we, row] * T.float32(f) if fp8 else T.float32(1)
+
+    @T.macro
+    def body(x, w, s1, offsets, order, h):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for jb in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -542,9 +572,9 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                         T.reads()
                         T.writes()
                         wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][row g|g+8][16]
-                        af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")  # [r][gate|up][step][8]
-                        xb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
-                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+                        af = T.sblock_alloc_buffer((RT * 64,), odt, scope="local")  # [r][gate|up][step][8]
+                        xb = T.sblock_alloc_buffer((NT * 16,), odt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((NT * 16,), odt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
                         tok = T.sblock_alloc_buffer((NT,), "int32", scope="local")
                         lane: T.let[T.int32] = tx % 32
@@ -568,35 +598,56 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                                         for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
                                             if n * 8 + 2 * q + c % 2 < nv:
                                                 h[lo + ps * TOK + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = swiglu(
-                                                    acc[((r * 2) * NT + n) * 4 + c], acc[((r * 2 + 1) * NT + n) * 4 + c])
+                                                    acc[((r * 2) * NT + n) * 4 + c] * scale(s1, we, g0 + rb + r * 16 + g + 8 * (c // 2)),
+                                                    acc[((r * 2 + 1) * NT + n) * 4 + c] * scale(s1, we, u0 + rb + r * 16 + g + 8 * (c // 2)))
 
+    attrs = _attrs("moe_gate_up")
+    if fp8:
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            s1 = T.match_buffer(s_h, (spec.slots or E, 2 * I), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, s1, offsets, order, h)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, w, offsets, order, h)  # no scales: the body never reads them
     return moe_gate_up
 
 
 def _make_down_mma(spec: GroupedExpertsSpec):
     """down on tensor cores, as ``_make_gate_up_mma`` with the rows d of W2 and the SwiGLU rows h of the
     expert's tokens (contiguous in expert order) as the token operand; the epilogue scales each slot's
-    row by its routing weight and writes it at the slot's place."""
-    if spec.stages:
+    row by its routing weight (and FP8 weights' rows by their scales) and writes it at the slot's place."""
+    if _staged(spec):
         return _make_down_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
     wshape, ei = _windex((spec.slots or E, D, I))
     NT, _, RT = mma_tiles(spec)
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    mainloop = _mma_mainloop()
+    wdt, odt, ab, widen, f = _mma_weight_form(spec, spec.h_dtype)
+    fp8 = spec.w_format == "fp8"
+    mainloop = _mma_mainloop(widen)
 
-    @T.prim_func(s_tir=True)
-    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-        T.func_attr(_attrs("moe_down"))
-        N = T.int64()
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-        w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-        y = T.match_buffer(y_h, (N * K, D), "float32")
+    def scale(s2, we, d):
+        return s2[we, d] * T.float32(f) if fp8 else T.float32(1)
+
+    @T.macro
+    def body(h, w, s2, offsets, order, rw, y):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for db in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -604,9 +655,9 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                         T.reads()
                         T.writes()
                         wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
-                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
-                        hb = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # [tile][16]
-                        xf = T.sblock_alloc_buffer((NT * 16,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+                        af = T.sblock_alloc_buffer((RT * 32,), odt, scope="local")  # [r][step][8]
+                        hb = T.sblock_alloc_buffer((NT * 16,), odt, scope="local")  # [tile][16]
+                        xf = T.sblock_alloc_buffer((NT * 16,), odt, scope="local")  # its mma operand copy (scalar-typed)
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
@@ -626,9 +677,37 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                                         for c in T.unroll(4):
                                             if n * 8 + 2 * q + c % 2 < nv:
                                                 y[order[lo + ps * TOK + n * 8 + 2 * q + c % 2], rb + r * 16 + g + 8 * (c // 2)] = (
-                                                    acc[(r * NT + n) * 4 + c] * _f32(rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
-                                                                                      order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
+                                                    acc[(r * NT + n) * 4 + c] * scale(s2, we, rb + r * 16 + g + 8 * (c // 2)) * _f32(
+                                                        rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
+                                                           order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
 
+    attrs = _attrs("moe_down")
+    if fp8:
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle,
+                     y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            s2 = T.match_buffer(s_h, (spec.slots or E, D), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, s2, offsets, order, rw, y)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, w, offsets, order, rw, y)  # no scales: the body never reads them
     return moe_down
 
 

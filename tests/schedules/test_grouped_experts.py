@@ -170,7 +170,8 @@ def test_cuda_warp_form_where_no_tensor_cores():
     assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **{**bf, "x_dtype": "float32"}), "gate_up")
     assert not mma_eligible(GroupedExpertsSpec(2048 + 32, 1024, 64, 8, **bf), "gate_up")
     assert mma_eligible(GroupedExpertsSpec(2048 + 32, 1024, 64, 8, **bf), "down")  # its reduction is I
-    assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, w_format="fp8"), "down")
+    assert mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, **bf, w_format="fp8"), "down")  # widened in registers
+    assert not mma_eligible(GroupedExpertsSpec(2048, 1024, 64, 8, w_format="fp8"), "down")  # float32 activations
     assert mma_tiles(GroupedExpertsSpec(4096, 14336, 8, 2, **bf)) == (8, 1, 1)
     assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf)) == (1, 1, 1)  # cp.async stages: one row tile
     assert mma_tiles(GroupedExpertsSpec(7168, 2048, 256, 8, **bf, stages=0)) == (1, 2, 2)
@@ -298,16 +299,53 @@ def test_llvm_fp8_weights_match_numpy(x_dtype):
 
 
 def test_cuda_fp8_builds_for_sm90():
+    import dataclasses
+
     from tvm.support import nvcc
 
     from moec.compiler.build import _cuda_modules
 
     spec = GroupedExpertsSpec(hidden=2048, inter=1024, experts=64, top_k=8, x_dtype="bfloat16", h_dtype="bfloat16",
                               rw_dtype="bfloat16", out_dtype="bfloat16", w_format="fp8")
+    # tensor cores, register loads (the cp.async stages are for 16-bit weights): 8 e4m3 bytes a load per row
+    cfg = launch_config(spec)
+    assert cfg["gate_up"]["form"] == cfg["down"]["form"] == "mma.sync m16n8k16, e4m3 weights widened in registers"
+    assert "stages" not in cfg["gate_up"] and cfg["gate_up"]["row_tiles"] == 2
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
-    assert "uint2" in src  # 8 e4m3 bytes per lane and load (8 bf16 activations)
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        b = _kernel_bodies(src)[name]
+        assert "uint2" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b and "cp.async" not in b
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    # the warp-per-row form stays where asked for
+    src = _cuda_modules(_build(dataclasses.replace(spec, tensor_cores=False), "cuda").mod)[0].inspect_source("cuda")
+    assert "mma.sync" not in _kernel_bodies(src)["moe_gate_up_kernel"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_widening_is_exact(dtype):
+    """Every finite e4m3 byte widened by bit placement (``_fp8_widen``) is its value times 2^-120 (bfloat16) or
+    2^-8 (float16), subnormals included: the epilogues' factor restores it exactly."""
+    from tvm.script import tirx as T
+
+    from moec.schedules.kernels.grouped_experts import _FP8_WIDEN, _fp8_widen
+
+    @T.prim_func(s_tir=True)
+    def widen(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), dtype)):
+        for i in range(256):
+            with T.sblock("w"):
+                vi = T.axis.spatial(256, i)
+                b[vi] = _fp8_widen(a[vi], dtype)
+
+    f = tvm.compile(tvm.IRModule({"widen": widen}), target=LLVM)
+    codes = np.arange(256, dtype=np.uint8)
+    out = tvm.runtime.tensor(np.zeros(256, NP[dtype]))
+    f(tvm.runtime.tensor(codes), out)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    got = out.numpy().astype(np.float64) * _FP8_WIDEN[dtype][1]
+    finite = np.isfinite(want)
+    assert finite.sum() == 254  # 0x7F and 0xFF are the NaNs (quantize_fp8 never writes them)
+    np.testing.assert_array_equal(got[finite], want[finite])
 
 
 def test_int64_weight_indexing(monkeypatch):
@@ -445,3 +483,20 @@ def test_cuda_slot_pool_matches_numpy_on_gpu(launch):
     p2[slot_of[used]] = w2[used]
     got = _run_slots(_build(spec, "cuda"), spec, x, p1, p2, slot_of, ids, rw, dev=tvm.cuda())
     _check(spec, got, x, w1, w2, ids, rw, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
+    """FP8 weights on the GPU: the tensor-core form (bytes widened in registers) and the warp-per-row form, against
+    the dequantized weights; 300 tokens: several weight passes per expert."""
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, quantize_fp8
+
+    require_cuda()
+    spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, x_dtype="bfloat16", h_dtype="bfloat16",
+                              rw_dtype="bfloat16", out_dtype="float32", w_format="fp8", tensor_cores=tensor_cores)
+    x, w1, w2, ids, rw = _data(spec, t, seed=t)
+    (c1, s1), (c2, s2) = quantize_fp8(w1), quantize_fp8(w2)
+    got = _run_fp8(_build(spec, "cuda"), spec, x, c1, s1, c2, s2, ids, rw, dev=tvm.cuda())
+    _check(spec, got, x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw, tol=3e-2)
