@@ -23,6 +23,7 @@ FORMAT = "moec-artifact/1"
 MANIFEST = "manifest.json"
 LIBRARY = "lib.so"
 WEIGHTS = "weights.safetensors"
+OFFLOADED_PREFIX = "offloaded:"  # weights.safetensors keys of offloaded expert weights (kept in host memory)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 
 from .. import __version__
-from .artifact import LIBRARY, WEIGHTS, atomic_directory, write_manifest
+from .artifact import LIBRARY, OFFLOADED_PREFIX, WEIGHTS, atomic_directory, write_manifest
 from .errors import MoecError
 from .importers import ImportedModel, import_model
 from .targets import make_target
@@ -74,6 +74,7 @@ def compile(  # noqa: A001 - the public name users call
     tuning_db: str | Path | None = "auto",
     dense_gemm: bool = True,
     cuda_graph=False,
+    expert_slots: int | None = None,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -132,6 +133,10 @@ def compile(  # noqa: A001 - the public name users call
         (refused when tuned for another target), "none" only the rules. Kernels with records at a
         token/batch bucket run tuned at that size; all others keep the dlight rules. The manifest's
         ``tuning`` says which database and how many kernels, ``schedules`` each kernel's source.
+    expert_slots : int, optional
+        Offloaded experts: the routed experts' weights stay in host memory and the device holds a pool of this
+        many expert slots (at least one layer's experts), filled on demand by the runtime as each layer's router
+        chooses (least recently used slots are reused). For models whose experts do not fit in device memory.
     cuda_graph : bool | moec.passes.cuda_graph.GraphBounds
         CUDA only: also build ``decode_graph``, the decode step with its kernel launches captured and
         replayed as CUDA graphs (``moec.passes.cuda_graph``), for steps of at most ``max_batch`` streams
@@ -164,6 +169,11 @@ def compile(  # noqa: A001 - the public name users call
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
     graph_bounds = _graph_bounds(cuda_graph)
+    if expert_slots is not None and not grouped_experts:
+        raise MoecError("offloaded experts (expert slots) need the grouped experts (drop --no-grouped-experts)")
+    if expert_slots is not None and graph_bounds is not None:
+        raise MoecError("offloaded experts call the runtime between kernels, which CUDA graphs cannot replay: "
+                        "drop --cuda-graph or the expert slots")
     t0 = time.perf_counter()
     imported = model if isinstance(model, ImportedModel) else import_model(model, example_inputs)
     _log(progress, f"imported {imported.source_name} ({imported.source_kind}, {len(imported.weights)} weights) in {time.perf_counter() - t0:.1f}s")
@@ -226,7 +236,8 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.grouped_experts import InsertGroupedExperts
 
         grouped = InsertGroupedExperts(tgt, imported.source_name, expert_weights,
-                                       dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None)
+                                       dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None,
+                                       expert_slots=expert_slots)
     dense = None
     if dense_gemm:
         from ..passes.dense_gemm import InsertDenseGEMM
@@ -247,6 +258,8 @@ def compile(  # noqa: A001 - the public name users call
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, MoecError):
             raise cause from None
+        if grouped is not None and grouped.error is not None:  # a refusal inside the pipeline, as the pass made it
+            raise grouped.error from None
         raise
     # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
     structure = insert.structure if cascade is None else cascade.structure
@@ -254,15 +267,21 @@ def compile(  # noqa: A001 - the public name users call
     if grouped is not None:
         _warn_unreplaced_experts(grouped.manifest(), len(structure.moe_layers), imported.source_name)
     weight_names, weight_arrays = imported.weight_names(), imported.weights
+    offloaded = {}
     if grouped is not None:  # expert weights converted to bf16 / fp8 (and their scales) take their places
         weight_names, weight_arrays = grouped.converted_weights(weight_names, weight_arrays)
+        # offloaded experts: stored apart (the runtime keeps them in host memory); the pools are not stored
+        weight_names, weight_arrays, offloaded = grouped.offloaded_weights(weight_names, weight_arrays)
     attn = structure.layers[0].attention
     with atomic_directory(output_dir) as tmp:
         cuda_kernels = _compile_cuda_kernels(executable, tgt, tmp, progress) if tgt.kind.name == "cuda" else []
         executable.export_library(str(tmp / LIBRARY))
         from safetensors.numpy import save_file
 
-        save_file({f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, weight_arrays))}, str(tmp / WEIGHTS))
+        stored = {f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, weight_arrays))
+                  if w is not None}
+        stored.update({f"{OFFLOADED_PREFIX}{name}": np.ascontiguousarray(w) for name, w in offloaded.items()})
+        save_file(stored, str(tmp / WEIGHTS))
         if calibration is not None:  # the calibration it was built with (hashed with the other files)
             (tmp / "cascade_calibration.json").write_bytes((Path(calibration) / "calibration.json").read_bytes())
         manifest = {

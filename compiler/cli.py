@@ -38,6 +38,7 @@ def cmd_compile(args) -> int:
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
+                 expert_slots=args.expert_slots,
                  dense_gemm=args.dense_gemm, cuda_graph=_graph_bounds(args))
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
@@ -262,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-weights", choices=["bf16", "fp8"], default=None,
                    help="store the grouped experts' weights as bf16, or FP8 e4m3 with per-output-channel scales "
                         "(default: the model's dtype)")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="offload the routed experts: their weights stay in host memory and the device holds N expert "
+                        "slots (at least one layer's experts), filled as each layer's router chooses, least recently "
+                        "used slots reused; for models whose experts do not fit in device memory")
     p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
                         "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")

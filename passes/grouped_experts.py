@@ -74,6 +74,7 @@ from tvm.ir.prim.expr import IntImm
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
+from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
 
@@ -460,12 +461,16 @@ class _Matcher:
 
 
 @relax.expr_functor.mutator
+
+
 class _GroupedExpertsRewriter(relax.PyExprMutator):
-    def __init__(self, mod, matches: list[_Match], kernel, converted: dict | None = None) -> None:
+    def __init__(self, mod, matches: list[_Match], kernel, converted: dict | None = None, pools=None,
+                 layer_of: dict | None = None) -> None:
         super().__init__(mod)
         self.by_out = {m.out: m for m in matches}
         self.kernel = kernel  # (spec, name) -> GlobalVar
         self.converted = converted or {}  # weight name -> (new param, scale param or None)
+        self.pools, self.layer_of = pools, layer_of or {}  # offloaded experts: (pool W1, pool W2), W1 name -> layer
 
     def _weight(self, w):
         """The weight argument(s) of a kernel: the param itself, or its converted param (and FP8 scales)."""
@@ -488,9 +493,15 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
             relax.TensorType([s.experts + 1], "int32"), relax.TensorType([n], "int32")]))
         offsets = bb.emit(relax.TupleGetItem(prep, 0))  # E + 1
         order = bb.emit(relax.TupleGetItem(prep, 1))  # S, slots grouped by expert
-        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, *self._weight(m.w1), offsets, order],
+        w1, w2 = self._weight(m.w1), self._weight(m.w2)
+        if self.pools is not None:  # the runtime makes the routed experts resident and says where (E + 1 + E)
+            table = bb.emit(relax.call_pure_packed(RESIDENCY_FUNC, ids, relax.prim_value(tvm.tirx.IntImm("int64", self.layer_of[m.w1.name])),
+                                                   ty_args=relax.TensorType([s.experts], "int32")))
+            offsets = bb.emit(relax.op.concat([offsets, table], axis=0))
+            w1, w2 = [self.pools[0]], [self.pools[1]]
+        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, *w1, offsets, order],
                                    out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
-        y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *self._weight(m.w2), offsets, order, rw],
+        y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *w2, offsets, order, rw],
                                    out_ty=relax.TensorType([n, s.hidden], "float32")))  # S, D (slot order)
         out = bb.emit(relax.call_tir(self.kernel(s, "combine"), [y, ids],
                                      out_ty=relax.TensorType([t, s.hidden], s.out_dtype)))  # T, D
@@ -518,9 +529,13 @@ class InsertGroupedExperts:
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
-                 weights: dict | None = None) -> None:
+                 weights: dict | None = None, expert_slots: int | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
+        if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
+            raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
+        if expert_slots is not None and expert_weights is not None:
+            raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
         if expert_weights not in (None, "bf16", "fp8"):
             raise MoecError(f"expert weights must be bf16 or fp8 (or None: the model's dtype), got {expert_weights!r}")
         if expert_weights is not None and weights is None:
@@ -533,8 +548,51 @@ class InsertGroupedExperts:
         self.skipped: dict[str, list[str]] = {}
         self.rounding: dict[str, list[str]] = {}  # per entry: roundings of the graph the kernels do not make
         self.kernels: dict[tuple, str] = {}
+        self.expert_slots = expert_slots
+        self.offload: dict | None = None  # with expert slots: the pools and each layer's offloaded weights
+        self.error: MoecError | None = None  # the refusal of the last run, if any
+
+    def _plan_offload(self, found) -> tuple[dict, GroupedExpertsSpec]:
+        """Offloaded experts: one slot pool for every layer (the same expert shapes everywhere), layers numbered
+        by their W1 parameter's place."""
+        specs = {m.spec for _, _, matches in found for m in matches}
+        if not specs:
+            raise MoecError(f"{self.source}: offloaded experts (expert slots) need grouped experts, and no MoE layer "
+                            "was recognised in the grouped form")
+        if len(specs) > 1:
+            raise MoecError(f"{self.source}: offloaded experts need every MoE layer's experts to have one shape and "
+                            f"dtype; found {len(specs)} kinds")
+        spec = replace(next(iter(specs)), slots=self.expert_slots)
+        if self.expert_slots < spec.experts:
+            raise MoecError(f"{self.source}: {self.expert_slots} expert slots cannot hold one layer's {spec.experts} "
+                            "experts, which one prefill chunk may route to; give at least that many")
+        order, w2_of = [], {}
+        for gv, func, matches in found:
+            pos = {p.name: i for i, p in enumerate(func.params)}
+            for m in sorted(matches, key=lambda m: pos[m.w1.name]):
+                if m.w1.name not in w2_of:
+                    order.append(m.w1.name)
+                    w2_of[m.w1.name] = m.w2.name
+                elif w2_of[m.w1.name] != m.w2.name:
+                    raise MoecError(f"{self.source}: expert weight {m.w1.name} pairs with {w2_of[m.w1.name]} and {m.w2.name}")
+        if len(set(w2_of.values())) != len(w2_of):
+            raise MoecError(f"{self.source}: offloaded experts need each layer's own expert weights (layers share them)")
+        D, I, E = spec.hidden, spec.inter, spec.experts
+        self.offload = {"slots": self.expert_slots, "experts": E,
+                        "pools": [{"name": "experts.pool.w1", "shape": [self.expert_slots, 2 * I, D], "dtype": spec.w_dtype},
+                                  {"name": "experts.pool.w2", "shape": [self.expert_slots, D, I], "dtype": spec.w_dtype}],
+                        "layers": [[n, w2_of[n]] for n in order],
+                        "slot_bytes": 3 * D * I * {"float32": 4, "float16": 2, "bfloat16": 2}[spec.w_dtype]}
+        return {n: i for i, n in enumerate(order)}, spec
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        try:
+            return self._transform(mod)
+        except MoecError as exc:  # kept: TVM's pass machinery hands it on as a RuntimeError
+            self.error = exc
+            raise
+
+    def _transform(self, mod: tvm.IRModule) -> tvm.IRModule:
         entries = num_input_entries(mod, "InsertGroupedExperts", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
         kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form), lambda key: f"moe_{key[1]}", self.kernels)
@@ -548,6 +606,10 @@ class InsertGroupedExperts:
             self.rounding[gv.name_hint] = [r for m in matches for r in m.rounding]
             found.append((gv, func, matches))
         convert = self._plan_conversion(found) if self.expert_weights is not None else []
+        layer_of = None
+        if self.expert_slots is not None:
+            layer_of, slot_spec = self._plan_offload(found)
+            found = [(gv, func, [replace(m, spec=slot_spec) for m in matches]) for gv, func, matches in found]
         out = mod
         for gv, func, matches in found:
             if not matches:
@@ -563,7 +625,10 @@ class InsertGroupedExperts:
             conv = {n: (relax.Var(n, relax.TensorType(params[n].ty.shape, self.converted[n]["dtype"])),
                         relax.Var(self.converted[n]["scale"], relax.TensorType(params[n].ty.shape.values[:2], "float32"))
                         if self.converted[n]["scale"] else None) for n in convert}
-            rewriter = _GroupedExpertsRewriter(out, matches, None, conv)
+            pools = None
+            if layer_of is not None:
+                pools = [relax.Var(p["name"], relax.TensorType(p["shape"], p["dtype"])) for p in self.offload["pools"]]
+            rewriter = _GroupedExpertsRewriter(out, matches, None, conv, pools, layer_of)
 
             rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(b, (spec, name))
             new_func = rewriter.visit_expr(func)
@@ -577,9 +642,29 @@ class InsertGroupedExperts:
                 new_params = [conv[p.name][0] if p.name in conv else p for p in new_func.params]
                 new_params += [conv[n][1] for n in convert if conv[n][1] is not None]
                 new_func = relax.Function(new_params, new_func.body, new_func.ret_ty, new_func.is_pure, new_func.attrs)
+            if pools is not None:  # the layers' expert weights leave the signature, the pools join at its end
+                new_func = relax.analysis.remove_all_unused(new_func)
+                free = relax.analysis.free_vars(new_func.body)
+                gone = {n for pair in self.offload["layers"] for n in pair}
+                left = [p.name for p in new_func.params if p.name in gone and any(p.same_as(v) for v in free)]
+                if left:
+                    raise MoecError(f"{self.source}: entry {gv.name_hint} still reads {left} outside the grouped experts; "
+                                    "cannot offload them")
+                new_params = [p for p in new_func.params if p.name not in gone] + pools
+                new_func = relax.Function(new_params, new_func.body, new_func.ret_ty, new_func.is_pure, new_func.attrs)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()
         return out
+
+    def offloaded_weights(self, names: list[str], arrays: list) -> tuple[list[str], list, dict]:
+        """With expert slots: the entries' weights (the offloaded ones left out, the pools last, as None: the runtime
+        allocates them) and the offloaded arrays by name."""
+        if self.offload is None:
+            return list(names), list(arrays), {}
+        gone = {n for pair in self.offload["layers"] for n in pair}
+        keep = [(n, a) for n, a in zip(names, arrays) if n not in gone]
+        return ([n for n, _ in keep] + [p["name"] for p in self.offload["pools"]], [a for _, a in keep] + [None, None],
+                {n: a for n, a in zip(names, arrays) if n in gone})
 
     def _plan_conversion(self, found) -> list[str]:
         """Weight names to convert: the experts' weights matched in every entry that has any match."""
@@ -637,7 +722,7 @@ class InsertGroupedExperts:
         kernels = []
         for spec in dict.fromkeys(s for s, _ in self.kernels):
             kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
-        return {"replaced": dict(self.replaced), "kernels": kernels, "skipped": {k: v for k, v in self.skipped.items() if v},
+        return {"replaced": dict(self.replaced), "kernels": kernels, "offload": self.offload, "skipped": {k: v for k, v in self.skipped.items() if v},
                 "rounding": {k: v for k, v in self.rounding.items() if v},
                 "expert_weights": self.expert_weights, "converted": dict(self.converted)}
 

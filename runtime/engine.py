@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compiler.artifact import LIBRARY, WEIGHTS, read_manifest
+from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, WEIGHTS, read_manifest
 from ..compiler.errors import ArtifactError, MoecError
 
 
+from .expert_cache import RESIDENCY_FUNC, OffloadedExperts
 from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error users catch
 
 
@@ -62,6 +63,26 @@ def _register_fatbins(directory: Path, manifest: dict):
             tvm_ffi.remove_global_func(_CUDA_COMPILE)
 
     return restore
+
+
+_ACTIVE_EXPERTS = None  # the offloaded experts of the engine whose forward is running
+_RESIDENCY_REGISTERED = False
+
+
+def _register_residency() -> None:
+    """The packed function the compiled graph calls before each MoE layer's experts (``RESIDENCY_FUNC``)."""
+    global _RESIDENCY_REGISTERED
+    if _RESIDENCY_REGISTERED:
+        return
+    import tvm_ffi
+
+    def residency(ids, layer):
+        if _ACTIVE_EXPERTS is None:
+            raise MoecError("offloaded experts: the compiled model asked for expert residency outside an engine's forward")
+        return _ACTIVE_EXPERTS.residency(ids, int(layer))
+
+    tvm_ffi.register_global_func(RESIDENCY_FUNC, residency, override=True)
+    _RESIDENCY_REGISTERED = True
 
 
 def _load_cuda_runtime() -> None:
@@ -116,6 +137,9 @@ class Engine:
         if device == "cuda":
             _load_cuda_runtime()
             restore = _register_fatbins(directory, manifest)
+        offload = ((manifest.get("options") or {}).get("grouped_experts") or {}).get("offload")
+        if offload:  # the VM resolves the graph's residency call when it loads
+            _register_residency()
         try:
             lib = tvm.runtime.load_module(str(directory / LIBRARY))
             from tvm.runtime.vm import VirtualMachine
@@ -132,10 +156,20 @@ class Engine:
 
         stored = load_file(str(directory / WEIGHTS))
         names = manifest["weights"]
-        keys = sorted(stored)
-        if len(keys) != len(names):
-            raise ArtifactError(f"{directory / WEIGHTS}: holds {len(keys)} tensors, manifest lists {len(names)}")
-        self.weights = [tvm.runtime.tensor(stored[k], self.device) for k in keys]
+        pools = {p["name"] for p in offload["pools"]} if offload else set()
+        keys = sorted(k for k in stored if not k.startswith(OFFLOADED_PREFIX))
+        if len(keys) != len(names) - len(pools):
+            raise ArtifactError(f"{directory / WEIGHTS}: holds {len(keys)} tensors, manifest lists {len(names) - len(pools)}")
+        self.experts = None  # offloaded experts (moec compile --expert-slots): host weights, device pools, residency
+        if offload:
+            host = {n: stored.get(OFFLOADED_PREFIX + n) for pair in offload["layers"] for n in pair}
+            missing = [n for n, a in host.items() if a is None]
+            if missing:
+                raise ArtifactError(f"{directory / WEIGHTS}: offloaded expert weights missing: {', '.join(missing[:3])}")
+            self.experts = OffloadedExperts(tvm, self.device, offload, host)
+        by_pool = dict(zip([p["name"] for p in offload["pools"]], self.experts.pools)) if offload else {}
+        it = iter(keys)
+        self.weights = [by_pool[n] if n in by_pool else tvm.runtime.tensor(stored[next(it)], self.device) for n in names]
         del stored
         cfg = manifest["model"]
         self.vocab_size = cfg["vocab_size"]
@@ -266,6 +300,10 @@ class Engine:
     def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False):
         """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor."""
         tvm = self._tvm
+        if self.experts is not None:  # the compiled graph asks this engine's expert store for residency
+            global _ACTIVE_EXPERTS
+            _ACTIVE_EXPERTS = self.experts
+            self.experts.begin()
         counts = [len(t) for t in tokens_per_seq]
         for s in seq_ids:
             if s not in self.lengths:

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..compiler.errors import MoecError
 
 
@@ -148,3 +150,59 @@ def simulate(routed_steps, predicted_steps, capacity: int) -> dict:
             cache.release(layer)
         cache.check()
     return cache.stats.as_dict()
+
+
+RESIDENCY_FUNC = "moec.expert_residency"  # the compiled graph's call before each MoE layer's expert GEMMs
+
+
+class OffloadedExperts:
+    """The runtime side of offloaded experts (``moec compile --expert-slots``): the layers' expert weights in host
+    memory, two device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]) that the compiled grouped expert
+    kernels read, and an ``ExpertCache`` deciding residency.
+
+    ``residency(ids, layer)`` is what the compiled graph calls (``RESIDENCY_FUNC``) once a layer's router has chosen:
+    the routed experts are made resident (missing ones copied into free or least recently used slots; the layer
+    waits for them) and the [E] slot table comes back for the kernels. ``begin()`` starts a model call: no layer
+    is computing yet, so every slot may be reused."""
+
+    def __init__(self, tvm, device, doc: dict, host: dict) -> None:
+        self._tvm, self.device = tvm, device
+        self.layers = [(host[w1], host[w2]) for w1, w2 in doc["layers"]]
+        self.experts = int(doc["experts"])
+        self.pools = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"], device) for p in doc["pools"]]
+        self.cache = ExpertCache(int(doc["slots"]))
+        self._slot_bytes = [int(np.prod(p["shape"][1:])) * self.layers[0][i].itemsize for i, p in enumerate(doc["pools"])]
+        self.copies = 0
+        self.copy_bytes = 0
+        self._last = None
+
+    def begin(self) -> None:
+        for layer in range(len(self.layers)):
+            self.cache.release(layer)
+        self._last = None
+
+    def _copy(self, layer: int, expert: int, slot: int) -> None:
+        for i, pool in enumerate(self.pools):
+            src = self.layers[layer][i][expert]
+            view = pool._create_view(src.shape, str(src.dtype), relative_byte_offset=slot * self._slot_bytes[i])
+            view.copyfrom(np.ascontiguousarray(src))
+            self.copy_bytes += src.nbytes
+        self.copies += 1
+
+    def residency(self, ids, layer: int):
+        if not 0 <= layer < len(self.layers):
+            raise MoecError(f"offloaded experts: layer {layer} of {len(self.layers)}")
+        if self._last is not None and self._last != layer:
+            self.cache.release(self._last)
+        self._last = layer
+        e = self.experts
+        routed = ids.numpy().astype(np.int64).reshape(-1)
+        routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
+        routed = np.unique(routed[(routed >= 0) & (routed < e)])
+        _, copies = self.cache.require(layer, routed.tolist())
+        for expert, slot in copies:
+            self._copy(layer, expert, slot)
+        table = np.zeros(e, np.int32)  # experts with no token are never read: any slot will do
+        for expert in routed.tolist():
+            table[expert] = self.cache.slot(layer, expert)
+        return self._tvm.runtime.tensor(table, self.device)

@@ -1,0 +1,113 @@
+"""Offloaded experts (``moec compile --expert-slots``): the IR the pass leaves, the runtime's residency (host weights,
+device slot pools, LRU reuse) and numerics identical to the all-resident model."""
+
+import numpy as np
+import pytest
+import torch
+from tvm import relax
+
+import moec
+from moec.compiler.errors import MoecError
+from moec.models.hf import tiny_hf_model
+from moec.runtime.expert_cache import RESIDENCY_FUNC
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    """Tiny HF OLMoE (2 layers, 8 experts, top-2): all experts resident, and offloaded into 8 slots."""
+    torch.manual_seed(0)
+    model = tiny_hf_model("olmoe")
+    root = tmp_path_factory.mktemp("offload")
+    return model, moec.compile(model, root / "resident", target="llvm"), moec.compile(model, root / "slots8", target="llvm",
+                                                                                     expert_slots=8)
+
+
+def _run(art, prompts, steps):
+    """Greedy decode of the prompts in one batch; the logits of every call."""
+    e = moec.load(art, max_batch=4, max_total_tokens=512)
+    seqs, logits = e.prefill(prompts)
+    out, toks = [np.asarray(logits)], np.asarray(logits).argmax(-1)
+    for _ in range(steps):
+        lg = np.asarray(e.decode(seqs, toks.tolist()))
+        out.append(lg)
+        toks = lg.argmax(-1)
+    return e, out
+
+
+def test_offloaded_decode_equals_resident(arts):
+    model, resident, slots = arts
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 5, 13)]
+    _, want = _run(resident, prompts, 6)
+    e, got = _run(slots, prompts, 6)
+    for w, g in zip(want, got):  # the same kernels read the same weights from other places: the same numbers
+        np.testing.assert_array_equal(g, w)
+    # 8 slots hold one layer's experts: every call moves experts between the two layers, least recently used first
+    st = e.experts.cache.stats
+    assert e.experts.copies == st.stalls > 8 and st.evictions > 0 and st.hits > 0
+    assert e.experts.copy_bytes == e.experts.copies * 3 * 64 * 32 * 4  # W1 (2I x D) + W2 (D x I), float32
+    e.experts.cache.check()
+    doc = e.manifest["options"]["grouped_experts"]["offload"]
+    assert doc["slots"] == 8 and len(doc["layers"]) == 2 and [p["shape"] for p in doc["pools"]] == [[8, 64, 64], [8, 64, 32]]
+
+
+def test_ir_residency_call_and_pools(arts):
+    """Before each layer's expert GEMMs the graph asks the runtime where the routed experts are; the layers'
+    expert weights leave the entries' signatures, two pools join them."""
+    from moec.compiler.importers import import_model
+    from moec.compiler.targets import make_target
+    from moec.passes.grouped_experts import InsertGroupedExperts
+    from moec.passes.pipeline import moec_pipeline
+
+    model = arts[0]
+    imported = import_model(model)
+    tgt = make_target("llvm", None)
+    grouped = InsertGroupedExperts(tgt, "tiny", expert_slots=8)
+    pipeline, _ = moec_pipeline(imported.num_inputs, tgt, "tiny", None, None, None, None, grouped_experts=grouped, phases=1)
+    with tgt:
+        mod = pipeline(imported.mod)
+    offloaded = {n for pair in grouped.offload["layers"] for n in pair}
+    assert len(offloaded) == 4
+    for name in ("prefill", "decode"):
+        func = mod[name]
+        params = [p.name for p in func.params]
+        assert params[-2:] == ["experts.pool.w1", "experts.pool.w2"] and not offloaded & set(params)
+        calls = []
+
+        def visit(e):
+            if isinstance(e, relax.Call) and len(e.args) and isinstance(e.args[0], relax.ExternFunc) and \
+                    e.args[0].global_symbol == RESIDENCY_FUNC:
+                calls.append(int(e.args[2].value))
+        relax.analysis.post_order_visit(func.body, visit)
+        assert sorted(calls) == [0, 1]  # one per layer, numbered by their weights' order
+
+
+def test_refusals(arts, tmp_path):
+    model = arts[0]
+    with pytest.raises(MoecError, match="cannot hold one layer's 8"):
+        moec.compile(model, tmp_path / "a", target="llvm", expert_slots=7)
+    with pytest.raises(MoecError, match="expert slots must be a positive integer"):
+        moec.compile(model, tmp_path / "b", target="llvm", expert_slots=0)
+    with pytest.raises(MoecError, match="drop --expert-weights"):
+        moec.compile(model, tmp_path / "c", target="llvm", expert_slots=8, expert_weights="bf16")
+    with pytest.raises(MoecError, match="need the grouped experts"):
+        moec.compile(model, tmp_path / "d", target="llvm", expert_slots=8, grouped_experts=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()
+
+
+def test_tiered_cache_and_cuda_build(arts, tmp_path):
+    """With the tiered KV cache too (its own forward path), and the CUDA build (slot-pool kernels, the residency
+    call) compiles; running it needs a GPU."""
+    model = arts[0]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (7, 11)]
+    want = _run(moec.compile(model, tmp_path / "t", target="llvm", kv_cache="tiered"), prompts, 3)[1]
+    e, got = _run(moec.compile(model, tmp_path / "ts", target="llvm", kv_cache="tiered", expert_slots=9), prompts, 3)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    assert e.experts.copies > 0
+    art = moec.compile(model, tmp_path / "cuda", target="cuda", kv_cache="tiered", expert_slots=8)
+    import json
+
+    doc = json.loads((art / "manifest.json").read_text())
+    assert doc["options"]["grouped_experts"]["offload"]["slots"] == 8 and doc["cuda_kernels"]
