@@ -75,6 +75,7 @@ def compile(  # noqa: A001 - the public name users call
     dense_gemm: bool = True,
     cuda_graph=False,
     expert_slots: int | None = None,
+    gpu_memory_budget: int | None = None,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -137,6 +138,10 @@ def compile(  # noqa: A001 - the public name users call
         Offloaded experts: the routed experts' weights stay in host memory and the device holds a pool of this
         many expert slots (at least one layer's experts), filled on demand by the runtime as each layer's router
         chooses (least recently used slots are reused). For models whose experts do not fit in device memory.
+    gpu_memory_budget : int, optional
+        Bytes of device memory for the model's weights: when they do not all fit, the experts are offloaded
+        (as ``expert_slots``) into as many slots as the budget leaves after the weights that stay on the device
+        (attention, norms, routers, embeddings). The KV cache is not counted.
     cuda_graph : bool | moec.passes.cuda_graph.GraphBounds
         CUDA only: also build ``decode_graph``, the decode step with its kernel launches captured and
         replayed as CUDA graphs (``moec.passes.cuda_graph``), for steps of at most ``max_batch`` streams
@@ -169,6 +174,13 @@ def compile(  # noqa: A001 - the public name users call
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
     graph_bounds = _graph_bounds(cuda_graph)
+    if gpu_memory_budget is not None and (not isinstance(gpu_memory_budget, int) or isinstance(gpu_memory_budget, bool)
+                                          or gpu_memory_budget < 1):
+        raise MoecError(f"the device memory budget must be a positive number of bytes, got {gpu_memory_budget!r}")
+    if gpu_memory_budget is not None and expert_slots is not None:
+        raise MoecError("give either expert slots or a device memory budget, not both")
+    if gpu_memory_budget is not None and not grouped_experts:
+        raise MoecError("a device memory budget offloads the grouped experts (drop --no-grouped-experts)")
     if expert_slots is not None and not grouped_experts:
         raise MoecError("offloaded experts (expert slots) need the grouped experts (drop --no-grouped-experts)")
     if expert_slots is not None and graph_bounds is not None:
@@ -237,7 +249,9 @@ def compile(  # noqa: A001 - the public name users call
 
         grouped = InsertGroupedExperts(tgt, imported.source_name, expert_weights,
                                        dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None,
-                                       expert_slots=expert_slots)
+                                       expert_slots=expert_slots,
+                                       memory_budget=None if gpu_memory_budget is None else
+                                       (gpu_memory_budget, sum(int(w.nbytes) for w in imported.weights)))
     dense = None
     if dense_gemm:
         from ..passes.dense_gemm import InsertDenseGEMM

@@ -17,6 +17,22 @@ import numpy as np
 from .errors import MoecError
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """A byte count: digits, optionally with K, M, G or T (powers of 1024) and a trailing B."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 40G, 512M, 1073741824)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive byte count: {text!r}")
+    return int(value * _UNITS[unit])
+
+
 def _print_args(args) -> None:
     shown = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
     print(f"[moec] {args.command}: " + " ".join(f"{k}={v}" for k, v in shown.items() if k != "command"), flush=True)
@@ -38,7 +54,7 @@ def cmd_compile(args) -> int:
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
-                 expert_slots=args.expert_slots,
+                 expert_slots=args.expert_slots, gpu_memory_budget=args.gpu_memory_budget,
                  dense_gemm=args.dense_gemm, cuda_graph=_graph_bounds(args))
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
@@ -267,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload the routed experts: their weights stay in host memory and the device holds N expert "
                         "slots (at least one layer's experts), filled as each layer's router chooses, least recently "
                         "used slots reused; for models whose experts do not fit in device memory")
+    p.add_argument("--gpu-memory-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="device memory for the weights (e.g. 40G, 512M or a byte count): if they do not fit, the "
+                        "experts are offloaded into as many slots as remain after the other weights (the KV cache is "
+                        "not counted)")
     p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
                         "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")

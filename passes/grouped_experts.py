@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.prim.expr import IntImm
@@ -529,12 +530,14 @@ class InsertGroupedExperts:
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
-                 weights: dict | None = None, expert_slots: int | None = None) -> None:
+                 weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
         if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
             raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
-        if expert_slots is not None and expert_weights is not None:
+        if memory_budget is not None and expert_slots is not None:
+            raise MoecError("give either expert slots or a device memory budget, not both")
+        if (expert_slots is not None or memory_budget is not None) and expert_weights is not None:
             raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
         if expert_weights not in (None, "bf16", "fp8"):
             raise MoecError(f"expert weights must be bf16 or fp8 (or None: the model's dtype), got {expert_weights!r}")
@@ -549,8 +552,43 @@ class InsertGroupedExperts:
         self.rounding: dict[str, list[str]] = {}  # per entry: roundings of the graph the kernels do not make
         self.kernels: dict[tuple, str] = {}
         self.expert_slots = expert_slots
+        # (budget bytes, bytes of all the model's weights): the slots are what the budget leaves after the weights
+        # that stay on the device; none when every expert fits
+        self.memory_budget = memory_budget
+        self.budget_note: str | None = None
         self.offload: dict | None = None  # with expert slots: the pools and each layer's offloaded weights
         self.error: MoecError | None = None  # the refusal of the last run, if any
+
+    def _slots_for_budget(self, found) -> int | None:
+        """Expert slots that a device memory budget leaves after every weight that stays on the device (None: the
+        experts fit, nothing is offloaded)."""
+        budget, total = self.memory_budget
+        size = {"float32": 4, "float16": 2, "bfloat16": 2}
+        experts, per_expert, num = {}, None, None
+        for _, func, matches in found:
+            params = {p.name: p for p in func.params}
+            for m in matches:
+                for w in (m.w1, m.w2):
+                    shp = [int(v) for v in params[w.name].ty.shape.values]
+                    experts[w.name] = int(np.prod(shp)) * size[m.spec.w_dtype]
+                per_expert = 3 * m.spec.hidden * m.spec.inter * size[m.spec.w_dtype]
+                num = m.spec.experts
+        if not experts:
+            raise MoecError(f"{self.source}: a device memory budget offloads experts, and no MoE layer was recognised "
+                            "in the grouped form")
+        resident = total - sum(experts.values())
+        if budget >= total:
+            self.budget_note = f"all {total} weight bytes fit the {budget}-byte budget: nothing offloaded"
+            return None
+        slots = (budget - resident) // per_expert
+        if slots < num:
+            raise MoecError(f"{self.source}: a device memory budget of {budget} bytes leaves "
+                            f"{max(budget - resident, 0)} after the {resident} bytes of weights that stay on the device: "
+                            f"{max(slots, 0)} expert slots of {per_expert} bytes, fewer than one layer's {num}; "
+                            f"give at least {resident + num * per_expert} bytes")
+        self.budget_note = (f"{budget}-byte budget: {resident} bytes of resident weights, {slots} expert slots of "
+                            f"{per_expert} bytes ({sum(experts.values())} bytes of experts offloaded)")
+        return int(slots)
 
     def _plan_offload(self, found) -> tuple[dict, GroupedExpertsSpec]:
         """Offloaded experts: one slot pool for every layer (the same expert shapes everywhere), layers numbered
@@ -606,9 +644,12 @@ class InsertGroupedExperts:
             self.rounding[gv.name_hint] = [r for m in matches for r in m.rounding]
             found.append((gv, func, matches))
         convert = self._plan_conversion(found) if self.expert_weights is not None else []
+        if self.memory_budget is not None:
+            self.expert_slots = self._slots_for_budget(found)
         layer_of = None
         if self.expert_slots is not None:
             layer_of, slot_spec = self._plan_offload(found)
+            self.offload["budget"] = self.budget_note
             found = [(gv, func, [replace(m, spec=slot_spec) for m in matches]) for gv, func, matches in found]
         out = mod
         for gv, func, matches in found:
@@ -722,7 +763,7 @@ class InsertGroupedExperts:
         kernels = []
         for spec in dict.fromkeys(s for s, _ in self.kernels):
             kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
-        return {"replaced": dict(self.replaced), "kernels": kernels, "offload": self.offload, "skipped": {k: v for k, v in self.skipped.items() if v},
+        return {"replaced": dict(self.replaced), "kernels": kernels, "offload": self.offload, "memory_budget": self.budget_note, "skipped": {k: v for k, v in self.skipped.items() if v},
                 "rounding": {k: v for k, v in self.rounding.items() if v},
                 "expert_weights": self.expert_weights, "converted": dict(self.converted)}
 

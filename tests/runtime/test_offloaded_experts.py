@@ -111,3 +111,25 @@ def test_tiered_cache_and_cuda_build(arts, tmp_path):
 
     doc = json.loads((art / "manifest.json").read_text())
     assert doc["options"]["grouped_experts"]["offload"]["slots"] == 8 and doc["cuda_kernels"]
+
+
+def test_memory_budget_picks_the_slots(arts, tmp_path):
+    """``gpu_memory_budget``: the slots are what the budget leaves after the weights that stay on the device."""
+    from moec.compiler.cli import _bytes
+
+    model = arts[0]
+    total = sum(p.numel() * 4 for p in model.parameters())
+    per_expert, experts = 3 * 64 * 32 * 4, 2 * 8 * 3 * 64 * 32 * 4  # float32: one expert, and every layer's
+    resident = total - experts
+    art = moec.compile(model, tmp_path / "b", target="llvm", gpu_memory_budget=resident + 9 * per_expert + 100)
+    e = moec.load(art)
+    assert e.experts is not None and e.experts.cache.capacity == 9
+    assert f"{resident} bytes of resident weights, 9 expert slots" in e.manifest["options"]["grouped_experts"]["memory_budget"]
+    assert e.generate([[1, 2, 3]], 3) == moec.load(arts[1]).generate([[1, 2, 3]], 3)
+    art = moec.compile(model, tmp_path / "all", target="llvm", gpu_memory_budget=total)  # everything fits
+    assert moec.load(art).experts is None
+    with pytest.raises(MoecError, match=f"give at least {resident + 8 * per_expert} bytes"):
+        moec.compile(model, tmp_path / "c", target="llvm", gpu_memory_budget=resident + 7 * per_expert)
+    with pytest.raises(MoecError, match="either expert slots or a device memory budget"):
+        moec.compile(model, tmp_path / "d", target="llvm", gpu_memory_budget=total, expert_slots=8)
+    assert _bytes("40G") == 40 << 30 and _bytes("1.5GiB") == 3 << 29 and _bytes("4096") == 4096
