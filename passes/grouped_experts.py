@@ -75,7 +75,7 @@ from tvm.ir.prim.expr import IntImm
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], layer) -> slot of each expert [E] int32
+from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], x [T, D], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
 
@@ -496,7 +496,7 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
         order = bb.emit(relax.TupleGetItem(prep, 1))  # S, slots grouped by expert
         w1, w2 = self._weight(m.w1), self._weight(m.w2)
         if self.pools is not None:  # the runtime makes the routed experts resident and says where (E + 1 + E)
-            table = bb.emit(relax.call_pure_packed(RESIDENCY_FUNC, ids, relax.prim_value(tvm.tirx.IntImm("int64", self.layer_of[m.w1.name])),
+            table = bb.emit(relax.call_pure_packed(RESIDENCY_FUNC, ids, x, relax.prim_value(tvm.tirx.IntImm("int64", self.layer_of[m.w1.name])),
                                                    ty_args=relax.TensorType([s.experts], "int32")))
             offsets = bb.emit(relax.op.concat([offsets, table], axis=0))
             w1, w2 = [self.pools[0]], [self.pools[1]]

@@ -65,6 +65,35 @@ def _register_fatbins(directory: Path, manifest: dict):
     return restore
 
 
+def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None) -> tuple:
+    """``OffloadedExperts``' prefetch arguments: per offloaded layer its router (weight, bias) and the ratio of its
+    post-attention norm weight to the previous MoE layer's, from the recorded structure (None: no prefetch)."""
+    if extra is None:
+        return None, 0, 0
+    by_w1 = {}
+    for layer in manifest["structure"]["layers"]:
+        router = layer.get("router") or {}
+        mlp = [n["weight"] for n in layer.get("norms", []) if n.get("role") == "mlp"]
+        for name in layer.get("experts") or {}:
+            by_w1[name] = (router.get("weight"), router.get("bias"), mlp[0] if mlp else None, router.get("top_k"))
+    rows, top_k = [], 0
+    e, d = int(offload["experts"]), int(offload["pools"][0]["shape"][2])
+    for w1, _ in offload["layers"]:
+        router, bias, norm, k = by_w1.get(w1, (None, None, None, None))
+        if router not in weights or norm not in weights:  # not recorded as expected: load on demand only
+            return None, 0, 0
+        w = np.asarray(weights[router], np.float32)
+        w = w.T if w.shape == (d, e) else w
+        if w.shape != (e, d) or np.asarray(weights[norm]).shape != (d,):
+            return None, 0, 0
+        rows.append((w, None if bias is None or bias not in weights else np.asarray(weights[bias], np.float32),
+                     np.asarray(weights[norm], np.float32)))
+        top_k = max(top_k, int(k or 0))
+    preds = [None] + [(w, b, n / np.where(prev == 0, np.float32(1), prev))
+                      for (w, b, n), (_, _, prev) in zip(rows[1:], rows[:-1])]
+    return preds, top_k, extra
+
+
 _ACTIVE_EXPERTS = None  # the offloaded experts of the engine whose forward is running
 _RESIDENCY_REGISTERED = False
 
@@ -76,10 +105,10 @@ def _register_residency() -> None:
         return
     import tvm_ffi
 
-    def residency(ids, layer):
+    def residency(ids, x, layer):
         if _ACTIVE_EXPERTS is None:
             raise MoecError("offloaded experts: the compiled model asked for expert residency outside an engine's forward")
-        return _ACTIVE_EXPERTS.residency(ids, int(layer))
+        return _ACTIVE_EXPERTS.residency(ids, x, int(layer))
 
     tvm_ffi.register_global_func(RESIDENCY_FUNC, residency, override=True)
     _RESIDENCY_REGISTERED = True
@@ -103,10 +132,15 @@ class Engine:
 
     def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
                  prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None,
-                 cuda_graph: bool | None = None) -> None:
+                 cuda_graph: bool | None = None, expert_prefetch: int | None = 0) -> None:
         """``cuda_graph``: run decode steps through the artifact's CUDA graphs (``moec compile --cuda-graph``) when
         they fit its bounds. None (default): if the artifact has them and the device is CUDA; False: never; True:
-        the artifact must have them."""
+        the artifact must have them. ``expert_prefetch`` (offloaded experts): None loads each layer's experts when
+        its router has chosen; n >= 0 also prefetches the next layer's predicted top-k + n experts per token
+        (``OffloadedExperts``)."""
+        if expert_prefetch is not None and (not isinstance(expert_prefetch, int) or isinstance(expert_prefetch, bool)
+                                            or expert_prefetch < 0):
+            raise MoecError(f"expert_prefetch must be None or a non-negative number of extra experts, got {expert_prefetch!r}")
         directory = Path(directory)
         manifest = read_manifest(directory, verify=True)
         self.manifest = manifest
@@ -166,7 +200,9 @@ class Engine:
             missing = [n for n, a in host.items() if a is None]
             if missing:
                 raise ArtifactError(f"{directory / WEIGHTS}: offloaded expert weights missing: {', '.join(missing[:3])}")
-            self.experts = OffloadedExperts(tvm, self.device, offload, host)
+            self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
+                manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
+                expert_prefetch))
         by_pool = dict(zip([p["name"] for p in offload["pools"]], self.experts.pools)) if offload else {}
         it = iter(keys)
         self.weights = [by_pool[n] if n in by_pool else tvm.runtime.tensor(stored[next(it)], self.device) for n in names]

@@ -160,13 +160,23 @@ class OffloadedExperts:
     memory, two device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]) that the compiled grouped expert
     kernels read, and an ``ExpertCache`` deciding residency.
 
-    ``residency(ids, layer)`` is what the compiled graph calls (``RESIDENCY_FUNC``) once a layer's router has chosen:
-    the routed experts are made resident (missing ones copied into free or least recently used slots; the layer
-    waits for them) and the [E] slot table comes back for the kernels. ``begin()`` starts a model call: no layer
-    is computing yet, so every slot may be reused."""
+    ``residency(ids, x, layer)`` is what the compiled graph calls (``RESIDENCY_FUNC``) once a layer's router has
+    chosen (``ids``; ``x`` the layer's expert input, its post-attention state after the norm): the routed experts
+    are made resident (missing ones copied into free or least recently used slots; the layer waits for them) and
+    the [E] slot table comes back for the kernels. ``begin()`` starts a model call: no layer is computing yet, so
+    every slot may be reused.
 
-    def __init__(self, tvm, device, doc: dict, host: dict) -> None:
+    Prefetch (``predictors``: per layer l >= 1, layer l's router weight [E, D], its bias or None, and the ratio of
+    layer l's norm weight to layer l - 1's): after layer l - 1's residency, layer l's router is applied to layer
+    l - 1's input renormalised with layer l's norm weight (the same RMS, so ``x * ratio``), and the top ``top_k +
+    extra`` experts of each token are made resident ahead of layer l's router (``ExpertCache.prefetch``: never
+    evicting the running layer's experts). The copies are made before the call returns, not yet on a second
+    stream; ``cache.stats`` counts the prefetched experts the layer then used and the stalls left."""
+
+    def __init__(self, tvm, device, doc: dict, host: dict, predictors: list | None = None, top_k: int = 0,
+                 extra: int = 0) -> None:
         self._tvm, self.device = tvm, device
+        self.predictors, self.top_k, self.extra = predictors, int(top_k), int(extra)
         self.layers = [(host[w1], host[w2]) for w1, w2 in doc["layers"]]
         self.experts = int(doc["experts"])
         self.pools = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"], device) for p in doc["pools"]]
@@ -189,7 +199,18 @@ class OffloadedExperts:
             self.copy_bytes += src.nbytes
         self.copies += 1
 
-    def residency(self, ids, layer: int):
+    def _prefetch(self, x, layer: int) -> None:
+        """Layer ``layer``'s experts predicted from the previous layer's expert input ``x`` [T, D]."""
+        w, bias, ratio = self.predictors[layer]
+        logits = (x * ratio) @ w.T
+        if bias is not None:
+            logits = logits + bias
+        k = min(self.top_k + self.extra, self.experts)
+        top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        for expert, slot in self.cache.prefetch(layer, np.unique(top).tolist()):
+            self._copy(layer, expert, slot)
+
+    def residency(self, ids, x, layer: int):
         if not 0 <= layer < len(self.layers):
             raise MoecError(f"offloaded experts: layer {layer} of {len(self.layers)}")
         if self._last is not None and self._last != layer:
@@ -205,4 +226,6 @@ class OffloadedExperts:
         table = np.zeros(e, np.int32)  # experts with no token are never read: any slot will do
         for expert in routed.tolist():
             table[expert] = self.cache.slot(layer, expert)
+        if self.predictors is not None and layer + 1 < len(self.layers):
+            self._prefetch(x.numpy().astype(np.float32).reshape(-1, x.shape[-1]), layer + 1)
         return self._tvm.runtime.tensor(table, self.device)

@@ -22,9 +22,9 @@ def arts(tmp_path_factory):
                                                                                      expert_slots=8)
 
 
-def _run(art, prompts, steps):
+def _run(art, prompts, steps, **kw):
     """Greedy decode of the prompts in one batch; the logits of every call."""
-    e = moec.load(art, max_batch=4, max_total_tokens=512)
+    e = moec.load(art, max_batch=4, max_total_tokens=512, **kw)
     seqs, logits = e.prefill(prompts)
     out, toks = [np.asarray(logits)], np.asarray(logits).argmax(-1)
     for _ in range(steps):
@@ -39,14 +39,23 @@ def test_offloaded_decode_equals_resident(arts):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, n).tolist() for n in (9, 5, 13)]
     _, want = _run(resident, prompts, 6)
-    e, got = _run(slots, prompts, 6)
+    e, got = _run(slots, prompts, 6, expert_prefetch=None)  # on demand only
     for w, g in zip(want, got):  # the same kernels read the same weights from other places: the same numbers
         np.testing.assert_array_equal(g, w)
     # 8 slots hold one layer's experts: every call moves experts between the two layers, least recently used first
     st = e.experts.cache.stats
-    assert e.experts.copies == st.stalls > 8 and st.evictions > 0 and st.hits > 0
+    assert e.experts.copies == st.stalls > 8 and st.evictions > 0 and st.hits > 0 and st.prefetched == 0
     assert e.experts.copy_bytes == e.experts.copies * 3 * 64 * 32 * 4  # W1 (2I x D) + W2 (D x I), float32
     e.experts.cache.check()
+    # prefetch (the default): layer 1's router on layer 0's expert input loads most of what layer 1 then routes to
+    ep, got = _run(slots, prompts, 6)
+    for w, g in zip(want, got):  # prefetching never changes results
+        np.testing.assert_array_equal(g, w)
+    sp = ep.experts.cache.stats
+    assert sp.prefetched > 0 and sp.prefetch_used > 0 and sp.stalls < st.stalls
+    assert ep.experts.copies == sp.stalls + sp.prefetched
+    with pytest.raises(MoecError, match="expert_prefetch must be"):
+        moec.load(slots, expert_prefetch=-1)
     doc = e.manifest["options"]["grouped_experts"]["offload"]
     assert doc["slots"] == 8 and len(doc["layers"]) == 2 and [p["shape"] for p in doc["pools"]] == [[8, 64, 64], [8, 64, 32]]
 
@@ -77,7 +86,7 @@ def test_ir_residency_call_and_pools(arts):
         def visit(e):
             if isinstance(e, relax.Call) and len(e.args) and isinstance(e.args[0], relax.ExternFunc) and \
                     e.args[0].global_symbol == RESIDENCY_FUNC:
-                calls.append(int(e.args[2].value))
+                calls.append(int(e.args[3].value))
         relax.analysis.post_order_visit(func.body, visit)
         assert sorted(calls) == [0, 1]  # one per layer, numbered by their weights' order
 
