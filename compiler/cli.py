@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="512,1024,2048,4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
-                        "built with --cuda-graph), hf-eager, hf-compile")
+                        "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
+                        "--expert-slots slots, loaded on demand / also prefetched), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
@@ -434,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
                         "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "
                         "stream after the point")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="moec-<cache>-offload and -prefetch systems: the device slots of the offloaded experts")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

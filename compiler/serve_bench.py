@@ -65,7 +65,10 @@ SHAPES = {
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "hf-eager", "hf-compile")
+           "moec-tiered-graph", "hf-eager", "hf-compile") + tuple(
+    f"moec-{c}-{m}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch"))
+# moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
+# chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead
 
 
 def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None,
@@ -213,7 +216,8 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
 
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
-                 profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False) -> None:
+                 profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False,
+                 expert_slots: int | None = None) -> None:
         import moec
 
         self.kind = kind
@@ -225,12 +229,18 @@ class _Moec:
             from ..passes.cuda_graph import GraphBounds
 
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
-        art = work / f"art-{cache}{'-graph' if graph else ''}-{device}"
+        offload = kind.endswith(("-offload", "-prefetch"))
+        if offload and expert_slots is None:
+            raise MoecError(f"{kind}: give --expert-slots (the device slots of the offloaded experts)")
+        tag = "-graph" if graph else f"-slots{expert_slots}" if offload else ""
+        art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
-                         kv_cache=cache, progress=True, cuda_graph=graph)
-            _share_weights(art, work)
-        self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens)
+                         kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None)
+            if not offload:
+                _share_weights(art, work)
+        extra = {"expert_prefetch": 0 if kind.endswith("-prefetch") else None} if offload else {}
+        self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens, **extra)
         self.cfg = model.config
         self.cache = cache
 
@@ -253,6 +263,10 @@ class _Moec:
 
     def run(self, prompts: np.ndarray, steps: int) -> dict:
         e = self.engine
+        if e.experts is not None:  # counts per point
+            from ..runtime.expert_cache import CacheStats
+
+            e.experts.cache.stats, e.experts.copies, e.experts.copy_bytes = CacheStats(), 0, 0
         if self.synthetic_kv:  # caches filled with random entries: the decode steps read what they would after prefill
             self.phase = f"synthetic KV fill of {len(prompts)} x {prompts.shape[1]} tokens"
             seqs, ttft = e.fill_synthetic([prompts.shape[1]] * len(prompts)), None
@@ -290,7 +304,12 @@ class _Moec:
                 (seq,), _ = e.prefill([list(prompts[0][:n])])
             profile["prefill_chunk"] = {"tokens": n, **summarize_profile(acc, time.perf_counter() - t, None)}
             e.release(seq)
-        return {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
+        out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
+        if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included)
+            x = e.experts
+            out["experts"] = {"slots": x.cache.capacity, "copies": x.copies, "copy_bytes": x.copy_bytes,
+                              **x.cache.stats.as_dict()}
+        return out
 
 
 class _HF:
@@ -364,7 +383,7 @@ class _HF:
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
               progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None,
-              tie_layers: bool = False, synthetic_kv: bool = False) -> dict:
+              tie_layers: bool = False, synthetic_kv: bool = False, expert_slots: int | None = None) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``synthetic_kv``: the tiered and FP8 systems skip prefill and decode over caches filled with random entries
@@ -378,6 +397,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     for s in systems:
         if s not in SYSTEMS:
             raise MoecError(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+        if s.endswith(("-offload", "-prefetch")) and expert_slots is None:
+            raise MoecError(f"{s}: give --expert-slots (the device slots of the offloaded experts)")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoecError("--device cuda: no CUDA device is visible to torch")
     if min(contexts) <= steps:
@@ -388,7 +409,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     bw = copy_bandwidth(device)
     doc = {"shape": shape, "config": {k: getattr(model.config, k, None) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
-           "synthetic_kv": synthetic_kv,
+           "synthetic_kv": synthetic_kv, "expert_slots": expert_slots,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
@@ -414,7 +435,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
             if name.startswith("moec-"):
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
                                profile=profile, max_context=max(contexts),
-                               synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"))
+                               synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"),
+                               expert_slots=expert_slots)
                 runs["kv_fill"] = "synthetic" if system.synthetic_kv else "prefill"
             else:
                 system = _HF(name, model, device)
@@ -452,6 +474,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 })
                 if r.get("profile"):
                     point["profile"] = r["profile"]
+                if r.get("experts"):
+                    point["experts"] = r["experts"]
                 runs["points"].append(point)
                 checkpoint(doc)
                 if progress:
@@ -518,7 +542,7 @@ def main(args) -> int:
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
                     checkpoint=write, profile=getattr(args, "profile", False),
                     layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False),
-                    synthetic_kv=getattr(args, "synthetic_kv", False))
+                    synthetic_kv=getattr(args, "synthetic_kv", False), expert_slots=getattr(args, "expert_slots", None))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

@@ -138,3 +138,22 @@ def test_bench_synthetic_kv(zoo, tmp_path):
     assert synth.tiered.tables.t1.free == synth.tiered.tables.t1.num_pages
     with pytest.raises(MoecError, match="tiered or FP8"):
         moec.load(zoo.artifact("tiny", "onnx"), max_batch=2, max_total_tokens=256).fill_synthetic([10])
+
+
+def test_bench_offloaded_experts(tmp_path):
+    """moec-<cache>-offload and -prefetch: one artifact with --expert-slots, loaded on demand and with prefetch; the
+    points record what the experts' copies did."""
+    out = tmp_path / "bench.json"
+    base = ["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "4",
+            "--work", str(tmp_path / "work"), "--json", str(out)]
+    assert main(base + ["--systems", "moec-bf16-offload"]) == 2 and not out.exists()  # no --expert-slots
+    assert main(base + ["--systems", "moec-bf16-offload,moec-bf16-prefetch", "--expert-slots", "12"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["expert_slots"] == 12 and doc["complete"]
+    on, pre = (doc["systems"][s]["points"][0] for s in ("moec-bf16-offload", "moec-bf16-prefetch"))
+    for p in (on, pre):
+        assert "error" not in p and p["experts"]["slots"] == 12 and p["experts"]["copies"] > 0
+        cfg = doc["config"]  # float32 weights: W1 (2I x D) and W2 (D x I) per copy
+        assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
+    assert on["experts"]["prefetched"] == 0 and pre["experts"]["prefetched"] > 0
+    assert (tmp_path / "work" / "tiny-olmoe-float32" / "art-bf16-slots12-cpu" / "manifest.json").exists()
