@@ -527,6 +527,70 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
     return mainloop
 
 
+def _gate_up_func(spec: GroupedExpertsSpec, wshape, wdt: str, body):
+    """``moe_gate_up(x, w1, [s1,] offsets, order, h)`` around a form's ``body(x, w, s1, offsets, order, h)`` macro
+    (FP8 weights take their scales; otherwise the body never reads that argument)."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    attrs = _attrs("moe_gate_up")
+    if spec.w_format == "fp8":
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            s1 = T.match_buffer(s_h, (spec.slots or E, 2 * I), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, s1, offsets, order, h)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            body(x, w, w, offsets, order, h)  # no scales: the body never reads them
+    return moe_gate_up
+
+
+def _down_func(spec: GroupedExpertsSpec, wshape, wdt: str, body):
+    """``moe_down(h, w2, [s2,] offsets, order, rw, y)`` around a form's ``body(h, w, s2, offsets, order, rw, y)``."""
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    attrs = _attrs("moe_down")
+    if spec.w_format == "fp8":
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle,
+                     y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            s2 = T.match_buffer(s_h, (spec.slots or E, D), "float32")
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, s2, offsets, order, rw, y)
+    else:
+        @T.prim_func(s_tir=True)
+        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+            w = T.match_buffer(w_h, wshape, wdt)
+            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
+            order = T.match_buffer(order_h, (N * K,), "int32")
+            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
+            y = T.match_buffer(y_h, (N * K, D), "float32")
+            body(h, w, w, offsets, order, rw, y)  # no scales: the body never reads them
+    return moe_down
+
+
 def _mma_weight_form(spec: GroupedExpertsSpec, act: str):
     """(stored weight dtype, mma operand dtype, mma type, widening or None, epilogue factor) of the mma forms."""
     if spec.w_format == "fp8":
@@ -601,31 +665,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                                                     acc[((r * 2) * NT + n) * 4 + c] * scale(s1, we, g0 + rb + r * 16 + g + 8 * (c // 2)),
                                                     acc[((r * 2 + 1) * NT + n) * 4 + c] * scale(s1, we, u0 + rb + r * 16 + g + 8 * (c // 2)))
 
-    attrs = _attrs("moe_gate_up")
-    if fp8:
-        @T.prim_func(s_tir=True)
-        def moe_gate_up(x_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, wshape, wdt)
-            s1 = T.match_buffer(s_h, (spec.slots or E, 2 * I), "float32")
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            body(x, w, s1, offsets, order, h)
-    else:
-        @T.prim_func(s_tir=True)
-        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, wshape, wdt)
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            body(x, w, w, offsets, order, h)  # no scales: the body never reads them
-    return moe_gate_up
+    return _gate_up_func(spec, wshape, wdt, body)
 
 
 def _make_down_mma(spec: GroupedExpertsSpec):
@@ -681,34 +721,7 @@ def _make_down_mma(spec: GroupedExpertsSpec):
                                                         rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
                                                            order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
 
-    attrs = _attrs("moe_down")
-    if fp8:
-        @T.prim_func(s_tir=True)
-        def moe_down(h_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle,
-                     y_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, wshape, wdt)
-            s2 = T.match_buffer(s_h, (spec.slots or E, D), "float32")
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-            y = T.match_buffer(y_h, (N * K, D), "float32")
-            body(h, w, s2, offsets, order, rw, y)
-    else:
-        @T.prim_func(s_tir=True)
-        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, wshape, wdt)
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-            y = T.match_buffer(y_h, (N * K, D), "float32")
-            body(h, w, w, offsets, order, rw, y)  # no scales: the body never reads them
-    return moe_down
+    return _down_func(spec, wshape, wdt, body)
 
 
 def _make_gate_up_pipe(spec: GroupedExpertsSpec):
@@ -938,31 +951,7 @@ def make_gate_up(spec: GroupedExpertsSpec, target: str = "llvm"):
                                             h[lo + g * TB + b, j] = swiglu(acc[b] * scale(s1, we, g0 + j), acc[TB + b] * scale(s1, we, u0 + j))
 
     body = body_cuda if target == "cuda" else body_llvm
-    attrs = _attrs("moe_gate_up")
-    if fp8:
-        @T.prim_func(s_tir=True)
-        def moe_gate_up(x_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, wshape, "uint8")
-            s1 = T.match_buffer(s_h, (spec.slots or E, 2 * I), "float32")
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            body(x, w, s1, offsets, order, h)
-    else:
-        @T.prim_func(s_tir=True)
-        def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-            w = T.match_buffer(w_h, wshape, spec.w_dtype)
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            body(x, w, w, offsets, order, h)  # no scales: the body never reads them
-    return moe_gate_up
+    return _gate_up_func(spec, wshape, "uint8" if fp8 else spec.w_dtype, body)
 
 
 def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
@@ -1037,34 +1026,7 @@ def make_down(spec: GroupedExpertsSpec, target: str = "llvm"):
                                                 rw[order[lo + g * TB + b] // K, order[lo + g * TB + b] % K])
 
     body = body_cuda if target == "cuda" else body_llvm
-    attrs = _attrs("moe_down")
-    if fp8:
-        @T.prim_func(s_tir=True)
-        def moe_down(h_h: T.handle, w_h: T.handle, s_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle,
-                     y_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, wshape, "uint8")
-            s2 = T.match_buffer(s_h, (spec.slots or E, D), "float32")
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-            y = T.match_buffer(y_h, (N * K, D), "float32")
-            body(h, w, s2, offsets, order, rw, y)
-    else:
-        @T.prim_func(s_tir=True)
-        def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-            T.func_attr(attrs)
-            N = T.int64()
-            h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-            w = T.match_buffer(w_h, wshape, spec.w_dtype)
-            offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-            order = T.match_buffer(order_h, (N * K,), "int32")
-            rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-            y = T.match_buffer(y_h, (N * K, D), "float32")
-            body(h, w, w, offsets, order, rw, y)  # no scales: the body never reads them
-    return moe_down
+    return _down_func(spec, wshape, "uint8" if fp8 else spec.w_dtype, body)
 
 
 # ---------------------------------------------------------------------------- combine
