@@ -123,22 +123,35 @@ def test_tiered_cache_and_cuda_build(arts, tmp_path):
 
 
 def test_memory_budget_picks_the_slots(arts, tmp_path):
-    """``gpu_memory_budget``: the slots are what the budget leaves after the weights that stay on the device."""
+    """``gpu_memory_budget``: the slots are what the budget leaves after the weights that stay on the device (the
+    pass's arithmetic, phase 1 only; the compiled slot form is the tests' above)."""
     from moec.compiler.cli import _bytes
+    from moec.compiler.importers import import_model
+    from moec.compiler.targets import make_target
+    from moec.passes.grouped_experts import InsertGroupedExperts
+    from moec.passes.pipeline import moec_pipeline
 
     model = arts[0]
-    total = sum(p.numel() * 4 for p in model.parameters())
+    imported = import_model(model)
+    total = sum(int(w.nbytes) for w in imported.weights)
     per_expert, experts = 3 * 64 * 32 * 4, 2 * 8 * 3 * 64 * 32 * 4  # float32: one expert, and every layer's
     resident = total - experts
-    art = moec.compile(model, tmp_path / "b", target="llvm", gpu_memory_budget=resident + 9 * per_expert + 100)
-    e = moec.load(art)
-    assert e.experts is not None and e.experts.cache.capacity == 9
-    assert f"{resident} bytes of resident weights, 9 expert slots" in e.manifest["options"]["grouped_experts"]["memory_budget"]
-    assert e.generate([[1, 2, 3]], 3) == moec.load(arts[1]).generate([[1, 2, 3]], 3)
-    art = moec.compile(model, tmp_path / "all", target="llvm", gpu_memory_budget=total)  # everything fits
-    assert moec.load(art).experts is None
-    with pytest.raises(MoecError, match=f"give at least {resident + 8 * per_expert} bytes"):
-        moec.compile(model, tmp_path / "c", target="llvm", gpu_memory_budget=resident + 7 * per_expert)
+    tgt = make_target("llvm", None)
+
+    def plan(budget):
+        grouped = InsertGroupedExperts(tgt, "tiny", memory_budget=(budget, total))
+        pipeline, _ = moec_pipeline(imported.num_inputs, tgt, "tiny", None, None, None, None, grouped_experts=grouped, phases=1)
+        with tgt:
+            pipeline(imported.mod)
+        return grouped
+
+    g = plan(resident + 9 * per_expert + 100)
+    assert g.offload["slots"] == 9 and f"{resident} bytes of resident weights, 9 expert slots" in g.budget_note
+    assert plan(total).offload is None  # everything fits: nothing offloaded
+    with pytest.raises(Exception, match=f"give at least {resident + 8 * per_expert} bytes"):
+        plan(resident + 7 * per_expert)
     with pytest.raises(MoecError, match="either expert slots or a device memory budget"):
         moec.compile(model, tmp_path / "d", target="llvm", gpu_memory_budget=total, expert_slots=8)
+    with pytest.raises(MoecError, match="positive number of bytes"):
+        moec.compile(model, tmp_path / "e", target="llvm", gpu_memory_budget=0)
     assert _bytes("40G") == 40 << 30 and _bytes("1.5GiB") == 3 << 29 and _bytes("4096") == 4096
