@@ -53,9 +53,12 @@ def _funcs() -> dict:
     """function name -> (weight format, tensor cores, launch overrides)"""
     out = {name: (fmt, tc, {}) for name, (fmt, tc) in FUNCS.items()}
     out.update({f"experts_{v}": ("float", True, kw) for v, kw in VARIANTS.items()})
+    out[SLOTS_FUNC] = ("float", True, {})
     return out
 
 
+# the offloaded experts' form (``slots``): the default kernels reading a pool of E slots through a residency table
+SLOTS_FUNC = "experts_slots"
 # function -> (weight format, tensor cores): the default build, FP8 weights, and the warp-per-row form
 FUNCS = {"experts": ("float", True), "experts_fp8": ("fp8", True), "experts_warp": ("float", False)}
 # the default bf16 mma form with other launch shapes, checked and timed alike (``moec_grouped_<name>``): more
@@ -83,7 +86,8 @@ def build_module(shape, kind: str):
     e, k, d, i = shape
     bb = relax.BlockBuilder()
     for fname, (fmt, tc, launch) in _funcs().items():
-        spec = _spec(*shape, w_format=fmt, tensor_cores=tc, **launch)
+        slots = fname == SLOTS_FUNC  # then also slot_of [E] int32: the residency table, after route_prep's bounds
+        spec = _spec(*shape, w_format=fmt, tensor_cores=tc, **launch, **({"slots": e} if slots else {}))
         gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fname}")
               for n, make in KERNELS.items()}
         t = tvm.tirx.Var("t", "int64")
@@ -96,35 +100,18 @@ def build_module(shape, kind: str):
         if fmt == "fp8":
             w1.append(relax.Var("s1", relax.TensorType((e, 2 * i), "float32")))
             w2.append(relax.Var("s2", relax.TensorType((e, d), "float32")))
-        with bb.function(fname, [x, ids, rw, *w1, *w2]):
+        slot_of = [relax.Var("slot_of", relax.TensorType((e,), "int32"))] if slots else []
+        with bb.function(fname, [x, ids, rw, *w1, *w2, *slot_of]):
             with bb.dataflow():
                 prep = bb.emit(relax.call_tir(gv["route_prep"], [ids], out_ty=[relax.TensorType([e + 1], "int32"),
                                                                               relax.TensorType([t * k], "int32")]))
                 off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
+                if slots:
+                    off = bb.emit(relax.op.concat([off, *slot_of], axis=0))
                 h = bb.emit(relax.call_tir(gv["gate_up"], [x, *w1, off, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
                 y = bb.emit(relax.call_tir(gv["down"], [h, *w2, off, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
                 out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
             bb.emit_func_output(out)
-    # offloaded experts' form (``slots``): the same kernels reading a pool of E slots through a residency table
-    spec = _spec(*shape, slots=e)
-    gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_slots")
-          for n, make in KERNELS.items()}
-    t = tvm.tirx.Var("t", "int64")
-    x = relax.Var("x", relax.TensorType((t, d), DTYPE))
-    ids = relax.Var("ids", relax.TensorType((t, k), "int64"))
-    rw = relax.Var("rw", relax.TensorType((t, k), "float32"))
-    w1, w2 = relax.Var("w1", relax.TensorType((e, 2 * i, d), DTYPE)), relax.Var("w2", relax.TensorType((e, d, i), DTYPE))
-    slot_of = relax.Var("slot_of", relax.TensorType((e,), "int32"))
-    with bb.function("experts_slots", [x, ids, rw, w1, w2, slot_of]):
-        with bb.dataflow():
-            prep = bb.emit(relax.call_tir(gv["route_prep"], [ids], out_ty=[relax.TensorType([e + 1], "int32"),
-                                                                          relax.TensorType([t * k], "int32")]))
-            off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
-            full = bb.emit(relax.op.concat([off, slot_of], axis=0))
-            h = bb.emit(relax.call_tir(gv["gate_up"], [x, w1, full, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
-            y = bb.emit(relax.call_tir(gv["down"], [h, w2, full, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
-            out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
-        bb.emit_func_output(out)
     return bb.get()
 
 
@@ -134,8 +121,7 @@ def compile_module(shape, target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    return tvm.compile(build_module(shape, kind), target=target,
-                       relax_pipeline=lowering_pipeline(target, list(_funcs()) + ["experts_slots"]))
+    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(_funcs())))
 
 
 def prepare(out: Path, small: bool) -> None:
@@ -323,10 +309,10 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     import tvm
 
     args_s = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (p1, p2, perm.to(torch.int32))]
-    out_s = torch.from_dlpack(vm["experts_slots"](*args_s)).float()
+    out_s = torch.from_dlpack(vm[SLOTS_FUNC](*args_s)).float()
     row["slots_max_rel_error_vs_fp32"] = float((out_s - ref).abs().max()) / scale
     row["passed"] = row["passed"] and row["slots_max_rel_error_vs_fp32"] < 2e-2
-    vm.save_function("experts_slots", "experts_slots_timed", *args_s)
+    vm.save_function(SLOTS_FUNC, "experts_slots_timed", *args_s)
     res = vm.time_evaluator("experts_slots_timed", dev, number=number, repeat=repeat)()
     ms["moec_grouped_slots"] = float(np.median(np.asarray(res.results))) * 1e3
     del p1, p2, args_s
