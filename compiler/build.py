@@ -177,14 +177,12 @@ def compile(  # noqa: A001 - the public name users call
     if gpu_memory_budget is not None and (not isinstance(gpu_memory_budget, int) or isinstance(gpu_memory_budget, bool)
                                           or gpu_memory_budget < 1):
         raise MoecError(f"the device memory budget must be a positive number of bytes, got {gpu_memory_budget!r}")
-    if gpu_memory_budget is not None and expert_slots is not None:
-        raise MoecError("give either expert slots or a device memory budget, not both")
     if gpu_memory_budget is not None and not grouped_experts:
         raise MoecError("a device memory budget offloads the grouped experts (drop --no-grouped-experts)")
-    if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
-        raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
-    if (expert_slots is not None or gpu_memory_budget is not None) and expert_weights is not None:
-        raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
+    if grouped_experts:
+        from ..passes.grouped_experts import check_offload_options
+
+        check_offload_options(expert_slots, gpu_memory_budget, expert_weights)
     if expert_slots is not None and not grouped_experts:
         raise MoecError("offloaded experts (expert slots) need the grouped experts (drop --no-grouped-experts)")
     if expert_slots is not None and graph_bounds is not None:

@@ -77,7 +77,7 @@ from tvm.sym.analyzer import Analyzer
 from ..compiler.errors import MoecError
 from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], x [T, D], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
-from ..schedules.kernels.grouped_experts import KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
+from ..schedules.kernels.grouped_experts import _BYTES, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
 
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
@@ -509,6 +509,21 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
         self.set_var_remap(binding.var, out)
 
 
+def check_offload_options(expert_slots, memory_budget, expert_weights) -> None:
+    """Refuse offloaded-expert options that cannot go together (before any model is read)."""
+    if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
+        raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
+    if memory_budget is not None and expert_slots is not None:
+        raise MoecError("give either expert slots or a device memory budget, not both")
+    if (expert_slots is not None or memory_budget is not None) and expert_weights is not None:
+        raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
+
+
+def _expert_bytes(spec: GroupedExpertsSpec) -> int:
+    """One expert's W1 and W2 bytes (one slot of the offloaded experts' pools)."""
+    return 3 * spec.hidden * spec.inter * _BYTES[spec.w_dtype]
+
+
 @tvm.transform.module_pass(opt_level=0, name="InsertGroupedExperts")
 class InsertGroupedExperts:
     """Replace each recognised routed-expert computation with grouped expert GEMM kernels.
@@ -533,12 +548,7 @@ class InsertGroupedExperts:
                  weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
-        if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
-            raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
-        if memory_budget is not None and expert_slots is not None:
-            raise MoecError("give either expert slots or a device memory budget, not both")
-        if (expert_slots is not None or memory_budget is not None) and expert_weights is not None:
-            raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
+        check_offload_options(expert_slots, memory_budget, expert_weights)
         if expert_weights not in (None, "bf16", "fp8"):
             raise MoecError(f"expert weights must be bf16 or fp8 (or None: the model's dtype), got {expert_weights!r}")
         if expert_weights is not None and weights is None:
@@ -563,16 +573,11 @@ class InsertGroupedExperts:
         """Expert slots that a device memory budget leaves after every weight that stays on the device (None: the
         experts fit, nothing is offloaded)."""
         budget, total = self.memory_budget
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}
         experts, per_expert, num = {}, None, None
-        for _, func, matches in found:
-            params = {p.name: p for p in func.params}
-            for m in matches:
-                for w in (m.w1, m.w2):
-                    shp = [int(v) for v in params[w.name].ty.shape.values]
-                    experts[w.name] = int(np.prod(shp)) * size[m.spec.w_dtype]
-                per_expert = 3 * m.spec.hidden * m.spec.inter * size[m.spec.w_dtype]
-                num = m.spec.experts
+        for _, _, matches in found:
+            for m in matches:  # a layer's W1 and W2 hold E experts' bytes
+                experts[m.w1.name] = m.spec.experts * _expert_bytes(m.spec)
+                per_expert, num = _expert_bytes(m.spec), m.spec.experts
         if not experts:
             raise MoecError(f"{self.source}: a device memory budget offloads experts, and no MoE layer was recognised "
                             "in the grouped form")
@@ -619,8 +624,7 @@ class InsertGroupedExperts:
         self.offload = {"slots": self.expert_slots, "experts": E,
                         "pools": [{"name": "experts.pool.w1", "shape": [self.expert_slots, 2 * I, D], "dtype": spec.w_dtype},
                                   {"name": "experts.pool.w2", "shape": [self.expert_slots, D, I], "dtype": spec.w_dtype}],
-                        "layers": [[n, w2_of[n]] for n in order],
-                        "slot_bytes": 3 * D * I * {"float32": 4, "float16": 2, "bfloat16": 2}[spec.w_dtype]}
+                        "layers": [[n, w2_of[n]] for n in order]}
         return {n: i for i, n in enumerate(order)}, spec
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
