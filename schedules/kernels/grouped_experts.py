@@ -740,15 +740,8 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     def swiglu(gv, uv):
         return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
 
-    @T.prim_func(s_tir=True)
-    def moe_gate_up(x_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, h_h: T.handle):
-        T.func_attr(_attrs("moe_gate_up"))
-        N = T.int64()
-        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
-        w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
+    @T.macro
+    def body(x, w, s1, offsets, order, h):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for jb in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -787,7 +780,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                                                 h[lo + ps * TOK + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = swiglu(
                                                     acc[((r * 2) * NT + n) * 4 + c], acc[((r * 2 + 1) * NT + n) * 4 + c])
 
-    return moe_gate_up
+    return _gate_up_func(spec, wshape, wdt, body)
 
 
 def _make_down_pipe(spec: GroupedExpertsSpec):
@@ -800,16 +793,8 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
 
-    @T.prim_func(s_tir=True)
-    def moe_down(h_h: T.handle, w_h: T.handle, off_h: T.handle, order_h: T.handle, rw_h: T.handle, y_h: T.handle):
-        T.func_attr(_attrs("moe_down"))
-        N = T.int64()
-        h = T.match_buffer(h_h, (N * K, I), spec.h_dtype)
-        w = T.match_buffer(w_h, wshape, wdt)
-        offsets = T.match_buffer(off_h, (_offsets_len(spec),), "int32")
-        order = T.match_buffer(order_h, (N * K,), "int32")
-        rw = T.match_buffer(rw_h, (N, K), spec.rw_dtype)
-        y = T.match_buffer(y_h, (N * K, D), "float32")
+    @T.macro
+    def body(h, w, s2, offsets, order, rw, y):
         for e in T.thread_binding(E, thread="blockIdx.y"):
             for db in T.thread_binding(NBX, thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
@@ -845,7 +830,7 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                                                     acc[(r * NT + n) * 4 + c] * _f32(rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
                                                                                       order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
 
-    return moe_down
+    return _down_func(spec, wshape, wdt, body)
 
 
 # ---------------------------------------------------------------------------- gate_up (+ SwiGLU) and down
