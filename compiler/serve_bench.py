@@ -262,9 +262,7 @@ class _Moec:
     def run(self, prompts: np.ndarray, steps: int) -> dict:
         e = self.engine
         if e.experts is not None:  # counts per point
-            from ..runtime.expert_cache import CacheStats
-
-            e.experts.cache.stats, e.experts.copies, e.experts.copy_bytes = CacheStats(), 0, 0
+            e.experts.reset_counts()
         if self.synthetic_kv:  # caches filled with random entries: the decode steps read what they would after prefill
             self.phase = f"synthetic KV fill of {len(prompts)} x {prompts.shape[1]} tokens"
             seqs, ttft = e.fill_synthetic([prompts.shape[1]] * len(prompts)), None
@@ -275,6 +273,7 @@ class _Moec:
             seqs, logits = e.prefill([list(p) for p in prompts])
             ttft = time.perf_counter() - t
             nxt = logits.argmax(-1)
+        copied = e.experts.copy_bytes if e.experts is not None else 0  # after the prefill
         try:
             times = []
             timed = steps - 1 if self.profile else steps
@@ -283,6 +282,7 @@ class _Moec:
                 t = time.perf_counter()
                 nxt = e.decode_greedy(seqs, list(nxt))
                 times.append(time.perf_counter() - t)
+            copied = (e.experts.copy_bytes - copied) if e.experts is not None else 0  # the timed steps' copies
             profile = None
             if self.profile:  # the last step, untimed, with every VM call timed alone
                 self.phase = f"profiled decode step {timed}"
@@ -303,10 +303,12 @@ class _Moec:
             profile["prefill_chunk"] = {"tokens": n, **summarize_profile(acc, time.perf_counter() - t, None)}
             e.release(seq)
         out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
-        if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included)
+        if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
+            # device rate of the timed decode steps' copies over their time, and the copy rate measured on its own
             x = e.experts
-            out["experts"] = {"slots": x.cache.capacity, "copies": x.copies, "copy_bytes": x.copy_bytes,
-                              **x.cache.stats.as_dict()}
+            out["experts"] = {**x.counts(), "decode_copy_bytes": copied,
+                              "decode_copy_gbps": copied / sum(times) / 1e9 if times else None,
+                              "copy_gbps": x.copy_bandwidth() / 1e9}
         return out
 
 

@@ -196,13 +196,15 @@ class Engine:
             raise ArtifactError(f"{directory / WEIGHTS}: holds {len(keys)} tensors, manifest lists {len(names) - len(pools)}")
         self.experts = None  # offloaded experts (moec compile --expert-slots): host weights, device pools, residency
         if offload:
-            host = {n: stored.get(OFFLOADED_PREFIX + n) for pair in offload["layers"] for n in pair}
+            # taken out of ``stored``: once staged (pinned on CUDA) the loaded copies are dropped
+            host = {n: stored.pop(OFFLOADED_PREFIX + n, None) for pair in offload["layers"] for n in pair}
             missing = [n for n, a in host.items() if a is None]
             if missing:
                 raise ArtifactError(f"{directory / WEIGHTS}: offloaded expert weights missing: {', '.join(missing[:3])}")
             self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
                 manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
                 expert_prefetch))
+            del host
         by_pool = dict(zip([p["name"] for p in offload["pools"]], self.experts.pools)) if offload else {}
         it = iter(keys)
         self.weights = [by_pool[n] if n in by_pool else tvm.runtime.tensor(stored[next(it)], self.device) for n in names]

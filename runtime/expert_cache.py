@@ -155,36 +155,163 @@ def simulate(routed_steps, predicted_steps, capacity: int) -> dict:
 RESIDENCY_FUNC = "moec.expert_residency"  # the compiled graph's call before each MoE layer's expert GEMMs
 
 
+class HostCopies:
+    """Expert copies made by the host at once (CPU devices, whose pools are host memory): the host weights stay
+    NumPy arrays, every copy is complete when ``copy`` returns."""
+
+    asynchronous = False
+
+    def __init__(self, tvm, device) -> None:
+        self._tvm, self.device = tvm, device
+
+    def stage(self, array: np.ndarray):
+        return np.ascontiguousarray(array)
+
+    def copy(self, pool, offset: int, src, index: int, nbytes: int) -> None:
+        part = src[index]
+        view = pool._create_view(part.shape, str(part.dtype), relative_byte_offset=offset)
+        view.copyfrom(part)
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CUDA_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+class CudaStreamCopies:
+    """Expert copies on their own CUDA stream, overlapping compute. The host weights are staged once in pinned
+    (page-locked) host memory (TVM's ``cuda_host`` device), so a copy is a DMA the host only enqueues. The stream
+    is TVM's (created non-blocking: the compute stream never waits for it implicitly); the copies themselves go
+    through the CUDA driver (``cuMemcpyHtoDAsync``), because TVM's tensor copies take no stream argument.
+    ``wait()`` makes the compute stream wait for every copy enqueued so far (an event, no host wait);
+    ``ready()`` asks, without waiting, whether they have all finished."""
+
+    asynchronous = True
+
+    def __init__(self, tvm, device) -> None:
+        import ctypes
+
+        import tvm_ffi
+
+        self._tvm, self.device, self._ct = tvm, device, ctypes
+        try:
+            self._cu = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise MoecError(f"offloaded experts on CUDA need the CUDA driver library (libcuda.so.1): {exc}") from None
+        cu, vp, sz = self._cu, ctypes.c_void_p, ctypes.c_size_t
+        cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
+        cu.cuStreamQuery.argtypes = [vp]
+        cu.cuStreamSynchronize.argtypes = [vp]
+        cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        cu.cuCtxSetCurrent.argtypes = [vp]
+        cu.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+        cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.host_device = tvm.runtime.device(3, device.index)  # kDLCUDAHost: cudaMallocHost'd memory
+        self.stream = int(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
+        self._sync_from_to = tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")
+        current = tvm_ffi.get_global_func("runtime.get_cuda_stream", allow_missing=True)
+        self.compute = int(current()) if current is not None else 0  # TVM's launch stream (the legacy default: 0)
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self._ct.c_char_p()
+            self._cu.cuGetErrorString(rc, self._ct.byref(msg))
+            raise MoecError(f"offloaded experts: {what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+    def _bind(self) -> None:
+        """The driver calls need the device's primary context current on this thread (TVM's runtime calls make it
+        current; bind it here if none is)."""
+        ctx = self._ct.c_void_p()
+        self._check(self._cu.cuCtxGetCurrent(self._ct.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = self._ct.c_int()
+            self._check(self._cu.cuDeviceGet(self._ct.byref(dev), self.device.index), "cuDeviceGet")
+            self._check(self._cu.cuDevicePrimaryCtxRetain(self._ct.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._check(self._cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def stage(self, array: np.ndarray):
+        pinned = self._tvm.runtime.empty(array.shape, str(array.dtype), self.host_device)
+        pinned.copyfrom(np.ascontiguousarray(array))
+        return pinned
+
+    def copy(self, pool, offset: int, src, index: int, nbytes: int) -> None:
+        self._bind()
+        rc = self._cu.cuMemcpyHtoDAsync_v2(pool.data_ptr() + offset, src.data_ptr() + index * nbytes, nbytes, self.stream)
+        self._check(rc, "cuMemcpyHtoDAsync (pinned host -> expert slot)")
+
+    def ready(self) -> bool:
+        rc = self._cu.cuStreamQuery(self.stream)
+        if rc == _CUDA_NOT_READY:
+            return False
+        self._check(rc, "cuStreamQuery")
+        return True
+
+    def wait(self) -> None:
+        self._sync_from_to(self.device, self.stream, self.compute)
+
+    def synchronize(self) -> None:
+        self._check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+
 class OffloadedExperts:
     """The runtime side of offloaded experts (``moec compile --expert-slots``): the layers' expert weights in host
-    memory, two device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]) that the compiled grouped expert
-    kernels read, and an ``ExpertCache`` deciding residency.
+    memory (pinned on CUDA), two device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]) that the compiled
+    grouped expert kernels read, and an ``ExpertCache`` deciding residency.
 
     ``residency(ids, x, layer)`` is what the compiled graph calls (``RESIDENCY_FUNC``) once a layer's router has
     chosen (``ids``; ``x`` the layer's expert input, its post-attention state after the norm): the routed experts
-    are made resident (missing ones copied into free or least recently used slots; the layer waits for them) and
-    the [E] slot table comes back for the kernels. ``begin()`` starts a model call: no layer is computing yet, so
-    every slot may be reused.
+    are made resident (missing ones copied into free or least recently used slots) and the [E] slot table comes
+    back for the kernels. ``begin()`` starts a model call: no layer is computing yet, so every slot may be reused.
+
+    Copies (``copier``): on CUDA (``CudaStreamCopies``) they run on a copy stream while the host goes on; when a
+    layer's routed experts include copies not yet finished (its misses, or prefetches still in flight) the compute
+    stream is made to wait for them before the layer's expert GEMMs, with no host wait. Reading ``ids`` has
+    synchronised the compute stream, so every earlier kernel that read a slot has finished before a copy can
+    overwrite it; the running layer's experts are never evicted. On the CPU the copies are made at once.
 
     Prefetch (``predictors``: per layer l >= 1, layer l's router weight [E, D], its bias or None, and the ratio of
     layer l's norm weight to layer l - 1's): after layer l - 1's residency, layer l's router is applied to layer
     l - 1's input renormalised with layer l's norm weight (the same RMS, so ``x * ratio``), and the top ``top_k +
-    extra`` experts of each token are made resident ahead of layer l's router (``ExpertCache.prefetch``: never
-    evicting the running layer's experts). The copies are made before the call returns, not yet on a second
-    stream; ``cache.stats`` counts the prefetched experts the layer then used and the stalls left."""
+    extra`` experts of each token are copied ahead of layer l's router (``ExpertCache.prefetch``: never evicting
+    the running layer's experts), overlapping layer l - 1's expert GEMMs and layer l's attention. ``cache.stats``
+    counts the prefetched experts the layer then used and the stalls left; ``waits`` the layers whose GEMMs waited
+    for copies in flight, ``ready`` the layers whose needed copies had all finished by their router."""
 
     def __init__(self, tvm, device, doc: dict, host: dict, predictors: list | None = None, top_k: int = 0,
-                 extra: int = 0) -> None:
+                 extra: int = 0, copier=None) -> None:
         self._tvm, self.device = tvm, device
         self.predictors, self.top_k, self.extra = predictors, int(top_k), int(extra)
-        self.layers = [(host[w1], host[w2]) for w1, w2 in doc["layers"]]
+        if copier is None:
+            copier = CudaStreamCopies(tvm, device) if device.dlpack_device_type() == 2 else HostCopies(tvm, device)
+        self.copier = copier
+        first = host[doc["layers"][0][0]], host[doc["layers"][0][1]]
+        self._slot_bytes = [int(np.prod(p["shape"][1:])) * first[i].itemsize for i, p in enumerate(doc["pools"])]
+        self.layers = [(copier.stage(host[w1]), copier.stage(host[w2])) for w1, w2 in doc["layers"]]
         self.experts = int(doc["experts"])
         self.pools = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"], device) for p in doc["pools"]]
         self.cache = ExpertCache(int(doc["slots"]))
-        self._slot_bytes = [int(np.prod(p["shape"][1:])) * self.layers[0][i].itemsize for i, p in enumerate(doc["pools"])]
         self.copies = 0
         self.copy_bytes = 0
+        self.waits = 0
+        self.ready = 0
+        self._inflight: set = set()  # (layer, expert) copies enqueued since the compute stream last waited
         self._last = None
+
+    def reset_counts(self) -> None:
+        self.cache.stats = CacheStats()
+        self.copies = self.copy_bytes = self.waits = self.ready = 0
+
+    def counts(self) -> dict:
+        return {"slots": self.cache.capacity, "copies": self.copies, "copy_bytes": self.copy_bytes,
+                "copy_waits": self.waits, "copies_ready": self.ready, **self.cache.stats.as_dict()}
 
     def begin(self) -> None:
         for layer in range(len(self.layers)):
@@ -193,11 +320,25 @@ class OffloadedExperts:
 
     def _copy(self, layer: int, expert: int, slot: int) -> None:
         for i, pool in enumerate(self.pools):
-            src = self.layers[layer][i][expert]
-            view = pool._create_view(src.shape, str(src.dtype), relative_byte_offset=slot * self._slot_bytes[i])
-            view.copyfrom(np.ascontiguousarray(src))
-            self.copy_bytes += src.nbytes
+            self.copier.copy(pool, slot * self._slot_bytes[i], self.layers[layer][i], expert, self._slot_bytes[i])
+            self.copy_bytes += self._slot_bytes[i]
         self.copies += 1
+        if self.copier.asynchronous:
+            self._inflight.add((layer, expert))
+
+    def copy_bandwidth(self, repeats: int = 8) -> float:
+        """Host-to-device bytes per second of expert copies: layer 0's first expert copied ``repeats`` times into a
+        scratch buffer the size of a slot, the way the cache copies (measured on its own, not while decoding)."""
+        import time
+
+        scratch = [self._tvm.runtime.empty((self._slot_bytes[i],), "uint8", self.device) for i in range(len(self.pools))]
+        self.copier.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            for i, buf in enumerate(scratch):
+                self.copier.copy(buf, 0, self.layers[0][i], 0, self._slot_bytes[i])
+        self.copier.synchronize()
+        return repeats * sum(self._slot_bytes) / (time.perf_counter() - t)
 
     def _prefetch(self, x, layer: int) -> None:
         """Layer ``layer``'s experts predicted from the previous layer's expert input ``x`` [T, D]."""
@@ -217,15 +358,25 @@ class OffloadedExperts:
             self.cache.release(self._last)
         self._last = layer
         e = self.experts
-        routed = ids.numpy().astype(np.int64).reshape(-1)
+        routed = ids.numpy().astype(np.int64).reshape(-1)  # (synchronises the compute stream)
         routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
         routed = np.unique(routed[(routed >= 0) & (routed < e)])
+        predict = self.predictors is not None and layer + 1 < len(self.layers)
+        xs = x.numpy().astype(np.float32).reshape(-1, x.shape[-1]) if predict else None
         _, copies = self.cache.require(layer, routed.tolist())
-        for expert, slot in copies:
-            self._copy(layer, expert, slot)
         table = np.zeros(e, np.int32)  # experts with no token are never read: any slot will do
         for expert in routed.tolist():
             table[expert] = self.cache.slot(layer, expert)
-        if self.predictors is not None and layer + 1 < len(self.layers):
-            self._prefetch(x.numpy().astype(np.float32).reshape(-1, x.shape[-1]), layer + 1)
-        return self._tvm.runtime.tensor(table, self.device)
+        out = self._tvm.runtime.tensor(table, self.device)  # (its upload syncs the compute stream: before any wait)
+        for expert, slot in copies:
+            self._copy(layer, expert, slot)
+        if self._inflight and self._inflight & {(layer, int(x_)) for x_ in routed.tolist()}:
+            if self.copier.ready():
+                self.ready += 1
+            else:  # the layer's GEMMs (enqueued after this returns) wait for the copies, the host does not
+                self.copier.wait()
+                self.waits += 1
+            self._inflight.clear()
+        if predict:
+            self._prefetch(xs, layer + 1)
+        return out

@@ -9,7 +9,8 @@ from tvm import relax
 import moec
 from moec.compiler.errors import MoecError
 from moec.models.hf import tiny_hf_model
-from moec.runtime.expert_cache import RESIDENCY_FUNC
+from moec.runtime.expert_cache import RESIDENCY_FUNC, HostCopies
+from moec_testing import require_cuda
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,12 @@ def arts(tmp_path_factory):
                                                                                      expert_slots=8)
 
 
-def _run(art, prompts, steps, **kw):
-    """Greedy decode of the prompts in one batch; the logits of every call."""
+def _run(art, prompts, steps, copier=None, **kw):
+    """Greedy decode of the prompts in one batch; the logits of every call. ``copier(engine)``: the expert copier to
+    use instead of the device's own."""
     e = moec.load(art, max_batch=4, max_total_tokens=512, **kw)
+    if copier is not None:
+        e.experts.copier = copier(e)
     seqs, logits = e.prefill(prompts)
     out, toks = [np.asarray(logits)], np.asarray(logits).argmax(-1)
     for _ in range(steps):
@@ -155,3 +159,90 @@ def test_memory_budget_picks_the_slots(arts, tmp_path):
     with pytest.raises(MoecError, match="positive number of bytes"):
         moec.compile(model, tmp_path / "e", target="llvm", gpu_memory_budget=0)
     assert _bytes("40G") == 40 << 30 and _bytes("1.5GiB") == 3 << 29 and _bytes("4096") == 4096
+
+
+class _DeferredCopies(HostCopies):
+    """A copy stream on the CPU: copies are queued and made only when the compute side waits for them (``wait``,
+    ``synchronize``), the latest a CUDA copy stream could finish. ``honest=False`` drops the wait, as a runtime that
+    forgot it would: the layers then read slots whose copies have not happened."""
+
+    asynchronous = True
+
+    def __init__(self, engine, honest=True):
+        super().__init__(engine._tvm, engine.device)
+        self.queue, self.honest, self.flushes = [], honest, 0
+
+    def copy(self, pool, offset, src, index, nbytes):
+        self.queue.append((pool, offset, src, index, nbytes))
+
+    def ready(self):
+        return not self.queue
+
+    def _flush(self):
+        for args in self.queue:
+            HostCopies.copy(self, *args)
+        self.flushes += bool(self.queue)
+        self.queue = []
+
+    def wait(self):
+        if self.honest:
+            self._flush()
+
+    def synchronize(self):
+        self._flush()
+
+
+def test_copies_in_flight_are_waited_for(arts):
+    """With copies that finish as late as a copy stream may, the layers whose experts are still in flight make the
+    compute side wait, and the numbers stay the resident model's, on demand and with prefetch. Without that wait
+    they do not (the check can fail)."""
+    _, resident, slots = arts
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (6, 10)]
+    _, want = _run(resident, prompts, 5)
+    for prefetch in (None, 0):
+        e, got = _run(slots, prompts, 5, copier=_DeferredCopies, expert_prefetch=prefetch)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+        assert e.experts.waits > 0 and e.experts.copier.flushes == e.experts.waits and e.experts.ready == 0
+        if prefetch is not None:
+            assert e.experts.cache.stats.prefetch_used > 0
+    _, got = _run(slots, prompts, 5, copier=lambda eng: _DeferredCopies(eng, honest=False))
+    assert any(not np.array_equal(g, w) for w, g in zip(want, got))
+
+
+def test_finished_copies_are_not_waited_for(arts):
+    """Copies already done when a layer's router has chosen (``ready``): no wait is enqueued."""
+
+    class Done(HostCopies):
+        asynchronous = True
+
+    _, resident, slots = arts
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    _, want = _run(resident, prompts, 3)
+    e, got = _run(slots, prompts, 3, copier=lambda eng: Done(eng._tvm, eng.device))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    counts = e.experts.counts()
+    assert counts["copies_ready"] > 0 and counts["copy_waits"] == 0 and counts["copies"] == counts["stalls"] + counts["prefetched"]
+    assert e.experts.copy_bandwidth(repeats=2) > 0
+    e.experts.reset_counts()
+    assert e.experts.counts()["copies"] == 0 and e.experts.cache.stats.stalls == 0
+
+
+@pytest.mark.gpu
+def test_cuda_stream_copies_match_resident_on_gpu(arts, tmp_path):
+    """On the GPU: pinned host weights, copies on the copy stream, the compute stream waiting where a layer's
+    experts are in flight; the logits equal the all-resident CUDA model's, on demand and with prefetch."""
+    require_cuda()
+    model = arts[0]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 5, 13)]
+    want = _run(moec.compile(model, tmp_path / "r", target="cuda"), prompts, 6, device="cuda")[1]
+    art = moec.compile(model, tmp_path / "s", target="cuda", expert_slots=8)
+    for prefetch in (None, 0):
+        e, got = _run(art, prompts, 6, device="cuda", expert_prefetch=prefetch)
+        assert type(e.experts.copier).__name__ == "CudaStreamCopies" and e.experts.layers[0][0].device.dlpack_device_type() == 3
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+        assert e.experts.waits + e.experts.ready > 0 and e.experts.copy_bandwidth() > 1e9
