@@ -189,7 +189,7 @@ def cmd_train_reference(args) -> int:
     _print_args(args)
     export = tuple(x for x in args.export.split(",") if x) if args.export != "none" else ()
     train_reference(args.size, args.output, seed=args.seed, device=args.device, steps=args.steps,
-                    corpus_dir=args.corpus, export=export)
+                    corpus_dir=args.corpus, export=export, seq_len=args.seq_len, batch_size=args.batch_size)
     print(f"[moec] wrote {args.output}")
     return 0
 
@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="directory for weights, config, tokenizer and exports")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="override the size's number of optimisation steps")
+    p.add_argument("--seq-len", type=int, default=None, help="override the size's training sequence length (the "
+                   "evaluation context is capped to it)")
+    p.add_argument("--batch-size", type=int, default=None, help="override the size's sequences per step")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.add_argument("--corpus", default=None, help="corpus directory (default: built once in the moec cache)")
     p.add_argument("--export", default="onnx,pt2", help="comma-separated exports to write (onnx, pt2) or 'none'")

@@ -247,13 +247,25 @@ def corpus_of(meta: dict) -> Corpus:
 
 def train_reference(size: str, out_dir: str | Path, seed: int = 0, device: str | None = None, steps: int | None = None,
                     corpus_dir: str | Path | None = None, export: tuple[str, ...] = ("onnx", "pt2"),
-                    progress: bool = True, eval_tokens: int | None = None) -> Path:
-    """Build (or reuse) the corpus, train the reference of ``size``, measure held-out perplexity, save."""
+                    progress: bool = True, eval_tokens: int | None = None, seq_len: int | None = None,
+                    batch_size: int | None = None) -> Path:
+    """Build (or reuse) the corpus, train the reference of ``size``, measure held-out perplexity, save.
+    ``seq_len`` / ``batch_size`` override the size's (a shorter sequence also shortens the evaluation context:
+    e.g. ``small`` on a CPU)."""
+    from dataclasses import replace
+
     from .evaluate import TorchSubject, evaluate
 
     if size not in TRAIN_SIZES:
         raise MoecError(f"unknown size {size!r}; known: {', '.join(TRAIN_SIZES)}")
     spec = TRAIN_SIZES[size]
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if value is not None and (not isinstance(value, int) or value < 2):
+            raise MoecError(f"{name} must be an integer of at least 2, got {value!r}")
+    if seq_len is not None:
+        spec = replace(spec, seq_len=seq_len, eval_context=min(spec.eval_context, seq_len))
+    if batch_size is not None:
+        spec = replace(spec, batch_size=batch_size)
     cfg = get_config(spec.config)
     corpus = load_corpus(corpus_dir) if corpus_dir and (Path(corpus_dir) / "corpus.json").is_file() else \
         get_corpus(spec.tokenizer, spec.vocab_size, root=corpus_dir)

@@ -88,3 +88,20 @@ def test_trained_exports_import_like_user_models(trained_tiny, form):
 def test_cli_train_reference_help():
     out = subprocess.run([sys.executable, "-m", "moec.compiler.cli", "train-reference", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--size" in out.stdout
+
+
+def test_sequence_and_batch_overrides(small_corpus, tmp_path):
+    """``--seq-len`` / ``--batch-size``: the size's model at a shorter schedule (e.g. ``small`` on a CPU); the
+    evaluation context is capped to the sequence, and the saved figures record what was trained."""
+    from moec.models.train import train_reference
+
+    out = train_reference("tiny", tmp_path / "m", device="cpu", steps=2, corpus_dir=small_corpus.root, export=(),
+                          progress=False, eval_tokens=256, seq_len=64, batch_size=2)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["training"]["spec"]["seq_len"] == 64 and meta["training"]["spec"]["batch_size"] == 2
+    assert meta["training"]["tokens"] == 2 * 2 * 64 and meta["heldout"]["context"] == 64
+    with pytest.raises(MoecError, match="seq_len must be an integer"):
+        train_reference("tiny", tmp_path / "n", seq_len=1, corpus_dir=small_corpus.root, export=(), progress=False)
+    assert not (tmp_path / "n").exists()
+    out = subprocess.run([sys.executable, "-m", "moec.compiler.cli", "train-reference", "--help"], capture_output=True, text=True)
+    assert "--seq-len" in out.stdout and "--batch-size" in out.stdout
