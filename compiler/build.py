@@ -73,6 +73,7 @@ def compile(  # noqa: A001 - the public name users call
     expert_weights: str | None = None,
     tuning_db: str | Path | None = "auto",
     dense_gemm: bool = True,
+    rms_norm: bool = True,
     cuda_graph=False,
     expert_slots: int | None = None,
     gpu_memory_budget: int | None = None,
@@ -128,6 +129,10 @@ def compile(  # noqa: A001 - the public name users call
         Run the linear layers (matmuls against a transposed bf16/fp16 weight: attention projections, LM head)
         as ``dense_gemm`` kernels (``moec.passes.dense_gemm``; tensor cores on CUDA) that read the weight in its
         stored layout, instead of transposing it on every call. On by default.
+    rms_norm : bool
+        Run every RMSNorm not fused with a router (attention input norms, QK-norms, the final norm) as one
+        ``rms_norm`` kernel (``moec.passes.rms_norm``): one pass over the row instead of the three kernels
+        TVM's fusion leaves. On by default.
     tuning_db : "auto" | "none" | str | Path
         MetaSchedule records from ``moec tune`` (``moec.schedules.database``): "auto" uses the target's
         default database (``~/.cache/moec/tuning/<target-key>/``) if it exists, a path that directory
@@ -169,6 +174,8 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"grouped_experts must be True or False, got {grouped_experts!r}")
     if not isinstance(dense_gemm, bool):
         raise MoecError(f"dense_gemm must be True or False, got {dense_gemm!r}")
+    if not isinstance(rms_norm, bool):
+        raise MoecError(f"rms_norm must be True or False, got {rms_norm!r}")
     if expert_weights not in (None, "bf16", "fp8"):
         raise MoecError(f"expert weights must be bf16 or fp8, got {expert_weights!r}")
     if expert_weights is not None and not grouped_experts:
@@ -259,9 +266,15 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.dense_gemm import InsertDenseGEMM
 
         dense = InsertDenseGEMM(tgt, imported.source_name)
+    norms = None
+    if rms_norm:
+        from ..passes.rms_norm import InsertRMSNorm
+
+        norms = InsertRMSNorm(tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
-                                     phases=1 if _until_phase1 else 4, dense_gemm=dense, cuda_graph=graph_bounds)
+                                     phases=1 if _until_phase1 else 4, dense_gemm=dense, cuda_graph=graph_bounds,
+                                     rms_norm=norms)
     if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
         with tgt:
             return pipeline(imported.mod), pipeline.entries, tgt
@@ -314,7 +327,8 @@ def compile(  # noqa: A001 - the public name users call
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
-            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertGroupedExperts"] * (grouped is not None)
+            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertRMSNorm"] * (norms is not None)
+            + ["InsertGroupedExperts"] * (grouped is not None)
             + ["InsertDenseGEMM"] * (dense is not None) + ["AddGreedySampler", "LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
@@ -324,6 +338,7 @@ def compile(  # noqa: A001 - the public name users call
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "dense_gemm": dense.manifest() if dense is not None else None,
+                        "rms_norm": norms.manifest() if norms is not None else None,
                         "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},

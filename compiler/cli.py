@@ -55,7 +55,7 @@ def cmd_compile(args) -> int:
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
                  expert_slots=args.expert_slots, gpu_memory_budget=args.gpu_memory_budget,
-                 dense_gemm=args.dense_gemm, cuda_graph=_graph_bounds(args))
+                 dense_gemm=args.dense_gemm, rms_norm=args.rms_norm, cuda_graph=_graph_bounds(args))
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
         from .artifact import read_manifest
@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
                         "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")
+    p.add_argument("--rms-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each RMSNorm not fused with a router as one kernel, one pass over the row (default: on)")
     p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
                    help="MetaSchedule records from `moec tune`: auto (default) uses the target's database in the moec "
                         "cache if there is one; kernels without records keep the dlight rules")

@@ -108,7 +108,7 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
                   fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
-                  grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None):
+                  grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None, rms_norm=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
@@ -119,7 +119,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
     configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
     ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
-    matmul (the coarse one after cascade gating) with its RMSNorm in the entries.
+    matmul (the coarse one after cascade gating) with its RMSNorm in the entries, and ``rms_norm`` (an
+    ``InsertRMSNorm`` pass, or None) makes each remaining RMSNorm one kernel.
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
     computation of the entries with the grouped expert GEMM kernels, and ``dense_gemm`` (an
     ``InsertDenseGEMM`` pass, or None) each linear layer against a transposed 16-bit weight with ``dense_gemm``.
@@ -140,6 +141,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         insert,
         SimplifyPower(),
         *([fuse_router_norm] if fuse_router_norm is not None else []),
+        *([rms_norm] if rms_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),
         AddGreedySampler(target, source),

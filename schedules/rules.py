@@ -51,6 +51,7 @@ SCHEDULE_RULES = {
 # file that writes them. TVM's own paged-KV-cache kernels (relax.frontend.nn.llm) come with a global symbol.
 HAND_KERNELS = {
     "norm_router": "schedules/kernels/norm_router.py",
+    "rms_norm": "schedules/kernels/rms_norm.py",  # from passes/rms_norm.py
     "tiered_append": "schedules/kernels/tiered_append.py",
     "tiered_attention": "schedules/kernels/tiered_attention.py",
     "tiered_mass": "schedules/kernels/tiered_attention.py",

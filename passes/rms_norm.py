@@ -1,0 +1,149 @@
+"""InsertRMSNorm: every remaining RMSNorm becomes one ``rms_norm`` kernel.
+
+Expects entry functions (attribute ``num_input``: leading non-weight parameters, then the weights),
+after ``FuseRouterIntoNorm`` (the norms before routers are fused with them there; this pass takes the
+rest: the attention input norms, QK-norms, the final norm, norms without a router). In each entry it
+matches, by structure only, the forms ``FuseRouterIntoNorm`` checks op by op (legend: D the normalised
+last axis)::
+
+    o = w * (x * rsqrt(mean(x*x, -1, keepdims) + eps))      # w a 1-D weight or constant [D]
+
+(also ``power(x, 2)``, ``1 / sqrt``, ``x / sqrt``, an upcast of x to float32 before the square, a cast
+between ``x * r`` and ``w *``, and ``nn.rms_norm``), over any leading shape: per-head norms ([.., H, Dh]) too.
+
+Why: after TVM's operator fusion an exported RMSNorm is three kernels (the upcast, the square, and the
+mean with the rest), each a pass over the row, the first two writing float32 copies of it; at decode
+batch sizes they are launch-bound. One kernel reads the row once (``schedules.kernels.rms_norm``).
+
+Guarantees after: each match is ``reshape(call_tir(rms_norm, [reshape(x, [N, D]), w]), o's shape)``
+with ``o``'s dtype; every user of ``o`` reads it. The unfused bindings are left dead for the dead-code
+elimination after phase 1. Results equal the unfused graph's up to one rounding (the kernel rounds
+``w * x * r`` once; HF's form rounds ``x * r`` to the input dtype first). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import tvm
+from tvm import relax
+from tvm.sym.analyzer import Analyzer
+
+from ..compiler.errors import MoecError
+from ..compiler.graph import KernelCache, dtype_of, is_static, num_input_entries, prod, shape_of
+from ..schedules.kernels.rms_norm import RMSNormSpec, check_supported, make_rms_norm
+from .fuse_router_norm import _Matcher
+
+_CANDIDATES = ("relax.multiply", "relax.nn.rms_norm")
+
+
+def _find(matcher: _Matcher) -> tuple[dict, list[str]]:
+    """``{o: (x, w, spec)}`` for each RMSNorm of the function, and why recognised-looking ones were left."""
+    g = matcher.g
+    found, skipped = {}, []
+    for var in sorted((v for op in _CANDIDATES for v in g.calls_of(op)), key=lambda v: g.order[v]):
+        parsed = matcher.norm(var)
+        if parsed is None:
+            continue
+        x, w, eps = parsed
+        shape = shape_of(var)
+        if not shape or not is_static(shape[-1]) or dtype_of(var) not in ("float32", "float16", "bfloat16") \
+                or dtype_of(w) not in ("float32", "float16", "bfloat16"):
+            skipped.append(f"norm {var.name}: shape {shape} / dtypes {dtype_of(x)}, {dtype_of(w)} -> {dtype_of(var)}")
+            continue
+        spec = RMSNormSpec(hidden=int(shape[-1]), eps=eps, x_dtype=dtype_of(x), weight_dtype=dtype_of(w),
+                           y_dtype=dtype_of(var))
+        try:
+            check_supported(spec, matcher.form)
+        except MoecError as exc:
+            skipped.append(f"norm {var.name}: {exc}")
+            continue
+        found[var] = (x, w, spec)
+    return found, skipped
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod, graph, matches: dict, kernel) -> None:
+        super().__init__(mod)
+        self.g = graph
+        self.matches = matches
+        self.kernel = kernel
+        self.position = -1
+
+    def _materialize(self, expr):
+        """``expr`` (static: weights, constants, layout ops) usable at the current binding."""
+        if not isinstance(expr, relax.Var) or expr not in self.g.value or self.g.order[expr] < self.position:
+            return self.visit_expr(expr)
+        value = self.g.value[expr]  # bound later: emit its computation here too
+        if isinstance(value, relax.Var):
+            return self._materialize(value)
+        args = [self._materialize(a) for a in value.args]
+        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+
+    def visit_var_binding_(self, binding) -> None:
+        var = binding.var
+        self.position = self.g.order.get(var, self.position)
+        m = self.matches.get(var)
+        if m is None:
+            super().visit_var_binding_(binding)
+            return
+        x, w, spec = m
+        bb = self.builder_
+        xv = self.visit_expr(x)
+        shape = list(shape_of(var))
+        rows = prod(shape[:-1]) if len(shape) > 1 else 1
+        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
+        if len(shape) != 2:
+            xv = bb.emit(relax.op.reshape(xv, [rows, spec.hidden]))
+        y = bb.emit(relax.call_tir(self.kernel(spec), [xv, self._materialize(w)],
+                                   out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
+        if len(shape) != 2:
+            y = bb.emit(relax.op.reshape(y, shape))
+        self.set_var_remap(var, y)
+
+
+@tvm.transform.module_pass(opt_level=0, name="InsertRMSNorm")
+class InsertRMSNorm:
+    """Replace each RMSNorm with the one-pass ``rms_norm`` kernel.
+
+    Parameters
+    ----------
+    target : tvm.target.Target
+        Picks the kernel form: CUDA for ``cuda`` targets, the serial llvm form otherwise.
+    source : str
+        Model name for messages.
+    """
+
+    def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
+        if not isinstance(target, tvm.target.Target):
+            raise MoecError(f"InsertRMSNorm needs a tvm.target.Target, got {type(target).__name__}")
+        self.target, self.source = target, source
+        self.replaced: dict[str, int] = {}
+        self.skipped: dict[str, list[str]] = {}
+        self.kernels: dict[RMSNormSpec, str] = {}
+
+    def manifest(self) -> dict:
+        return {"replaced": dict(self.replaced), "skipped": {k: v for k, v in self.skipped.items() if v},
+                "kernels": {name: asdict(spec) for spec, name in self.kernels.items()}}
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        form = "cuda" if self.target.kind.name == "cuda" else "llvm"
+        kernels = KernelCache(lambda spec: make_rms_norm(spec, form), lambda spec: "rms_norm", self.kernels)
+        out = mod
+        for gv, func in num_input_entries(mod, "InsertRMSNorm", self.source):
+            func = relax.analysis.remove_all_unused(func)  # e.g. the norms FuseRouterIntoNorm replaced
+            matcher = _Matcher(func, int(func.attrs["num_input"]), self.source, form)
+            matches, skipped = _find(matcher)
+            self.replaced[gv.name_hint] = len(matches)
+            self.skipped[gv.name_hint] = skipped
+            if not matches:
+                continue
+            rewriter = _Rewriter(out, matcher.g, matches, None)
+            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+            out = rewriter.builder_.get()
+        return out
+
+
+__all__ = ["InsertRMSNorm"]

@@ -1,0 +1,192 @@
+"""RMSNorm in one kernel (TIR): ``y = w * (x * rsqrt(mean(x^2) + eps))`` over the last axis.
+
+For each of N rows (legend: N rows, D the normalised axis)::
+
+    r    = rsqrt(sum_d x[n, d]^2 / D + eps)                  # float32
+    y[n] = cast(y_dtype, w * (x[n] * r))                     # N, D
+
+Everything is computed in float32 and rounded once. Exported RMSNorms leave three kernels after
+TVM's operator fusion (the upcast, the square, and the mean with the rest: the upcast input feeds both
+the reduction and the final multiply, so it fuses into neither), each a pass over the row in float32;
+this is one pass over the row in its own dtype. The unfused graph may round ``x * r`` to the input
+dtype before multiplying by ``w`` (HF's ``w * h.to(dtype)``), so results equal it up to one rounding.
+
+Buffers: x [N, D] (x_dtype), w [D] (weight_dtype), then the output y [N, D] (y_dtype). N is dynamic.
+
+Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
+(RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
+when a row needs fewer than 128 threads (per-head norms: a warp per row, 4 rows a block). Each thread
+loads its chunks once into registers, the sum of squares is reduced by warp shuffles (then through
+shared memory across the row's warps), and each thread writes its chunks normalised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    from tvm.script import tirx as T
+except ImportError:  # runtime-only TVM
+    T = None
+
+from ...compiler.errors import MoecError
+
+DTYPES = ("float32", "float16", "bfloat16")
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_BLOCK_THREADS = 128  # rows share a block until it has this many threads
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """What one ``rms_norm`` kernel computes (one kernel per distinct spec)."""
+
+    hidden: int  # D
+    eps: float
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
+    y_dtype: str = "float32"
+
+    def check(self) -> None:
+        if not isinstance(self.hidden, int) or self.hidden < 1:
+            raise MoecError(f"rms_norm: the normalised axis must be a positive integer, got {self.hidden!r}")
+        for what in ("x_dtype", "weight_dtype", "y_dtype"):
+            if getattr(self, what) not in DTYPES:
+                raise MoecError(f"rms_norm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
+        if not self.eps >= 0:
+            raise MoecError(f"rms_norm: eps must be >= 0, got {self.eps}")
+
+
+def launch_config(spec: RMSNormSpec) -> dict:
+    """The CUDA form's launch shape: threads per row, rows per block, vector width, chunks per thread."""
+    vec = 16 // max(_BYTES[dt] for dt in (spec.x_dtype, spec.weight_dtype, spec.y_dtype))
+    while spec.hidden % vec:
+        vec //= 2
+    chunks = spec.hidden // vec
+    row_threads = min(256, 32 * -(-chunks // 32))
+    rows = max(1, _BLOCK_THREADS // row_threads)
+    return {"vec": vec, "row_threads": row_threads, "row_warps": row_threads // 32, "rows_per_block": rows,
+            "threads": row_threads * rows, "iters": -(-chunks // row_threads)}
+
+
+def check_supported(spec: RMSNormSpec, target: str = "llvm") -> None:
+    """Raise ``MoecError`` unless ``make_rms_norm(spec, target)`` can build the kernel."""
+    spec.check()
+    if target not in ("llvm", "cuda"):
+        raise MoecError(f"rms_norm: target must be 'llvm' or 'cuda', got {target!r}")
+
+
+def make_rms_norm(spec: RMSNormSpec, target: str = "llvm"):
+    """The ``rms_norm`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
+    check_supported(spec, target)
+    return (_make_cuda if target == "cuda" else _make_llvm)(spec)
+
+
+def _f32(v):
+    return T.Cast("float32", v)
+
+
+def _make_llvm(spec: RMSNormSpec):
+    D, eps = spec.hidden, float(spec.eps)
+
+    @T.macro
+    def body(x, w, y, N):
+        for n in T.serial(N):
+            with T.sblock("rms_norm"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                acc[0] = T.float32(0)
+                for d in T.serial(D):
+                    acc[0] = acc[0] + _f32(x[n, d]) * _f32(x[n, d])
+                acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+                for d in T.serial(D):
+                    y[n, d] = T.Cast(spec.y_dtype, _f32(w[d]) * (_f32(x[n, d]) * acc[1]))
+
+    return _signature(spec, body)
+
+
+def _make_cuda(spec: RMSNormSpec):
+    D, eps = spec.hidden, float(spec.eps)
+    cfg = launch_config(spec)
+    VEC, RT, RW, RB, NT, IT = (cfg[k] for k in ("vec", "row_threads", "row_warps", "rows_per_block", "threads", "iters"))
+    full = D % (RT * VEC) == 0  # every thread of a row has IT whole chunks (no bounds checks)
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    @T.macro
+    def warp_sum(buf, idx):
+        for r in T.unroll(5):
+            buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
+
+    @T.macro
+    def body(x, w, y, N):
+        for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("rms_norm"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((RB * RW,), "float32", scope="shared")
+                    xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+                    wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+                    yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
+                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    n: T.let[T.int64] = bx * RB + tx // RT
+                    rt: T.let[T.int32] = tx % RT  # this thread's place in its row
+                    # ---- the row's chunks, once, into registers; the sum of squares
+                    acc[0] = T.float32(0)
+                    for i in T.unroll(IT):
+                        if n < N and (full or (i * RT + rt) * VEC < D):
+                            for v in T.vectorized(VEC):
+                                xl[i * VEC + v] = x[n, (i * RT + rt) * VEC + v]
+                            for v in T.unroll(VEC):
+                                acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
+                    warp_sum(acc, 0)
+                    if RW > 1:  # across the row's warps (every thread reaches the barrier)
+                        if tx % 32 == 0:
+                            red[tx // 32] = acc[0]
+                        T.tvm_storage_sync("shared")
+                        acc[0] = T.float32(0)
+                        for k in T.unroll(RW):
+                            acc[0] = acc[0] + red[(tx // RT) * RW + k]
+                    acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+                    # ---- normalise and write
+                    for i in T.unroll(IT):
+                        if n < N and (full or (i * RT + rt) * VEC < D):
+                            for v in T.vectorized(VEC):
+                                wl[v] = w[(i * RT + rt) * VEC + v]
+                            for v in T.unroll(VEC):
+                                yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                            for v in T.vectorized(VEC):
+                                y[n, (i * RT + rt) * VEC + v] = yl[v]
+
+    return _signature(spec, body)
+
+
+def _signature(spec: RMSNormSpec, body):
+    """The PrimFunc around ``body``: (x, w, y), N dynamic."""
+    D = spec.hidden
+    attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
+
+    @T.prim_func(s_tir=True)
+    def rms_norm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr(attrs)
+        N = T.int64()
+        x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+        w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+        y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+        body(x, w, y, N)
+
+    return rms_norm
+
+
+def reference(x, w, eps: float, y_dtype=None):
+    """NumPy reference of the kernel (float32 math, one rounding to ``y_dtype``)."""
+    import numpy as np
+
+    xf = np.asarray(x, np.float32)
+    r = 1.0 / np.sqrt((xf * xf).sum(-1, keepdims=True, dtype=np.float32) / np.float32(xf.shape[-1]) + np.float32(eps))
+    return (np.asarray(w, np.float32) * (xf * r)).astype(y_dtype or x.dtype)
+
+
+__all__ = ["RMSNormSpec", "check_supported", "launch_config", "make_rms_norm", "reference"]

@@ -1,0 +1,228 @@
+"""InsertRMSNorm and the ``rms_norm`` kernel: NumPy numerics (llvm; CUDA on a GPU), the CUDA form's launch,
+the IR before / after, forms left alone, and compiled models against torch with the pass on and off."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+import moec
+from moec.compiler.errors import MoecError
+from moec.compiler.targets import make_target
+from moec.passes.rms_norm import InsertRMSNorm
+from moec.schedules.kernels.rms_norm import RMSNormSpec, launch_config, make_rms_norm, reference
+
+from moec_testing import require_cuda
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+SPECS = [RMSNormSpec(64, 1e-5), RMSNormSpec(2048, 1e-6, "bfloat16", "bfloat16", "bfloat16"),
+         RMSNormSpec(100, 1e-5, "float16", "float16", "float16"), RMSNormSpec(128, 1e-5, "float32", "bfloat16", "bfloat16"),
+         RMSNormSpec(5120, 1e-5, "bfloat16", "float32", "bfloat16")]
+IDS = ["fp32", "bf16-2048", "fp16-100", "f32-in-bf16-out", "bf16-5120"]
+
+
+def _args(spec, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, spec.hidden)) * rng.uniform(0.1, 20, (n, 1))).astype(NP[spec.x_dtype])
+    w = rng.uniform(0.5, 1.5, spec.hidden).astype(NP[spec.weight_dtype])
+    return x, w
+
+
+def _check(spec, run):
+    for n in (1, 7, 130):  # one kernel, any row count (130: rows past the last full block of 4)
+        x, w = _args(spec, n, seed=n)
+        y = run(x, w, np.zeros((n, spec.hidden), NP[spec.y_dtype])).astype(np.float32)
+        want = reference(x, w, spec.eps, NP[spec.y_dtype]).astype(np.float32)
+        tol = 1e-5 if spec.y_dtype == "float32" else 1e-2  # 16-bit outputs: at most one rounding step apart
+        np.testing.assert_allclose(y, want, rtol=tol, atol=tol)
+        xf = x.astype(np.float64)  # and the definition itself, in float64
+        yd = w.astype(np.float64) * xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + spec.eps)
+        np.testing.assert_allclose(y, yd, rtol=2e-2 if spec.y_dtype != "float32" else 1e-5, atol=1e-5)
+
+
+def _runner(ex, dev):
+    def run(x, w, y):
+        out = tvm.runtime.tensor(y, dev)
+        ex["rms_norm"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), out)
+        return out.numpy()
+    return run
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_kernel_matches_numpy(spec):
+    _check(spec, _runner(tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "llvm")}), target=LLVM), tvm.cpu()))
+
+
+def test_cuda_form_launch_and_nvcc():
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    target = make_target("cuda", "sm_90")
+    cases = {  # (spec, launch bounds, a barrier across the row's warps, 16-byte loads of x)
+        SPECS[1]: ("256", True, True),  # 2048 bf16: 256 chunks of 8, a block per row
+        RMSNormSpec(128, 1e-5, "bfloat16", "bfloat16", "bfloat16"): ("128", False, True),  # a warp per row, 4 rows a block
+        RMSNormSpec(5120, 1e-5, "bfloat16", "bfloat16", "bfloat16"): ("256", True, True),  # 640 chunks: 3 a thread, the last partial
+        SPECS[4]: ("256", True, False),  # float32 weights: 4 elements a chunk (8 bytes of x), 1280 chunks, 5 a thread
+    }
+    assert launch_config(SPECS[4])["iters"] == 5 and launch_config(SPECS[1])["rows_per_block"] == 1
+    assert launch_config(RMSNormSpec(5120, 1e-5, "bfloat16", "bfloat16", "bfloat16"))["iters"] == 3
+    assert launch_config(RMSNormSpec(128, 1e-5, "bfloat16", "bfloat16", "bfloat16"))["rows_per_block"] == 4
+    for spec, (bounds, barrier, wide) in cases.items():
+        ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "cuda")}), target=target)
+        src = _cuda_modules(ex.mod)[0].inspect_source("cuda")
+        assert set(re.findall(r'__launch_bounds__\((\d+)\) (\w+)\(', src)) == {(bounds, "rms_norm_kernel")}
+        assert "__shfl_xor_sync" in src and ("__syncthreads" in src) == barrier and ("uint4" in src) == wide
+        with target:
+            assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+def test_kernel_refusals():
+    with pytest.raises(MoecError, match="x_dtype must be one of"):
+        make_rms_norm(RMSNormSpec(64, 1e-5, x_dtype="int8"))
+    with pytest.raises(MoecError, match="positive integer"):
+        make_rms_norm(RMSNormSpec(0, 1e-5))
+    with pytest.raises(MoecError, match="eps must be"):
+        make_rms_norm(RMSNormSpec(64, -1.0))
+    with pytest.raises(MoecError, match="target must be"):
+        make_rms_norm(RMSNormSpec(64, 1e-5), target="rocm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_cuda_kernel_matches_numpy_on_gpu(spec):
+    require_cuda()
+    ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "cuda")}), target=make_target("cuda", "sm_90"))
+    _check(spec, _runner(ex, tvm.cuda()))
+
+
+# ---------------------------------------------------------------------------- IR before / after
+
+
+def _entry(shape=("n", 64), dtype="bfloat16", mean_axis=-1, weight_shape=None, hf_casts=True):
+    """``decode(x, w)``: an RMSNorm (HF's form: float32 inside, the normalised row cast back before ``w *``)
+    followed by a tanh, so no router reads it."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    shp = [n if s == "n" else s for s in shape]
+    x = relax.Var("x", relax.TensorType(shp, dtype))
+    w = relax.Var("w", relax.TensorType(weight_shape or (shape[-1],), dtype))
+    with bb.function("decode", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            emit = bb.emit
+            xx = emit(relax.op.astype(x, "float32")) if hf_casts else x
+            cdt = "float32" if hf_casts else dtype
+            ms = emit(relax.op.mean(emit(relax.op.power(xx, relax.const(2.0, cdt))), axis=[mean_axis], keepdims=True))
+            r = emit(relax.op.rsqrt(emit(relax.op.add(ms, relax.const(1e-5, cdt)))))
+            nx = emit(relax.op.multiply(xx, r))
+            if hf_casts:
+                nx = emit(relax.op.astype(nx, dtype))
+            h = emit(relax.op.multiply(w, nx))
+            out = bb.emit_output(emit(relax.op.tanh(h)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _insert(mod, target=LLVM):
+    from moec.passes.simplify_power import SimplifyPower
+
+    p = InsertRMSNorm(target)
+    return p, relax.transform.DeadCodeElimination(["decode"])(p(SimplifyPower()(mod)))
+
+
+def _calls(func):
+    found = []
+    relax.analysis.post_order_visit(func.body, lambda e: found.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) else None)
+    return found
+
+
+def _expected(before, spec, shape):
+    """What the pass guarantees, built by hand: the norm is one rms_norm call over [N, D] rows."""
+    x, w = before["decode"].params
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(make_rms_norm(spec, "llvm").without_attr("global_symbol").with_attr("op_pattern", 8), "rms_norm")
+    n = x.ty.shape[0]
+    rows = n * shape[1] if len(shape) == 3 else n
+    with bb.function("decode", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            xr = bb.emit(relax.op.reshape(x, [rows, spec.hidden])) if len(shape) == 3 else x
+            y = bb.emit(relax.call_tir(gv, [xr, w], out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
+            if len(shape) == 3:
+                y = bb.emit(relax.op.reshape(y, [n, shape[1], spec.hidden]))
+            out = bb.emit_output(bb.emit(relax.op.tanh(y)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("shape", [("n", 64), ("n", 4, 32)], ids=["rows", "per-head"])
+def test_ir_before_after(shape):
+    before = _entry(shape)
+    ops = [c.op.name for c in _calls(before["decode"])]
+    assert ops.count("relax.astype") == 2 and "relax.mean" in ops and "relax.rsqrt" in ops
+    p, after = _insert(before)
+    assert p.replaced == {"decode": 1} and not p.skipped["decode"]
+    spec = RMSNormSpec(shape[-1], float(np.float32(1e-5)), "bfloat16", "bfloat16", "bfloat16")
+    tvm.ir.assert_structural_equal(after, _expected(before, spec, shape), map_free_vars=True)
+    assert p.manifest()["kernels"] == {"rms_norm": {**spec.__dict__}}
+
+
+@pytest.mark.parametrize("kw", [dict(mean_axis=0, shape=(8, 64)), dict(weight_shape=(1, 64))], ids=["mean-over-rows", "weight-2d"])
+def test_not_an_rms_norm_stays(kw):
+    before = _entry(**kw)
+    p, after = _insert(before)
+    assert p.replaced == {"decode": 0}
+    assert any(c.op.name == "relax.rsqrt" for c in _calls(after["decode"]))
+
+
+def test_ir_forms_compute_the_same():
+    """Without casts (float32 throughout), per-head: the rewritten function computes the original's values."""
+    for kw in (dict(dtype="float32", hf_casts=False), dict(shape=("n", 4, 32), dtype="float32")):
+        before = _entry(**kw)
+        _, after = _insert(before)
+        shape = [5 if s == "n" else s for s in kw.get("shape", ("n", 64))]
+        rng = np.random.default_rng(0)
+        x, w = rng.standard_normal(shape).astype(np.float32), rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32)
+        outs = []
+        for mod in (before, after):
+            ex = tvm.compile(mod, target=LLVM)
+            vm = relax.VirtualMachine(ex, tvm.cpu())
+            outs.append(vm["decode"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- compiled models
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_compiled_equals_unfused_and_torch(family, tmp_path):
+    """HF models (OLMoE: input norms, QK-norms over the whole projection, the final norm) with the pass on and
+    off: the same greedy tokens, logits within float32 rounding of each other and of torch."""
+    from moec.models.hf import tiny_hf_model
+
+    from moec_testing import ATOL, prefill_and_decode, torch_last_logits
+
+    model = tiny_hf_model(family)
+    on = moec.compile(model, tmp_path / "on", target="llvm")
+    off = moec.compile(model, tmp_path / "off", target="llvm", rms_norm=False)
+    import json
+
+    doc = json.loads((on / "manifest.json").read_text())["options"]["rms_norm"]
+    # per entry: 2 layers x (input norm [+ q and k norms]) + the final norm; the routers' norms are fused with them
+    assert doc["replaced"]["decode"] == (2 * 3 + 1 if family == "olmoe" else 2 + 1)
+    assert json.loads((off / "manifest.json").read_text())["options"]["rms_norm"] is None
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 11, 6, 2, 9, 1, 12, 3, 5, 10]]
+    got, hist = prefill_and_decode(on, prompts, 3)
+    want, want_hist = prefill_and_decode(off, prompts, 3)
+    assert hist == want_hist
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for i in range(len(got)):  # call i's logits are those of each history's first len(prompt) + i tokens
+        for b, p in enumerate(prompts):
+            np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
+    with pytest.raises(MoecError, match="rms_norm must be True or False"):
+        moec.compile(model, tmp_path / "bad", target="llvm", rms_norm="yes")
