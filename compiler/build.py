@@ -329,7 +329,7 @@ def compile(  # noqa: A001 - the public name users call
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
             + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertRMSNorm"] * (norms is not None)
             + ["InsertGroupedExperts"] * (grouped is not None)
-            + ["InsertDenseGEMM"] * (dense is not None) + ["AddGreedySampler", "LegalizeOps", "FuseOps",
+            + ["InsertDenseGEMM"] * (dense is not None) + ["FuseSoftmaxTopK", "AddGreedySampler", "LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,

@@ -19,7 +19,7 @@ from .cascade_gating import CascadeGating
 from .cuda_graph import GraphBounds, PrepareDecodeGraph, RewriteDecodeGraph
 from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
 from .fuse_router_norm import FuseRouterIntoNorm
-from .legalize_topk import legalize_topk
+from .legalize_topk import FuseSoftmaxTopK, legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_power import SimplifyPower
 from .tiered_kv_attention import InsertTieredKVAttention, TieredOptions
@@ -144,6 +144,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([rms_norm] if rms_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),
+        FuseSoftmaxTopK(target, source),
         AddGreedySampler(target, source),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),

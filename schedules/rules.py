@@ -58,6 +58,7 @@ HAND_KERNELS = {
     "tiered_decode": "schedules/kernels/tiered_decode.py",
     "tiered_rerank": "schedules/kernels/tiered_rerank.py",
     "topk_select": "passes/legalize_topk.py",
+    "topk_softmax": "passes/legalize_topk.py",  # FuseSoftmaxTopK
     "moe": "schedules/kernels/grouped_experts.py",  # moe_<kernel> from passes/grouped_experts.py
     "dense_gemm": "schedules/kernels/dense_gemm.py",  # from passes/dense_gemm.py
     "argmax_rows": "schedules/kernels/sampling.py",  # from passes/device_sampling.py

@@ -86,3 +86,123 @@ def test_cuda_warp_form_matches_numpy(n, k, largest, rows):
     ex["topk_select"](tvm.runtime.tensor(x, dev), out)
     order = np.argsort(-x if largest else x, axis=-1, kind="stable")[:, :k]
     np.testing.assert_array_equal(out.numpy(), order)
+
+
+# ---------------------------------------------------------------------------- FuseSoftmaxTopK (routers)
+
+
+def _router_module(shape=("n", 3, 16), k=4, dtype="bfloat16", upcast=True, extra_user=False, axis=-1, largest=True):
+    """``decode(x)``: ``topk(softmax(astype(x, float32)))`` as HF routers export it."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n if s == "n" else s for s in shape], dtype))
+    with bb.function("decode", [x], attrs={"num_input": 1}):
+        with bb.dataflow():
+            a = bb.emit(relax.op.astype(x, "float32")) if upcast else x
+            s = bb.emit(relax.op.nn.softmax(a, axis=axis))
+            top = bb.emit(relax.op.topk(s, k=k, axis=axis, ret_type="both", largest=largest, dtype="int64"))
+            outs = [bb.emit(relax.TupleGetItem(top, 0)), bb.emit(relax.TupleGetItem(top, 1))]
+            if extra_user:
+                outs.append(bb.emit(relax.op.sum(s, axis=[-1])))
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _fuse_topk(mod, target="llvm"):
+    from moec.compiler.targets import make_target
+    from moec.passes.legalize_topk import FuseSoftmaxTopK
+
+    p = FuseSoftmaxTopK(make_target(target, "sm_90" if target == "cuda" else None))
+    return p, relax.transform.DeadCodeElimination(["decode"])(p(mod))
+
+
+def _ops(func):
+    found = []
+    relax.analysis.post_order_visit(func.body, lambda e: found.append(e.op.name) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) else None)
+    return found
+
+
+def test_softmax_topk_ir_before_after():
+    before = _router_module()
+    assert {"relax.astype", "relax.nn.softmax", "relax.topk"} <= set(_ops(before["decode"]))
+    p, after = _fuse_topk(before)
+    ops = _ops(after["decode"])
+    assert p.fused == {"decode": 1} and ops.count("relax.call_tir") == 1
+    assert not {"relax.astype", "relax.nn.softmax", "relax.topk"} & set(ops)
+    gv = [g for g in after.get_global_vars() if g.name_hint.startswith("topk_softmax")]
+    prim = after[gv[0]]
+    assert 'x: T.Buffer((rows, 16), "bfloat16")' in prim.script()  # reads x as stored
+    assert 'val: T.Buffer((rows, 4), "float32")' in prim.script()
+
+
+@pytest.mark.parametrize("kw", [dict(extra_user=True), dict(axis=1), dict(largest=False)], ids=["softmax-used-elsewhere", "other-axis", "smallest"])
+def test_softmax_topk_other_forms_stay(kw):
+    p, after = _fuse_topk(_router_module(**kw))
+    assert p.fused == {"decode": 0} and "relax.topk" in _ops(after["decode"])
+
+
+@pytest.mark.parametrize("dtype,upcast", [("bfloat16", True), ("float32", False)])
+def test_softmax_topk_matches_numpy(dtype, upcast):
+    """Fused and unfused (softmax, then the top-k legalization) against NumPy, with tied logits."""
+    import ml_dtypes
+
+    mod = _router_module(dtype=dtype, upcast=upcast)
+    _, fused = _fuse_topk(mod)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    x[0, 0, :] = 0.5  # a row of ties: the lower indices win
+    x[1, 2, 3] = x[1, 2, 7] = 4.0
+    x = x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+    xf = x.astype(np.float32)
+    e = np.exp(xf - xf.max(-1, keepdims=True))
+    probs = e / e.sum(-1, keepdims=True)
+    order = np.argsort(-xf, axis=-1, kind="stable")[..., :4]
+    for m in (mod, fused):
+        ex = tvm.compile(relax.transform.LegalizeOps({"relax.topk": legalize_topk})(m), target=tvm.target.Target({"kind": "llvm"}))
+        vals, idx = relax.VirtualMachine(ex, tvm.cpu())["decode"](tvm.runtime.tensor(x))
+        np.testing.assert_array_equal(idx.numpy(), order)
+        np.testing.assert_allclose(vals.numpy(), np.take_along_axis(probs, order, -1), rtol=1e-6, atol=1e-7)
+
+
+def test_softmax_topk_cuda_form_builds():
+    import re
+
+    from moec.compiler.build import _cuda_modules
+    from moec.compiler.targets import make_target
+    from moec.passes.legalize_topk import topk_select_func
+
+    prim = topk_select_func(64, 8, "bfloat16", "int64", True, gpu=True, values_dtype="float32", softmax=True)
+    ex = tvm.compile(tvm.IRModule({"topk_softmax": prim.with_attr("global_symbol", "topk_softmax")}), target=make_target("cuda", "sm_90"))
+    src = _cuda_modules(ex.mod)[0].inspect_source("cuda")
+    assert "__expf" in src or "expf" in src
+    assert src.count("__shfl_xor_sync") >= 3 * 5 and set(re.findall(r"__launch_bounds__\((\d+)\)", src)) == {"128"}
+    with pytest.raises(ValueError, match="k largest, with values"):
+        topk_select_func(64, 8, "float32", "int64", False, gpu=True, values_dtype="float32", softmax=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,rows", [(64, 8, 128), (8, 2, 1), (60, 4, 301), (160, 6, 37)])
+def test_softmax_topk_cuda_matches_numpy(n, k, rows):
+    import ml_dtypes
+
+    from moec.compiler.targets import make_target
+    from moec.passes.legalize_topk import topk_select_func
+
+    from moec_testing import require_cuda
+
+    require_cuda()
+    dev = tvm.cuda(0)
+    prim = topk_select_func(n, k, "bfloat16", "int64", True, gpu=True, values_dtype="float32", softmax=True)
+    ex = tvm.compile(tvm.IRModule({"topk_softmax": prim.with_attr("global_symbol", "topk_softmax")}), target=make_target("cuda", "sm_90"))
+    rng = np.random.default_rng(n + rows)
+    x = (rng.standard_normal((rows, n)) * 3).astype(ml_dtypes.bfloat16)
+    x[0, :] = 1.0
+    idx, val = tvm.runtime.tensor(np.zeros((rows, k), np.int64), dev), tvm.runtime.tensor(np.zeros((rows, k), np.float32), dev)
+    ex["topk_softmax"](tvm.runtime.tensor(x, dev), idx, val)
+    xf = x.astype(np.float32)
+    e = np.exp(xf - xf.max(-1, keepdims=True))
+    order = np.argsort(-xf, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(idx.numpy(), order)
+    np.testing.assert_allclose(val.numpy(), np.take_along_axis(e / e.sum(-1, keepdims=True), order, -1), rtol=1e-5, atol=1e-7)
