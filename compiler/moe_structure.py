@@ -522,6 +522,12 @@ class _Analyzer:
             self.fail("no MoE router found (no top-k over a linear layer's expert scores): dense models are not supported")
         norms = self.find_norms()
         layers = self.assemble_layers(attentions, routers, norms)
+        placed = {id(layer.router) for layer in layers if layer.router is not None}
+        for r in routers:
+            if id(r) not in placed:  # e.g. a hybrid model's convolution or linear-attention layer with experts
+                self.fail(f"router {r.weight} (top-{r.top_k} over {r.num_experts} experts) lies outside every decoder "
+                          "layer with self-attention: layers with another token mixer (convolution, linear or "
+                          "state-space attention) are not supported")
         # LM head: the output's linear
         out = g.func.body.body
         if isinstance(out, relax.Var) and isinstance(g.value.get(out), relax.Tuple):
@@ -535,11 +541,14 @@ class _Analyzer:
         final_norm = tail[-1] if tail else None
         if final_norm:
             final_norm.role = "final"
-        # rotary position sources: integer aranges (or inputs) upstream of cos/sin
+        # rotary position sources: aranges upstream of cos/sin whose length follows the input (the sequence's
+        # positions). A static-length arange there is part of the frequencies (``inv_freq`` computed in the
+        # forward) or of a table indexed by positions, not a position source.
         pos = []
         for var in g.calls_of("relax.cos") + g.calls_of("relax.sin"):
             for v in g.ancestors(var):
-                if g.op(v) == "relax.arange" and v not in pos:
+                length = (shape_of(v) or (None,))[0] if g.op(v) == "relax.arange" else None
+                if length is not None and not is_static(length) and v not in pos:
                     pos.append(v)
         return MoEStructure(
             layers=layers, vocab_size=int(vocab), hidden_size=int(hidden), dtype=dtype_of(embedding),

@@ -213,4 +213,13 @@ class InsertPagedKVAttention:
         out = build_create_kv_cache(structure, kv_dtype, self.target)  # keeps its kernels' GlobalVars
         for with_pos in (True, False):
             out["prefill" if with_pos else "decode"] = build_entry(func, self.num_inputs, structure, with_pos, kv_dtype)
-        return out
+        return keep_helpers(mod, out)
+
+
+def keep_helpers(mod: tvm.IRModule, out: tvm.IRModule) -> tvm.IRModule:
+    """``out`` with the imported module's other functions (TIR the frontend emitted, e.g. the ONNX importer's
+    ``maximum`` for a clamp), which the entries built from ``main`` still call."""
+    for gv, f in mod.functions_items():
+        if gv.name_hint != "main" and gv.name_hint not in [g.name_hint for g in out.get_global_vars()]:
+            out[gv] = f
+    return out

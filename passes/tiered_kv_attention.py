@@ -37,7 +37,7 @@ from tvm import relax, tirx
 from ..compiler.errors import MoecError
 from ..compiler.moe_structure import MoEStructure, analyze
 from ..runtime.kv_cache import POOLS, pool_specs
-from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs
+from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs, keep_helpers
 
 CACHE_ARGS = ("q_pos", "slots", "q_row", "q_t1", "q_indptr", "t1_table", "t2_table", "t2_np")
 RERANK_ARGS = ("t1_table", "t1_len", "length", "demote", "new_t2")
@@ -275,4 +275,4 @@ class InsertTieredKVAttention:
             build_entry(func, self.num_inputs, structure, kernels, self.options, with_pos, bb)
         if self.options.mode == "tiered":
             build_rerank(structure, kernels, self.options, bb)
-        return bb.get()
+        return keep_helpers(mod, bb.get())

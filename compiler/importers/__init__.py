@@ -44,9 +44,11 @@ def bind_scalar_weights(mod: tvm.IRModule, weights: list[np.ndarray], num_inputs
     if not binds:
         return mod, weights
     keep = [w for p, w in zip(params, weights) if p not in binds]
-    new_func = func.bind_params(binds)
-    mod = tvm.IRModule({"main": new_func})
-    return mod, keep
+    out = tvm.IRModule({"main": func.bind_params(binds)})
+    for gv, f in mod.functions_items():  # the frontend's other functions (e.g. TIR the ONNX importer emitted)
+        if gv.name_hint != "main":
+            out[gv] = f
+    return out, keep
 
 
 def import_model(source, example_inputs=None) -> ImportedModel:

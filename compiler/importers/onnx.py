@@ -69,10 +69,23 @@ def _symbolic_shape_converters():
         # sorted=0 (DeepSeek-V3's routers) leaves the order unspecified: the sorted result is a valid one
         return orig_topk(cls, bb, inputs, {**attr, "sorted": 1}, params)
 
+    orig_clip = of.Clip._impl_v13.__func__
+
+    def clip_v13(cls, bb, inputs, attr, params):
+        # relax maximum / minimum instead of the stock converter's TE functions, whose fixed buffers do not
+        # survive the entries' specialisation (batch bound to 1) and are opaque to the passes
+        out = inputs[0]
+        for bound, op, for_min in ((inputs[1] if len(inputs) > 1 else None, relax.op.maximum, True),
+                                   (inputs[2] if len(inputs) > 2 else None, relax.op.minimum, False)):
+            if bound is not None:
+                out = bb.normalize(op(out, cls._sanitize_nan_clip_bound(bb, bound, for_min=for_min)))
+        return out
+
     of.Range._impl_v12 = classmethod(range_v12)
     of.Reshape._impl_v13 = classmethod(reshape_v13)
     of.Expand._impl_v13 = classmethod(expand_v13)
     of.TopK._impl_v11 = classmethod(topk_v11)
+    of.Clip._impl_v13 = classmethod(clip_v13)
     try:
         yield
     finally:
@@ -80,6 +93,7 @@ def _symbolic_shape_converters():
         of.Reshape._impl_v13 = classmethod(orig_reshape)
         of.Expand._impl_v13 = classmethod(orig_expand)
         of.TopK._impl_v11 = classmethod(orig_topk)
+        of.Clip._impl_v13 = classmethod(orig_clip)
 
 
 def _supported_ops(opset: int) -> set[str]:

@@ -84,8 +84,29 @@ def _importer(param_keys: set):
 
     class Importer(ExportedProgramImporter):
         _convert_pytorch_tensor_to_tvm = staticmethod(convert)
+        node = None  # the node being converted (for messages)
+
+        def create_convert_map(self):
+            def track(fn):
+                def converter(node, *args):
+                    self.node = node
+                    return fn(node, *args)
+                return converter
+            return {k: track(fn) for k, fn in super().create_convert_map().items()}
 
     return Importer(), sources
+
+
+def _node_where(node) -> str:
+    """`` at node 'name' (op, file:line of the model's source)`` for messages, or ''."""
+    if node is None:
+        return ""
+    import re
+
+    lines = re.findall(r'File "([^"]+)", line (\d+)', (node.meta or {}).get("stack_trace") or "")
+    src = f", {Path(lines[-1][0]).name}:{lines[-1][1]}" if lines else ""
+    target = getattr(node.target, "__name__", str(node.target))
+    return f" at node {node.name!r} ({target}{src})"
 
 
 def merge_tied_weights(mod, params: list, num_inputs: int):
@@ -132,7 +153,8 @@ def import_exported_program(ep: torch.export.ExportedProgram, name: str = "<Expo
         mod = importer.from_exported_program(ep, True, True, False, EXTRA_CONVERTERS)  # keep params as inputs, unwrap
     except Exception as exc:
         msg = str(exc).strip().splitlines()
-        raise ImportFailure(f"{name}: torch.export to Relax conversion failed: {msg[-1] if msg else type(exc).__name__}") from None
+        raise ImportFailure(f"{name}: torch.export to Relax conversion failed{_node_where(importer.node)}: "
+                            f"{msg[-1] if msg else type(exc).__name__}") from None
     mod, params = detach_params(mod)
     mod, main_params = merge_tied_weights(mod, list(params.get("main", [])), len(user_inputs))
     weights = [sources[p.__chandle__()] if p.__chandle__() in sources else p.numpy() for p in main_params]
@@ -176,9 +198,31 @@ def import_torch(model, example_inputs=None) -> ImportedModel:
             with torch.no_grad():
                 ep = torch.export.export(model.eval(), inputs, dynamic_shapes=dynamic_shapes_for(len(inputs)))
         except Exception as exc:
-            raise ImportFailure(f"torch.export of {type(model).__name__} with dynamic batch/sequence axes failed: {str(exc).splitlines()[0]}") from None
+            raise _export_failure(model, exc) from None
         return import_exported_program(ep, type(model).__name__)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
         raise ImportFailure("nn.Module import needs example_inputs (input_ids[, attention_mask]) or model.config.vocab_size")
-    return import_exported_program(to_exported_program(model, vocab), type(model).__name__)
+    try:
+        ep = to_exported_program(model, vocab)
+    except Exception as exc:
+        raise _export_failure(model, exc) from None
+    return import_exported_program(ep, type(model).__name__)
+
+
+def _export_failure(model, exc: Exception) -> ImportFailure:
+    """torch.export's refusal as one message: its first line, the model's source line it names, and for
+    data-dependent control flow (HF's per-expert loops over ``nonzero()``) what to change."""
+    import re
+
+    text = str(exc)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)', text)
+    at = f" at {Path(where[-1][0]).name}:{where[-1][1]} ({where[-1][3].strip()})" if where else ""
+    hint = ""
+    if "data-dependent" in text or "GuardOnDataDependent" in type(exc).__name__:
+        hint = (": the forward branches on tensor values (e.g. a loop over the experts that received tokens); for HF "
+                "models pass experts_implementation=\"batched_mm\" where the family supports it (the default grouped_mm "
+                "and eager forms are not exportable)")
+    return ImportFailure(f"torch.export of {type(model).__name__} with dynamic batch/sequence axes failed{at}: "
+                         f"{lines[0] if lines else type(exc).__name__}{hint}")

@@ -183,3 +183,26 @@ def test_export_passes_other_user_errors_through(monkeypatch):
 
     with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent"):
         to_exported_program(tiny_hf_model("mixtral"), 512)
+
+
+def test_onnx_clip_imports_as_relax_ops(tmp_path):
+    """ONNX Clip (a router's clamp, e.g. ERNIE-4.5-MoE's) as relax maximum / minimum: TVM's converter emits TE
+    functions whose fixed buffers break once the entries bind the batch; the values are the same."""
+    import tvm
+    from tvm import relax
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 4])
+    lo = helper.make_tensor("lo", TensorProto.FLOAT, [], [-0.5])
+    hi = helper.make_tensor("hi", TensorProto.FLOAT, [], [0.75])
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["c"], name="clip_both"),
+             helper.make_node("Clip", ["c", "lo"], ["y"], name="clip_min_only")]
+    f = tmp_path / "clip.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], initializer=[lo, hi]),
+                                opset_imports=[helper.make_opsetid("", 18)]), f)
+    imported = import_model(f)
+    text = imported.mod.script()
+    assert "R.maximum" in text and "R.minimum" in text and "call_tir" not in text
+    vm = relax.VirtualMachine(tvm.compile(imported.mod, target="llvm"), tvm.cpu())
+    data = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(data)).numpy(), np.clip(data, -0.5, 0.75))
