@@ -519,7 +519,9 @@ class _Analyzer:
         group_topks = {id(r) for r in routers for o in routers if o is not r and o.linear_var.same_as(r.linear_var) and g.order[r.topk_var] < g.order[o.topk_var]}
         routers = [r for r in routers if id(r) not in group_topks]
         if not routers:
-            self.fail("no MoE router found (no top-k over a linear layer's expert scores): dense models are not supported")
+            self.fail("no MoE router found (no top-k over a linear layer's expert scores; routers that choose by "
+                      "max / argmax passes, such as PhiMoE's sparsemixer in ONNX, are not recognised): dense models are "
+                      "not supported")
         norms = self.find_norms()
         layers = self.assemble_layers(attentions, routers, norms)
         placed = {id(layer.router) for layer in layers if layer.router is not None}
