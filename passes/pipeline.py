@@ -50,6 +50,9 @@ def _record_graph(rewrite):
 def fusion_passes(entries: list[str]) -> list:
     """Phase 2 alone (lower to TIR and fuse); tuning runs it on entries with static token/batch sizes."""
     return [
+        # reshape chains between kernels ([T, D] -> [1, T, D] -> [T, D]) merged, identities dropped: each is a VM
+        # call on the host at every step
+        relax.transform.RemoveRedundantReshape(),
         relax.transform.LegalizeOps({"relax.topk": legalize_topk}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
