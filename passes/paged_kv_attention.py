@@ -65,8 +65,13 @@ class EntryRewriter:
         """``out[N, H, Dh]`` back to the shape and dtype of the attention output ``var``."""
         if dtype_of(out) != dtype_of(var):
             out = self._emit(relax.op.astype(out, dtype_of(var)))
+        shape = list(shape_of(var))
+        if len(shape) == 4:  # [1, H, N, Dh]: as a permute of [1, N, H, Dh], which the model's own transpose back
+            # to [1, N, H, Dh] cancels (SimplifyLayout)
+            out = self._emit(relax.op.reshape(out, [shape[0], shape[2], shape[1], shape[3]]))
+            return self._emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
         out = self._emit(relax.op.permute_dims(out, [1, 0, 2]))  # H, N, Dh (heads-first like P @ V)
-        return self._emit(relax.op.reshape(out, list(shape_of(var))))
+        return self._emit(relax.op.reshape(out, shape))
 
     def _entry_binding(self, binding) -> bool:
         """Rewrite ``binding`` if it is an attention output or a position source (True if it was)."""

@@ -21,6 +21,7 @@ from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
 from .fuse_router_norm import FuseRouterIntoNorm
 from .legalize_topk import FuseSoftmaxTopK, legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
+from .simplify_layout import SimplifyLayout
 from .simplify_power import SimplifyPower
 from .tiered_kv_attention import InsertTieredKVAttention, TieredOptions
 
@@ -143,6 +144,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([cascade] if cascade is not None else []),
         insert,
         SimplifyPower(),
+        SimplifyLayout(),
         *([fuse_router_norm] if fuse_router_norm is not None else []),
         *([rms_norm] if rms_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
