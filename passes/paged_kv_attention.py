@@ -56,10 +56,9 @@ class EntryRewriter:
         x = self.visit_expr(var)
         if layout == "bhsd":
             x = self._emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
-        x = self._emit(relax.op.reshape(x, [self.n, heads, head_dim]))  # N, H, Dh
-        if dtype is not None and dtype_of(x) != dtype:
-            x = self._emit(relax.op.astype(x, dtype))
-        return x
+        if dtype is not None and dtype_of(x) != dtype:  # before the reshape: fused into the producer's kernel
+            x = self._emit(relax.op.astype(x, dtype))    # (RoPE's), where after it the cast is a kernel of its own
+        return self._emit(relax.op.reshape(x, [self.n, heads, head_dim]))  # N, H, Dh
 
     def _heads_out(self, out, var):
         """``out[N, H, Dh]`` back to the shape and dtype of the attention output ``var``."""
