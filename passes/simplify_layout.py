@@ -5,8 +5,10 @@ permute of the tokens-first one; the model's own ``transpose(1, 2)`` then permut
 the pair is the identity and both copies disappear (TVM keeps a transposing kernel for each otherwise).
 
 Expects: any Relax module. Guarantees: ``permute_dims(permute_dims(x, p), q)`` becomes
-``permute_dims(x, p . q)`` (when the inner result has no other use it is left dead), an identity permutation
-becomes ``x``; the values are unchanged. Nothing else changes.
+``permute_dims(x, p . q)`` (when the inner result has no other use it is left dead), also through casts (the
+cast then follows the permute), reshapes that keep the shape, and reshapes that add leading unit axes which
+the outer permute keeps in place; an identity permutation becomes ``x``, and so does ``broadcast_to`` of a
+tensor to its own shape. The values are unchanged. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -45,46 +47,58 @@ def tvm_ffi_equal(x, y) -> bool:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def _reshaped(self, x):
-        """What ``x`` reshapes, through a chain of reshapes (``x`` if it is not one)."""
-        while isinstance(x, relax.Var) and _op(self.lookup_binding(x), "relax.reshape"):
-            x = self.lookup_binding(x).args[0]
+    def _alias(self, x):
+        while isinstance(x, relax.Var) and isinstance(self.lookup_binding(x), relax.Var):
+            x = self.lookup_binding(x)
         return x
 
+    def _bound(self, x):
+        x = self._alias(x)
+        return self.lookup_binding(x) if isinstance(x, relax.Var) else None
+
+    def _reshaped(self, x):
+        """What ``x`` reshapes, through a chain of reshapes (``x`` if it is not one)."""
+        while _op(self._bound(x), "relax.reshape"):
+            x = self._bound(x).args[0]
+        return self._alias(x)
+
+    def _emitted(self, expr):
+        return expr if isinstance(expr, relax.Var) else self.builder_.emit(expr)
+
     def _permute(self, x, axes: list[int]):
-        """``permute_dims(x, axes)``, composed with a permute ``x`` is bound to (through reshapes that keep its
-        shape); ``x`` itself for the identity."""
+        """An expression for ``permute_dims(x, axes)``: through casts (moved after it), reshapes that keep the shape or
+        only add leading unit axes kept in place, composed with a permute ``x`` is bound to, nothing for the
+        identity."""
+        x = self._alias(x)
+        rank = len(axes)
+        bound = self._bound(x)
+        if _op(bound, "relax.astype"):  # elementwise: permute first, cast after (a cast fuses into its producer)
+            return relax.op.astype(self._emitted(self._permute(bound.args[0], axes)), str(bound.attrs.dtype))
         y = self._reshaped(x)
-        if y is not x and _shape(y) is not None and _same(_shape(y), _shape(x)):
-            x = y
-        inner = self.lookup_binding(x) if isinstance(x, relax.Var) else None
-        if _op(inner, "relax.permute_dims"):
-            first = _axes(inner, len(axes))
-            x, axes = inner.args[0], [first[a] for a in axes]  # out[i] = in[first[axes[i]]]
-        return x if axes == list(range(len(axes))) else relax.op.permute_dims(x, axes)
+        shape, ys = _shape(x), _shape(y)
+        if y is not x and shape is not None and ys is not None:
+            k = rank - len(ys)
+            if k == 0 and _same(shape, ys):
+                return self._permute(y, axes)
+            if k > 0 and axes[:k] == list(range(k)) and all(tvm_ffi_equal(d, 1) for d in shape[:k]) and _same(shape[k:], ys):
+                inner = self._emitted(self._permute(y, [a - k for a in axes[k:]]))
+                return relax.op.reshape(inner, [shape[a] for a in axes])
+        if _op(bound, "relax.permute_dims"):
+            first = _axes(bound, rank)
+            x, axes = self._alias(bound.args[0]), [first[a] for a in axes]  # out[i] = in[first[axes[i]]]
+        return x if axes == list(range(rank)) else relax.op.permute_dims(x, axes)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if _op(call, "relax.broadcast_to"):  # to its own shape: the identity
+            x = call.args[0]
+            return x if _shape(x) is not None and _same(_shape(x), _shape(call)) else call
         if not _op(call, "relax.permute_dims"):
             return call
-        x = call.args[0]
-        shape = _shape(x)
+        shape = _shape(call.args[0])
         if shape is None:
             return call
-        rank = len(shape)
-        axes = _axes(call, rank)
-        y = self._reshaped(x)
-        if y is not x and _shape(y) is not None:
-            # x = reshape(y, [1] * k + y.shape) (leading unit axes added) and the permute keeps them in place:
-            # permute y itself (maybe composing with y's own permute), then add the unit axes
-            k = rank - len(_shape(y))
-            if k > 0 and axes[:k] == list(range(k)) and all(tvm_ffi_equal(d, 1) for d in shape[:k]) \
-                    and _same(shape[k:], _shape(y)):
-                out = self._permute(y, [a - k for a in axes[k:]])
-                if not isinstance(out, relax.Var):
-                    out = self.builder_.emit(out)
-                return relax.op.reshape(out, _shape(call))
-        return self._permute(x, axes)
+        return self._permute(call.args[0], _axes(call, len(shape)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="SimplifyLayout")

@@ -81,3 +81,26 @@ def test_unit_axis_not_leading_stays():
     assert _ops(after).count("relax.permute_dims") == 2
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(_run(after, x), _run(before, x))
+
+
+def test_through_a_cast_and_an_identity_broadcast():
+    """The OLMoE export's form: [H, N, D] -> reshape [1, H, N, D] -> cast -> transpose back -> reshape ->
+    broadcast_to its own shape: one cast and reshapes remain, no permute or broadcast."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 4, 16], "float32"))
+    with bb.function("f", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.permute_dims(x, [1, 0, 2]))
+            c = bb.emit(relax.op.reshape(a, [1, 4, n, 16]))
+            h = bb.emit(relax.op.astype(c, "float16"))
+            d = bb.emit(relax.op.permute_dims(h, [0, 2, 1, 3]))
+            r = bb.emit(relax.op.reshape(d, [1, n, 64]))
+            o = bb.emit_output(bb.emit(relax.op.broadcast_to(r, [1, n, 64])))
+        bb.emit_func_output(o)
+    before = bb.get()
+    after = relax.transform.DeadCodeElimination(["f"])(SimplifyLayout()(before))
+    ops = _ops(after)
+    assert "relax.permute_dims" not in ops and "relax.broadcast_to" not in ops and ops.count("relax.astype") == 1
+    x = np.random.default_rng(2).standard_normal((3, 4, 16)).astype(np.float32)
+    np.testing.assert_array_equal(_run(after, x), _run(before, x))
