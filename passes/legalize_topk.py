@@ -12,6 +12,9 @@ first read). One thread walking a row of 64 experts 8 times took 0.15 ms per rou
 Expects: ``topk`` calls with any rank and ``axis`` (moved to last internally), static row length and k.
 Guarantees: one scheduled (``tirx.is_scheduled``) ``call_tir``, opaque to fusion, writing the indices and
 (unless only the indices are asked for) the values; same results as ``topk``.
+
+``FuseSoftmaxTopK`` (phase 1, before the legalization) gives a router's ``topk(softmax(x))`` the same kernel
+with the softmax folded in (``topk_softmax``): see its docstring.
 """
 
 from __future__ import annotations
