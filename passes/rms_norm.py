@@ -37,10 +37,11 @@ from .fuse_router_norm import _Matcher
 _CANDIDATES = ("relax.multiply", "relax.nn.rms_norm")
 
 
-def _find(matcher: _Matcher) -> tuple[dict, list[str]]:
-    """``{o: (x, w, spec)}`` for each RMSNorm of the function, and why recognised-looking ones were left."""
+def _find(matcher: _Matcher) -> tuple[dict, dict, list[str]]:
+    """``{o: (x, w, spec, add)}`` for each RMSNorm of the function (``add``: ``(x, a, b)`` when x = a + b, fused),
+    ``{x: o}`` for those adds, and why recognised-looking norms were left."""
     g = matcher.g
-    found, skipped = {}, []
+    found, adds, skipped = {}, {}, []  # adds: residual add var -> the norm var fused with it
     for var in sorted((v for op in _CANDIDATES for v in g.calls_of(op)), key=lambda v: g.order[v]):
         parsed = matcher.norm(var)
         if parsed is None:
@@ -51,23 +52,42 @@ def _find(matcher: _Matcher) -> tuple[dict, list[str]]:
                 or dtype_of(w) not in ("float32", "float16", "bfloat16"):
             skipped.append(f"norm {var.name}: shape {shape} / dtypes {dtype_of(x)}, {dtype_of(w)} -> {dtype_of(var)}")
             continue
+        x = g.alias(x)
+        add = None  # x = a + b (same shapes and dtype): the residual add, computed in the kernel too
+        if g.op(x) == "relax.add" and x not in adds:
+            a, b = g.call(x).args
+            if all(shape_of(t) is not None and len(shape_of(t)) == len(shape_of(x)) and dtype_of(t) == dtype_of(x)
+                   and all(_same_dim(p, q) for p, q in zip(shape_of(t), shape_of(x))) for t in (a, b)):
+                add = (x, a, b)
         spec = RMSNormSpec(hidden=int(shape[-1]), eps=eps, x_dtype=dtype_of(x), weight_dtype=dtype_of(w),
-                           y_dtype=dtype_of(var))
+                           y_dtype=dtype_of(var), residual=add is not None)
         try:
             check_supported(spec, matcher.form)
         except MoecError as exc:
             skipped.append(f"norm {var.name}: {exc}")
             continue
-        found[var] = (x, w, spec)
-    return found, skipped
+        found[var] = (x, w, spec, add)
+        if add is not None:
+            adds[x] = var
+    return found, adds, skipped
+
+
+def _same_dim(p, q) -> bool:
+    if isinstance(p, int) or isinstance(q, int):
+        return p == q
+    import tvm_ffi
+
+    return bool(tvm_ffi.structural_equal(p, q))
 
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, graph, matches: dict, kernel) -> None:
+    def __init__(self, mod, graph, matches: dict, adds: dict, kernel) -> None:
         super().__init__(mod)
         self.g = graph
         self.matches = matches
+        self.adds = adds  # residual add var -> its norm var
+        self.normed = {}  # norm var -> the fused kernel's normalised output (emitted at the add)
         self.kernel = kernel
         self.position = -1
 
@@ -81,26 +101,43 @@ class _Rewriter(relax.PyExprMutator):
         args = [self._materialize(a) for a in value.args]
         return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
 
+    def _rows(self, tensors, shape, hidden):
+        """``tensors`` as [N, D] rows (reshaped unless 2-D already) and N."""
+        rows = prod(shape[:-1]) if len(shape) > 1 else 1
+        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
+        if len(shape) == 2:
+            return tensors, rows
+        return [self.builder_.emit(relax.op.reshape(t, [rows, hidden])) for t in tensors], rows
+
+    def _back(self, t, shape):
+        return t if len(shape) == 2 else self.builder_.emit(relax.op.reshape(t, shape))
+
     def visit_var_binding_(self, binding) -> None:
         var = binding.var
         self.position = self.g.order.get(var, self.position)
+        if var in self.normed:  # its kernel ran at the residual add
+            self.set_var_remap(var, self.normed[var])
+            return
+        if var in self.adds:  # the residual add and the norm after it: one kernel, here
+            norm = self.adds[var]
+            _, w, spec, (_, a, b) = self.matches[norm]
+            shape, nshape = list(shape_of(var)), list(shape_of(norm))
+            (av, bv), rows = self._rows([self.visit_expr(a), self.visit_expr(b)], shape, spec.hidden)
+            out = self.builder_.emit(relax.call_tir(self.kernel(spec), [av, bv, self._materialize(w)], out_ty=[
+                relax.TensorType([rows, spec.hidden], spec.x_dtype), relax.TensorType([rows, spec.hidden], spec.y_dtype)]))
+            self.set_var_remap(var, self._back(self.builder_.emit(relax.TupleGetItem(out, 0)), shape))
+            self.normed[norm] = self._back(self.builder_.emit(relax.TupleGetItem(out, 1)), nshape)
+            return
         m = self.matches.get(var)
         if m is None:
             super().visit_var_binding_(binding)
             return
-        x, w, spec = m
-        bb = self.builder_
-        xv = self.visit_expr(x)
+        x, w, spec, _ = m
         shape = list(shape_of(var))
-        rows = prod(shape[:-1]) if len(shape) > 1 else 1
-        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
-        if len(shape) != 2:
-            xv = bb.emit(relax.op.reshape(xv, [rows, spec.hidden]))
-        y = bb.emit(relax.call_tir(self.kernel(spec), [xv, self._materialize(w)],
-                                   out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
-        if len(shape) != 2:
-            y = bb.emit(relax.op.reshape(y, shape))
-        self.set_var_remap(var, y)
+        (xv,), rows = self._rows([self.visit_expr(x)], shape, spec.hidden)
+        y = self.builder_.emit(relax.call_tir(self.kernel(spec), [xv, self._materialize(w)],
+                                              out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
+        self.set_var_remap(var, self._back(y, shape))
 
 
 @tvm.transform.module_pass(opt_level=0, name="InsertRMSNorm")
@@ -120,11 +157,13 @@ class InsertRMSNorm:
             raise MoecError(f"InsertRMSNorm needs a tvm.target.Target, got {type(target).__name__}")
         self.target, self.source = target, source
         self.replaced: dict[str, int] = {}
+        self.residual: dict[str, int] = {}  # of them, norms computed with the residual add before them
         self.skipped: dict[str, list[str]] = {}
         self.kernels: dict[RMSNormSpec, str] = {}
 
     def manifest(self) -> dict:
-        return {"replaced": dict(self.replaced), "skipped": {k: v for k, v in self.skipped.items() if v},
+        return {"replaced": dict(self.replaced), "with_residual_add": dict(self.residual),
+                "skipped": {k: v for k, v in self.skipped.items() if v},
                 "kernels": {name: asdict(spec) for spec, name in self.kernels.items()}}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -134,12 +173,13 @@ class InsertRMSNorm:
         for gv, func in num_input_entries(mod, "InsertRMSNorm", self.source):
             func = relax.analysis.remove_all_unused(func)  # e.g. the norms FuseRouterIntoNorm replaced
             matcher = _Matcher(func, int(func.attrs["num_input"]), self.source, form)
-            matches, skipped = _find(matcher)
+            matches, adds, skipped = _find(matcher)
             self.replaced[gv.name_hint] = len(matches)
+            self.residual[gv.name_hint] = len(adds)
             self.skipped[gv.name_hint] = skipped
             if not matches:
                 continue
-            rewriter = _Rewriter(out, matcher.g, matches, None)
+            rewriter = _Rewriter(out, matcher.g, matches, adds, None)
             rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
             out = rewriter.builder_.get()

@@ -11,7 +11,9 @@ the reduction and the final multiply, so it fuses into neither), each a pass ove
 this is one pass over the row in its own dtype. The unfused graph may round ``x * r`` to the input
 dtype before multiplying by ``w`` (HF's ``w * h.to(dtype)``), so results equal it up to one rounding.
 
-Buffers: x [N, D] (x_dtype), w [D] (weight_dtype), then the output y [N, D] (y_dtype). N is dynamic.
+Buffers: x [N, D] (x_dtype), w [D] (weight_dtype), then the output y [N, D] (y_dtype). N is dynamic. With
+``residual`` (the add before the norm in the residual stream): a, b [N, D], w, then the outputs x = a + b
+(x_dtype, rounded as the unfused add stores it; the norm reads it so) and y.
 
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
 (RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
@@ -45,6 +47,7 @@ class RMSNormSpec:
     x_dtype: str = "float32"
     weight_dtype: str = "float32"
     y_dtype: str = "float32"
+    residual: bool = False  # x = a + b (both x_dtype) computed here and written out too (the residual stream)
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or self.hidden < 1:
@@ -89,12 +92,15 @@ def _make_llvm(spec: RMSNormSpec):
     D, eps = spec.hidden, float(spec.eps)
 
     @T.macro
-    def body(x, w, y, N):
+    def body(a, b, w, x, y, N):
         for n in T.serial(N):
             with T.sblock("rms_norm"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                if spec.residual:  # the sum, rounded to its dtype as stored
+                    for d in T.serial(D):
+                        x[n, d] = T.Cast(spec.x_dtype, _f32(a[n, d]) + _f32(b[n, d]))
                 acc[0] = T.float32(0)
                 for d in T.serial(D):
                     acc[0] = acc[0] + _f32(x[n, d]) * _f32(x[n, d])
@@ -120,7 +126,7 @@ def _make_cuda(spec: RMSNormSpec):
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
 
     @T.macro
-    def body(x, w, y, N):
+    def body(a, b, w, x, y, N):
         for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("rms_norm"):
@@ -128,6 +134,7 @@ def _make_cuda(spec: RMSNormSpec):
                     T.writes()
                     red = T.sblock_alloc_buffer((RB * RW,), "float32", scope="shared")
                     xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+                    bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                     wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
                     yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
                     acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -137,8 +144,18 @@ def _make_cuda(spec: RMSNormSpec):
                     acc[0] = T.float32(0)
                     for i in T.unroll(IT):
                         if n < N and (full or (i * RT + rt) * VEC < D):
-                            for v in T.vectorized(VEC):
-                                xl[i * VEC + v] = x[n, (i * RT + rt) * VEC + v]
+                            if spec.residual:  # x = a + b, rounded as stored, written out
+                                for v in T.vectorized(VEC):
+                                    xl[i * VEC + v] = a[n, (i * RT + rt) * VEC + v]
+                                for v in T.vectorized(VEC):
+                                    bl[v] = b[n, (i * RT + rt) * VEC + v]
+                                for v in T.unroll(VEC):
+                                    xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
+                                for v in T.vectorized(VEC):
+                                    x[n, (i * RT + rt) * VEC + v] = xl[i * VEC + v]
+                            else:
+                                for v in T.vectorized(VEC):
+                                    xl[i * VEC + v] = x[n, (i * RT + rt) * VEC + v]
                             for v in T.unroll(VEC):
                                 acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
                     warp_sum(acc, 0)
@@ -164,9 +181,23 @@ def _make_cuda(spec: RMSNormSpec):
 
 
 def _signature(spec: RMSNormSpec, body):
-    """The PrimFunc around ``body``: (x, w, y), N dynamic."""
+    """The PrimFunc around ``body``: (x, w, y), or with ``residual`` (a, b, w, x, y); N dynamic."""
     D = spec.hidden
     attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
+
+    if spec.residual:
+        @T.prim_func(s_tir=True)
+        def add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, x_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            a = T.match_buffer(a_h, (N, D), spec.x_dtype)
+            b = T.match_buffer(b_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            body(a, b, w, x, y, N)
+
+        return add_rms_norm
 
     @T.prim_func(s_tir=True)
     def rms_norm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -175,13 +206,14 @@ def _signature(spec: RMSNormSpec, body):
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, (D,), spec.weight_dtype)
         y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-        body(x, w, y, N)
+        body(x, x, w, x, y, N)  # no residual: a and b are never read
 
     return rms_norm
 
 
 def reference(x, w, eps: float, y_dtype=None):
-    """NumPy reference of the kernel (float32 math, one rounding to ``y_dtype``)."""
+    """NumPy reference of the kernel (float32 math, one rounding to ``y_dtype``). With a residual, ``x`` is the
+    sum ``a + b`` as stored (``residual_sum``)."""
     import numpy as np
 
     xf = np.asarray(x, np.float32)
@@ -189,4 +221,11 @@ def reference(x, w, eps: float, y_dtype=None):
     return (np.asarray(w, np.float32) * (xf * r)).astype(y_dtype or x.dtype)
 
 
-__all__ = ["RMSNormSpec", "check_supported", "launch_config", "make_rms_norm", "reference"]
+def residual_sum(a, b):
+    """NumPy: the residual kernel's ``x = a + b`` (float32 sum rounded to a's dtype)."""
+    import numpy as np
+
+    return (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(a.dtype)
+
+
+__all__ = ["RMSNormSpec", "check_supported", "launch_config", "make_rms_norm", "reference", "residual_sum"]

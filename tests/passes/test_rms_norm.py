@@ -14,7 +14,7 @@ import moec
 from moec.compiler.errors import MoecError
 from moec.compiler.targets import make_target
 from moec.passes.rms_norm import InsertRMSNorm
-from moec.schedules.kernels.rms_norm import RMSNormSpec, launch_config, make_rms_norm, reference
+from moec.schedules.kernels.rms_norm import RMSNormSpec, launch_config, make_rms_norm, reference, residual_sum
 
 from moec_testing import require_cuda
 
@@ -80,6 +80,62 @@ def test_cuda_form_launch_and_nvcc():
         assert "__shfl_xor_sync" in src and ("__syncthreads" in src) == barrier and ("uint4" in src) == wide
         with target:
             assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+RESIDUAL = [RMSNormSpec(2048, 1e-6, "bfloat16", "bfloat16", "bfloat16", residual=True),
+            RMSNormSpec(100, 1e-5, "float32", "float32", "float32", residual=True)]
+
+
+def _check_residual(spec, run):
+    rng = np.random.default_rng(4)
+    for n in (1, 9):
+        a = (rng.standard_normal((n, spec.hidden)) * 4).astype(NP[spec.x_dtype])
+        b = rng.standard_normal((n, spec.hidden)).astype(NP[spec.x_dtype])
+        w = rng.uniform(0.5, 1.5, spec.hidden).astype(NP[spec.weight_dtype])
+        x, y = run(a, b, w)
+        want_x = residual_sum(a, b)
+        np.testing.assert_array_equal(x, want_x)  # the sum as the unfused add stores it
+        tol = 1e-5 if spec.y_dtype == "float32" else 1e-2
+        np.testing.assert_allclose(y.astype(np.float32), reference(want_x, w, spec.eps, NP[spec.y_dtype]).astype(np.float32),
+                                   rtol=tol, atol=tol)
+
+
+def _residual_runner(ex, spec, dev):
+    def run(a, b, w):
+        x = tvm.runtime.tensor(np.zeros(a.shape, NP[spec.x_dtype]), dev)
+        y = tvm.runtime.tensor(np.zeros(a.shape, NP[spec.y_dtype]), dev)
+        ex["rms_norm"](*[tvm.runtime.tensor(t, dev) for t in (a, b, w)], x, y)
+        return x.numpy(), y.numpy()
+    return run
+
+
+@pytest.mark.parametrize("spec", RESIDUAL, ids=["bf16-2048", "fp32-100"])
+def test_residual_kernel_matches_numpy(spec):
+    """With the residual add: x = a + b written out (rounded as stored) and normalised."""
+    ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "llvm")}), target=LLVM)
+    _check_residual(spec, _residual_runner(ex, spec, tvm.cpu()))
+
+
+def test_residual_cuda_form_builds():
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    target = make_target("cuda", "sm_90")
+    ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(RESIDUAL[0], "cuda")}), target=target)
+    src = _cuda_modules(ex.mod)[0].inspect_source("cuda")
+    assert re.findall(r'__launch_bounds__\((\d+)\) (\w+)\(', src) == [("256", "rms_norm_kernel")] * 2  # decl + def
+    assert src.count("uint4") >= 4  # a, b, w loaded and x stored 16 bytes at a time
+    with target:
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", RESIDUAL, ids=["bf16-2048", "fp32-100"])
+def test_residual_cuda_kernel_matches_numpy_on_gpu(spec):
+    require_cuda()
+    ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "cuda")}), target=make_target("cuda", "sm_90"))
+    _check_residual(spec, _residual_runner(ex, spec, tvm.cuda()))
 
 
 def test_kernel_refusals():
@@ -172,6 +228,37 @@ def test_ir_before_after(shape):
     assert p.manifest()["kernels"] == {"rms_norm": {**spec.__dict__}}
 
 
+def test_ir_residual_add_is_computed_in_the_kernel():
+    """``h = r + u`` feeding the norm and used again (the residual stream): one kernel writes both."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    r = relax.Var("r", relax.TensorType([n, 64], "bfloat16"))
+    u = relax.Var("u", relax.TensorType([n, 64], "bfloat16"))
+    w = relax.Var("w", relax.TensorType((64,), "bfloat16"))
+    with bb.function("decode", [r, u, w], attrs={"num_input": 2}):
+        with bb.dataflow():
+            emit = bb.emit
+            h = emit(relax.op.add(r, u))
+            xx = emit(relax.op.astype(h, "float32"))
+            ms = emit(relax.op.mean(emit(relax.op.multiply(xx, xx)), axis=[-1], keepdims=True))
+            nx = emit(relax.op.astype(emit(relax.op.multiply(xx, emit(relax.op.rsqrt(emit(relax.op.add(ms, relax.const(1e-5, "float32"))))))), "bfloat16"))
+            o = emit(relax.op.multiply(w, nx))
+            out = bb.emit_output(emit(relax.op.add(h, emit(relax.op.tanh(o)))))  # h used again
+        bb.emit_func_output(out)
+    before = bb.get()
+    p = InsertRMSNorm(LLVM)
+    after = relax.transform.DeadCodeElimination(["decode"])(p(before))
+    ops = [c.op.name for c in _calls(after["decode"])]
+    assert p.residual == {"decode": 1} and ops.count("relax.call_tir") == 1 and ops.count("relax.add") == 1  # the last add
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal((6, 64)).astype(ml_dtypes.bfloat16) for _ in range(2)] + [rng.uniform(0.5, 1.5, 64).astype(ml_dtypes.bfloat16)]
+    outs = []
+    for mod in (before, after):
+        vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+        outs.append(vm["decode"](*[tvm.runtime.tensor(a) for a in args]).numpy().astype(np.float32))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-2, atol=1e-2)  # one rounding of w * x * r apart
+
+
 @pytest.mark.parametrize("kw", [dict(mean_axis=0, shape=(8, 64)), dict(weight_shape=(1, 64))], ids=["mean-over-rows", "weight-2d"])
 def test_not_an_rms_norm_stays(kw):
     before = _entry(**kw)
@@ -216,6 +303,7 @@ def test_compiled_equals_unfused_and_torch(tmp_path):
     doc = json.loads((on / "manifest.json").read_text())["options"]["rms_norm"]
     # per entry: 2 layers x (input norm [+ q and k norms]) + the final norm; the routers' norms are fused with them
     assert doc["replaced"]["decode"] == 2 * 3 + 1
+    assert doc["with_residual_add"]["decode"] == 2  # layer 1's input norm and the final norm: after a residual add
     assert json.loads((off / "manifest.json").read_text())["options"]["rms_norm"] is None
     prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 11, 6, 2, 9, 1, 12, 3, 5, 10]]
     got, hist = prefill_and_decode(on, prompts, 3)
