@@ -239,15 +239,22 @@ def legalize_topk(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 class _SoftmaxTopKRewriter(relax.PyExprMutator):
     def __init__(self, mod, matches: dict, kernel) -> None:
         super().__init__(mod)
-        self.matches = matches  # topk var -> (logits, n, k, index dtype, values dtype, ret_type)
+        self.matches = matches  # topk var -> (logits, n, k, index dtype, values dtype, ret_type, cast var)
         self.kernel = kernel
+        self.cast = {}  # the values' cast var -> the kernel's values, written in its dtype
 
     def visit_var_binding_(self, binding) -> None:
+        if binding.var in self.cast:
+            self.set_var_remap(binding.var, self.cast[binding.var])
+            return
         m = self.matches.get(binding.var)
         if m is None:
             super().visit_var_binding_(binding)
             return
-        logits, n, k, index_dtype, values_dtype, ret_type = m
+        from ..compiler.graph import dtype_of
+
+        logits, n, k, index_dtype, values_dtype, ret_type, cast = m
+        stored = dtype_of(cast) if cast is not None else values_dtype  # the only use of the values casts them
         bb = self.builder_
         x = self.visit_expr(logits)
         lead = list(x.ty.shape.values)[:-1]
@@ -256,11 +263,13 @@ class _SoftmaxTopKRewriter(relax.PyExprMutator):
             rows = rows * d
         rows = Analyzer().simplify(rows) if not isinstance(rows, int) else rows
         flat = bb.emit(relax.op.reshape(x, [rows, n])) if len(lead) != 1 else x
-        out = bb.emit(relax.call_tir(self.kernel((n, k, str(x.ty.dtype), index_dtype, values_dtype)), [flat],
-                                     [relax.TensorType([rows, k], index_dtype), relax.TensorType([rows, k], values_dtype)]))
+        out = bb.emit(relax.call_tir(self.kernel((n, k, str(x.ty.dtype), index_dtype, stored)), [flat],
+                                     [relax.TensorType([rows, k], index_dtype), relax.TensorType([rows, k], stored)]))
         idx, val = bb.emit(relax.TupleGetItem(out, 0)), bb.emit(relax.TupleGetItem(out, 1))
         if len(lead) != 1:
             idx, val = bb.emit(relax.op.reshape(idx, lead + [k])), bb.emit(relax.op.reshape(val, lead + [k]))
+        if cast is not None:  # the cast reads the kernel's values (the topk's values, now of its dtype, go dead)
+            self.cast[cast] = val
         result = {"both": lambda: bb.emit(relax.Tuple([val, idx])), "values": lambda: val, "indices": lambda: idx}[ret_type]()
         self.set_var_remap(binding.var, result)
 
@@ -274,8 +283,8 @@ class FuseSoftmaxTopK:
     Expects entry functions (attribute ``num_input``), after the passes that recognise routers by their
     ``topk`` (cascade gating, norm + router fusion, grouped experts). Guarantees after: each match's ``topk``
     binding is replaced by the kernel's (values, indices), reshaped to the ``topk``'s; values are the softmax's,
-    computed in float32 from ``x`` as stored (the cast was exact) and equal up to float rounding; indices are the
-    same, ties to the lower index. A softmax with other users, another axis, ``largest=False`` or a row too long
+    computed in float32 from ``x`` as stored (the cast was exact) and equal up to float rounding (written in the
+    dtype of a cast that is their only use, which then reads them); indices are the same, ties to the lower index. A softmax with other users, another axis, ``largest=False`` or a row too long
     for the warp form stays (the plain ``topk`` legalization then takes it)."""
 
     def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
@@ -310,7 +319,16 @@ class FuseSoftmaxTopK:
                 if not isinstance(n, int) or (gpu and n > 992) or dtype_of(x) not in ("float32", "float16", "bfloat16") \
                         or dtype_of(s) not in ("float32", "float16", "bfloat16"):
                     continue
-                matches[tk] = (x, n, int(call.attrs.k), str(call.attrs.dtype), dtype_of(s), str(call.attrs.ret_type))
+                ret = str(call.attrs.ret_type)
+                # the values' only use a cast (to the model's dtype, before the experts): written in that dtype
+                cast = None
+                got = [u for u in g.users.get(tk, []) if isinstance(g.value.get(u), relax.TupleGetItem)]
+                vals = [u for u in got if g.value[u].index == 0]
+                if ret == "both" and len(vals) == 1 and len(g.users.get(vals[0], [])) == 1:
+                    u = g.users[vals[0]][0]
+                    if g.op(u) == "relax.astype" and dtype_of(u) in ("float32", "float16", "bfloat16"):
+                        cast = u
+                matches[tk] = (x, n, int(call.attrs.k), str(call.attrs.dtype), dtype_of(s), ret, cast)
             self.fused[gv.name_hint] = len(matches)
             if not matches:
                 continue

@@ -206,3 +206,31 @@ def test_softmax_topk_cuda_matches_numpy(n, k, rows):
     order = np.argsort(-xf, axis=-1, kind="stable")[:, :k]
     np.testing.assert_array_equal(idx.numpy(), order)
     np.testing.assert_allclose(val.numpy(), np.take_along_axis(e / e.sum(-1, keepdims=True), order, -1), rtol=1e-5, atol=1e-7)
+
+
+def test_softmax_topk_values_written_in_the_dtype_they_are_cast_to():
+    """HF routers cast the chosen weights to the model's dtype before the experts: the kernel writes them so."""
+    import ml_dtypes
+
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 16], "bfloat16"))
+    with bb.function("decode", [x], attrs={"num_input": 1}):
+        with bb.dataflow():
+            s = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(x, "float32")), axis=-1))
+            top = bb.emit(relax.op.topk(s, k=4, axis=-1, ret_type="both", largest=True, dtype="int64"))
+            w = bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(top, 0)), "bfloat16"))
+            out = bb.emit_output(relax.Tuple([w, bb.emit(relax.TupleGetItem(top, 1))]))
+        bb.emit_func_output(out)
+    before = bb.get()
+    _, after = _fuse_topk(before)
+    assert _ops(after["decode"]) == ["relax.call_tir"]  # no cast left
+    prim = after[[g for g in after.get_global_vars() if g.name_hint.startswith("topk_softmax")][0]]
+    assert 'val: T.Buffer((rows, 4), "bfloat16")' in prim.script()
+    xv = (np.random.default_rng(6).standard_normal((7, 16)) * 2).astype(ml_dtypes.bfloat16)
+    outs = []
+    for m in (before, after):
+        ex = tvm.compile(relax.transform.LegalizeOps({"relax.topk": legalize_topk})(m), target=tvm.target.Target({"kind": "llvm"}))
+        outs.append([t.numpy() for t in relax.VirtualMachine(ex, tvm.cpu())["decode"](tvm.runtime.tensor(xv))])
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+    np.testing.assert_array_equal(outs[1][0].astype(np.float32), outs[0][0].astype(np.float32))
