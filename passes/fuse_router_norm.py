@@ -26,7 +26,7 @@ normalised row as stored, so results equal the unfused graph's up to float round
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import tvm
 from tvm import relax
@@ -50,6 +50,7 @@ class _Match:
     rows: relax.Expr  # R [E, D] ("ed") or R^T [D, E] ("de")
     bias: relax.Expr | None
     spec: NormRouterSpec
+    add: tuple | None = None  # (x, ra, rb) when x = ra + rb (the residual add): computed in the kernel too
 
 
 class _Matcher:
@@ -234,7 +235,14 @@ class _Matcher:
         except MoecError as exc:
             self.skipped.append(f"{where}: {exc}")
             return None
-        return _Match(norm=o, x=x, weight=w, logits=logits, matmul=m, rows=rows, bias=bias, spec=spec)
+        xa, add = g.alias(x), None
+        if g.op(xa) == "relax.add":
+            ra, rb = g.call(xa).args
+            if all(dtype_of(t) == dtype_of(xa) and shape_of(t) is not None and len(shape_of(t)) == len(shape_of(xa))
+                   and all(_same_dim(p, q) for p, q in zip(shape_of(t), shape_of(xa))) for t in (ra, rb)):
+                add = (xa, ra, rb)
+                spec = replace(spec, residual=True)
+        return _Match(norm=o, x=x, weight=w, logits=logits, matmul=m, rows=rows, bias=bias, spec=spec, add=add)
 
     def run(self) -> list[_Match]:
         g = self.g
@@ -249,11 +257,24 @@ class _Matcher:
             info = self.analyzer.find_router(tk)
             routers |= {m for m in (info.linear_var if info is not None else None, self.router_matmul(tk)) if m is not None}
         found = []
+        adds = set()
         for m in sorted(routers, key=lambda v: g.order[v]):
             match = self.match(m, norms)
             if match is not None and all(not match.norm.same_as(f.norm) for f in found):
+                if match.add is not None and match.add[0] in adds:  # one kernel per residual add
+                    match = replace(match, add=None, spec=replace(match.spec, residual=False))
+                if match.add is not None:
+                    adds.add(match.add[0])
                 found.append(match)
         return found
+
+
+def _same_dim(p, q) -> bool:
+    if isinstance(p, int) or isinstance(q, int):
+        return p == q
+    import tvm_ffi
+
+    return bool(tvm_ffi.structural_equal(p, q))
 
 
 @relax.expr_functor.mutator
@@ -262,6 +283,8 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
         super().__init__(mod)
         self.g = graph
         self.by_norm = {m.norm: m for m in matches}
+        self.by_add = {m.add[0]: m for m in matches if m.add is not None}
+        self.normed = {}  # norm var -> the kernel's normalised output, for norms computed at their residual add
         self.replaced = {}  # logits var -> the kernel's logits output
         self.dropped = {m.matmul for m in matches if not m.matmul.same_as(m.logits)}  # matmul feeding a fused bias add
         self.kernel = kernel  # spec -> GlobalVar
@@ -280,7 +303,11 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
     def visit_var_binding_(self, binding) -> None:
         var = binding.var
         self.position = self.g.order.get(var, self.position)
-        if var in self.by_norm:
+        if var in self.by_add:  # the residual add, the norm and the router: one kernel, here
+            self.set_var_remap(var, self._fuse(self.by_add[var]))
+        elif var in self.normed:
+            self.set_var_remap(var, self.normed[var])
+        elif var in self.by_norm:
             self.set_var_remap(var, self._fuse(self.by_norm[var]))
         elif var in self.replaced:
             self.set_var_remap(var, self.replaced[var])
@@ -288,29 +315,38 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
             super().visit_var_binding_(binding)
 
     def _fuse(self, m: _Match):
+        """The kernel for ``m``: returns the normalised state, or with a residual add (emitted at the add) the sum,
+        the normalised state then waiting in ``normed`` for the norm's binding."""
         # T tokens, D hidden, E router outputs
         bb, s = self.builder_, m.spec
-        x = self.visit_expr(m.x)
-        lead = list(shape_of(x)[:-1])
+        inputs = [m.add[1], m.add[2]] if m.add is not None else [m.x]
+        inputs = [self.visit_expr(v) for v in inputs]
+        lead = list(shape_of(inputs[0])[:-1])
         t = Analyzer().simplify(prod(lead))
         if len(lead) != 1:
-            x = bb.emit(relax.op.reshape(x, [t, s.hidden]))  # T, D
+            inputs = [bb.emit(relax.op.reshape(v, [t, s.hidden])) for v in inputs]  # T, D
         w = self._materialize(m.weight)
         rows = self._materialize(m.rows)
-        args = [x, w, rows]
+        args = inputs + [w, rows]
         if m.bias is not None:
             bias = self._materialize(m.bias)
             args.append(bias if shape_of(m.bias) == (s.outputs,) else bb.emit(relax.op.reshape(bias, [s.outputs])))
-        out = bb.emit(relax.call_tir(self.kernel(s), args, out_ty=[
-            relax.TensorType([t, s.hidden], s.y_dtype), relax.TensorType([t, s.outputs], s.logits_dtype)]))
-        y = bb.emit(relax.TupleGetItem(out, 0))  # T, D
-        logits = bb.emit(relax.TupleGetItem(out, 1))  # T, E
+        outs = [relax.TensorType([t, s.hidden], s.y_dtype), relax.TensorType([t, s.outputs], s.logits_dtype)]
+        if m.add is not None:
+            outs.insert(0, relax.TensorType([t, s.hidden], s.x_dtype))
+        out = bb.emit(relax.call_tir(self.kernel(s), args, out_ty=outs))
+        y = bb.emit(relax.TupleGetItem(out, len(outs) - 2))  # T, D
+        logits = bb.emit(relax.TupleGetItem(out, len(outs) - 1))  # T, E
         if len(shape_of(m.norm)) != 2:
             y = bb.emit(relax.op.reshape(y, list(shape_of(m.norm))))
         if len(shape_of(m.logits)) != 2:
             logits = bb.emit(relax.op.reshape(logits, list(shape_of(m.logits))))
         self.replaced[m.logits] = logits
-        return y
+        if m.add is None:
+            return y
+        self.normed[m.norm] = y
+        x = bb.emit(relax.TupleGetItem(out, 0))
+        return x if len(lead) == 1 else bb.emit(relax.op.reshape(x, list(shape_of(m.add[0]))))
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRouterIntoNorm")

@@ -12,7 +12,8 @@ Everything is computed in float32; the router reads the normalised row *as store
 float rounding (summation order; the unfused graph may also accumulate in a lower precision).
 
 Buffers: x [T, D] (x_dtype), w [D], rows [E, D] ("ed") or [D, E] ("de"), bias [E] (optional), then the
-outputs y [T, D] (y_dtype) and logits [T, E] (l_dtype). T is dynamic.
+outputs y [T, D] (y_dtype) and logits [T, E] (l_dtype). T is dynamic. With ``residual`` (the residual add before
+the norm): ra, rb [T, D] in place of x, and x = ra + rb (rounded as the unfused add stores it) an output before y.
 
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda", one launch for the whole
 norm + router: a grid of T x NB blocks of NW warps. Every block of row t loads the row once into
@@ -53,6 +54,7 @@ class NormRouterSpec:
     logits_dtype: str = "float32"
     bias_dtype: str | None = None  # None: no bias
     rows_layout: str = "ed"  # "ed": rows [E, D]; "de": rows given transposed, [D, E]
+    residual: bool = False  # x = ra + rb (both x_dtype) computed here and written out too (the residual stream)
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or not isinstance(self.outputs, int) or self.hidden < 1 or self.outputs < 1:
@@ -115,13 +117,16 @@ def _make_llvm(spec: NormRouterSpec):
         return rows[e, d] if ed else rows[d, e]
 
     @T.macro
-    def body(x, w, rows, bias, y, logits, N):
+    def body(ra, rb, x, w, rows, bias, y, logits, N):
         for t in T.serial(N):
             with T.sblock("norm_router"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                 yv = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                if spec.residual:  # the sum, rounded to its dtype as stored
+                    for d in T.serial(D):
+                        x[t, d] = T.Cast(spec.x_dtype, _f32(ra[t, d]) + _f32(rb[t, d]))
                 acc[0] = T.float32(0)
                 for d in T.serial(D):
                     acc[0] = acc[0] + _f32(x[t, d]) * _f32(x[t, d])
@@ -157,7 +162,7 @@ def _make_cuda(spec: NormRouterSpec):
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
 
     @T.macro
-    def body(x, w, rows, bias, y, logits, N):
+    def body(ra, rb, x, w, rows, bias, y, logits, N):
         for t in T.thread_binding(N, thread="blockIdx.x"):
             for b in T.thread_binding(NB, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -167,6 +172,7 @@ def _make_cuda(spec: NormRouterSpec):
                         ys = T.sblock_alloc_buffer((D,), spec.y_dtype, scope="shared")
                         red = T.sblock_alloc_buffer((NW,), "float32", scope="shared")
                         xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+                        bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                         wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
                         yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
                         rl = T.sblock_alloc_buffer((RVEC,), spec.rows_dtype, scope="local")
@@ -178,8 +184,19 @@ def _make_cuda(spec: NormRouterSpec):
                         acc[0] = T.float32(0)
                         for i in T.unroll(IT):
                             if full or (i * NT + tx) * VEC < D:
-                                for v in T.vectorized(VEC):
-                                    xl[i * VEC + v] = x[t, (i * NT + tx) * VEC + v]
+                                if spec.residual:  # x = ra + rb, rounded as stored; this block's share written out
+                                    for v in T.vectorized(VEC):
+                                        xl[i * VEC + v] = ra[t, (i * NT + tx) * VEC + v]
+                                    for v in T.vectorized(VEC):
+                                        bl[v] = rb[t, (i * NT + tx) * VEC + v]
+                                    for v in T.unroll(VEC):
+                                        xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
+                                    if (i * NT + tx) % NB == b:
+                                        for v in T.vectorized(VEC):
+                                            x[t, (i * NT + tx) * VEC + v] = xl[i * VEC + v]
+                                else:
+                                    for v in T.vectorized(VEC):
+                                        xl[i * VEC + v] = x[t, (i * NT + tx) * VEC + v]
                                 for v in T.unroll(VEC):
                                     acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
                         warp_sum(acc, 0)
@@ -229,11 +246,42 @@ def _make_cuda(spec: NormRouterSpec):
 
 
 def _signature(spec: NormRouterSpec, body):
-    """The PrimFunc around ``body``: (x, w, rows, [bias], y, logits), T dynamic."""
+    """The PrimFunc around ``body``: (x, w, rows, [bias], y, logits), or with ``residual`` (ra, rb, w, rows, [bias],
+    x, y, logits); T dynamic."""
     D, E = spec.hidden, spec.outputs
     rows_shape = (E, D) if spec.rows_layout == "ed" else (D, E)
     attrs = {"tirx.is_scheduled": True, "global_symbol": "norm_router", "tirx.noalias": True}
-    if spec.bias_dtype is not None:
+    bias_dtype = spec.bias_dtype or spec.logits_dtype  # (no bias: the body never reads it)
+    if spec.residual and spec.bias_dtype is not None:
+        @T.prim_func(s_tir=True)
+        def norm_router(ra_h: T.handle, rb_h: T.handle, w_h: T.handle, rows_h: T.handle, bias_h: T.handle, x_h: T.handle,
+                        y_h: T.handle, logits_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            ra = T.match_buffer(ra_h, (N, D), spec.x_dtype)
+            rb = T.match_buffer(rb_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            bias = T.match_buffer(bias_h, (E,), bias_dtype)
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
+            body(ra, rb, x, w, rows, bias, y, logits, N)
+    elif spec.residual:
+        @T.prim_func(s_tir=True)
+        def norm_router(ra_h: T.handle, rb_h: T.handle, w_h: T.handle, rows_h: T.handle, x_h: T.handle, y_h: T.handle,
+                        logits_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            ra = T.match_buffer(ra_h, (N, D), spec.x_dtype)
+            rb = T.match_buffer(rb_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
+            body(ra, rb, x, w, rows, logits, y, logits, N)  # no bias: never read
+    elif spec.bias_dtype is not None:
         @T.prim_func(s_tir=True)
         def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, bias_h: T.handle, y_h: T.handle, logits_h: T.handle):
             T.func_attr(attrs)
@@ -241,10 +289,10 @@ def _signature(spec: NormRouterSpec, body):
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
-            bias = T.match_buffer(bias_h, (E,), spec.bias_dtype)
+            bias = T.match_buffer(bias_h, (E,), bias_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(x, w, rows, bias, y, logits, N)
+            body(x, x, x, w, rows, bias, y, logits, N)  # no residual: ra, rb never read
     else:
         @T.prim_func(s_tir=True)
         def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, y_h: T.handle, logits_h: T.handle):
@@ -255,7 +303,7 @@ def _signature(spec: NormRouterSpec, body):
             rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(x, w, rows, x, y, logits, N)  # no bias: the body never reads it
+            body(x, x, x, w, rows, x, y, logits, N)  # no residual, no bias: never read
     return norm_router
 
 

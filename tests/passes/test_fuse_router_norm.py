@@ -383,3 +383,79 @@ def test_gpu_kernel_and_model(zoo, tmp_path):
         got[fuse] = [logits, engine.decode(seqs, logits.argmax(-1))]
     for a, b in zip(got[True], got[False]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- with the residual add before the norm
+
+
+@pytest.mark.parametrize("spec", [NormRouterSpec(64, 8, 1e-5, residual=True),
+                                  NormRouterSpec(96, 4, 1e-5, *["bfloat16"] * 4, "float32", bias_dtype="float32", residual=True)],
+                         ids=["fp32", "bf16-bias"])
+def test_residual_kernel_matches_numpy(spec):
+    """x = ra + rb written out (rounded as stored) and normalised, the router reading the normalised row."""
+    ex = tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "llvm")}), target=LLVM)
+    rng = np.random.default_rng(7)
+    for t in (1, 5):
+        _, w, rows, bias = _kernel_args(spec, t, seed=t)
+        ra = (rng.standard_normal((t, spec.hidden)) * 3).astype(NP[spec.x_dtype])
+        rb = rng.standard_normal((t, spec.hidden)).astype(NP[spec.x_dtype])
+        outs = [np.zeros((t, spec.hidden), NP[spec.x_dtype]), np.zeros((t, spec.hidden), NP[spec.y_dtype]),
+                np.zeros((t, spec.outputs), NP[spec.logits_dtype])]
+        args = [tvm.runtime.tensor(a) for a in [ra, rb, w, rows] + ([bias] if bias is not None else []) + outs]
+        ex["norm_router"](*args)
+        x = (ra.astype(np.float32) + rb.astype(np.float32)).astype(NP[spec.x_dtype])
+        np.testing.assert_array_equal(args[-3].numpy(), x)
+        want_y, want_l = reference(x, w, rows, bias, spec.eps, NP[spec.y_dtype], NP[spec.logits_dtype], spec.rows_layout)
+        tol = 1e-5 if spec.y_dtype == "float32" else 1e-2
+        np.testing.assert_allclose(args[-2].numpy().astype(np.float32), want_y.astype(np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(args[-1].numpy().astype(np.float32), want_l.astype(np.float32), rtol=tol, atol=tol * 10)
+
+
+def test_residual_cuda_form_builds():
+    from tvm.support import nvcc
+
+    from moec.compiler.build import _cuda_modules
+
+    target = make_target("cuda", "sm_90")
+    spec = NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5, residual=True)
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "cuda")}), target=target).mod)[0].inspect_source("cuda")
+    assert "ra_ptr" in src and "rb_ptr" in src and src.count("uint4") >= 5
+    with target:
+        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+
+
+def test_ir_residual_add_fused(tmp_path):
+    """``h = r + u`` before the norm (the residual stream, used again after): the add, the norm and the router are
+    one kernel; values as before."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    r = relax.Var("r", relax.TensorType([n, D], "float32"))
+    u = relax.Var("u", relax.TensorType([n, D], "float32"))
+    w = relax.Var("w", relax.TensorType((D,), "float32"))
+    rt = relax.Var("router", relax.TensorType((E, D), "float32"))
+    with bb.function("decode", [r, u, w, rt], attrs={"num_input": 2}):
+        with bb.dataflow():
+            emit = bb.emit
+            h = emit(relax.op.add(r, u))
+            ms = emit(relax.op.mean(emit(relax.op.multiply(h, h)), axis=[-1], keepdims=True))
+            o = emit(relax.op.multiply(w, emit(relax.op.multiply(h, emit(relax.op.rsqrt(emit(relax.op.add(ms, relax.const(1e-5, "float32")))))))))
+            logits = emit(relax.op.matmul(o, emit(relax.op.permute_dims(rt, [1, 0]))))
+            top = emit(relax.op.topk(emit(relax.op.nn.softmax(logits, axis=-1)), k=2, axis=-1, ret_type="both", largest=True, dtype="int64"))
+            out = bb.emit_output(relax.Tuple([emit(relax.op.add(h, o)), emit(relax.TupleGetItem(top, 0)), emit(relax.TupleGetItem(top, 1))]))
+        bb.emit_func_output(out)
+    before = bb.get()
+    p, after = _fuse(before)
+    ops = [c.op.name for c in _calls(after["decode"], "relax.call_tir")]
+    assert p.fused == {"decode": 1} and len(ops) == 1
+    assert len(_calls(after["decode"], "relax.add")) == 1  # only the later use of the residual
+    rng = np.random.default_rng(8)
+    args = [rng.standard_normal((5, D)).astype(np.float32) for _ in range(2)] + [rng.uniform(0.5, 1.5, D).astype(np.float32),
+                                                                                (rng.standard_normal((E, D)) * 0.1).astype(np.float32)]
+    outs = []
+    for mod in (before, after):
+        mod = relax.transform.LegalizeOps({"relax.topk": __import__("moec.passes.legalize_topk", fromlist=["x"]).legalize_topk})(mod)
+        vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+        outs.append([t.numpy() for t in vm["decode"](*[tvm.runtime.tensor(a) for a in args])])
+    np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outs[1][2], outs[0][2])
