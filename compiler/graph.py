@@ -165,6 +165,33 @@ def is_static(dim) -> bool:
     return isinstance(dim, (int, np.integer))
 
 
+def same_dim(a, b) -> bool:
+    """Two dims equal: static ones (ints or IntImms) by value, symbolic ones structurally."""
+    a, b = (int(d.value) if isinstance(d, IntImm) else d for d in (a, b))
+    if is_static(a) or is_static(b):
+        return a == b
+    import tvm_ffi
+
+    return bool(tvm_ffi.structural_equal(a, b))
+
+
+def same_shape(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
+
+
+def materialize(rewriter, g, position: int, expr):
+    """``expr`` (static: weights, constants, layout ops, bound anywhere in ``g``'s function) usable at binding
+    ``position`` of the ``rewriter`` (a ``PyExprMutator``): visited if bound before it, else its computation is
+    emitted again here."""
+    if not isinstance(expr, relax.Var) or expr not in g.value or g.order[expr] < position:
+        return rewriter.visit_expr(expr)
+    value = g.value[expr]
+    if isinstance(value, relax.Var):
+        return materialize(rewriter, g, position, value)
+    args = [materialize(rewriter, g, position, a) for a in value.args]
+    return rewriter.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+
+
 def num_input_entries(mod, pass_name: str, source: str = "model") -> list:
     """``(GlobalVar, Function)`` of every Relax function with a ``num_input`` attribute (model inputs
     first, then the weights), by name; a ``MoecError`` naming ``pass_name`` if there is none."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tvm import relax
 
 from .errors import UnsupportedModel
-from .graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, shape_of
+from .graph import LAYOUT_OPS, DataflowGraph, const_scalar, dtype_of, is_static, same_dim, shape_of
 
 
 @dataclass
@@ -199,9 +199,9 @@ class _Analyzer:
             shp = shape_of(var)
             if not shp or len(shp) != 4 or shp[3] != head_dim:
                 continue
-            if _same(shp[2], seq):
+            if same_dim(shp[2], seq):
                 layout, heads = "bhsd", shp[1]
-            elif _same(shp[1], seq):
+            elif same_dim(shp[1], seq):
                 layout, heads = "bshd", shp[2]
             else:
                 continue
@@ -317,7 +317,7 @@ class _Analyzer:
             if not shp or len(shp) != 4:
                 continue
             for layout, (hpos, spos, dpos) in {"bhsd": (1, 2, 3), "bshd": (2, 1, 3)}.items():
-                if shp[dpos] == head_dim and _same(shp[spos], seq) and is_static(shp[hpos]):
+                if shp[dpos] == head_dim and same_dim(shp[spos], seq) and is_static(shp[hpos]):
                     if best is None or shp[hpos] <= best[1]:
                         best = (var, shp[hpos], layout, scale)
         if best is None:
@@ -557,14 +557,6 @@ class _Analyzer:
             embedding=embedding.name, lm_head=lm_w.name if lm_w is not None else None, final_norm=final_norm,
             token_input=tok, seq_dim=self.seq, batch_dim=self.batch, position_sources=pos,
         )
-
-
-def _same(a, b) -> bool:
-    if is_static(a) or is_static(b):
-        return a == b
-    import tvm_ffi
-
-    return bool(tvm_ffi.structural_equal(a, b))
 
 
 def analyze(func: relax.Function, num_inputs: int, source: str = "model") -> MoEStructure:

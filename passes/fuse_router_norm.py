@@ -33,7 +33,8 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import LAYOUT_OPS, DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, prod, shape_of
+from ..compiler.graph import (LAYOUT_OPS, DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, materialize,
+                              num_input_entries, prod, same_shape, shape_of)
 from ..compiler.moe_structure import _Analyzer
 from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router
 
@@ -235,13 +236,9 @@ class _Matcher:
         except MoecError as exc:
             self.skipped.append(f"{where}: {exc}")
             return None
-        xa, add = g.alias(x), None
-        if g.op(xa) == "relax.add":
-            ra, rb = g.call(xa).args
-            if all(dtype_of(t) == dtype_of(xa) and shape_of(t) is not None and len(shape_of(t)) == len(shape_of(xa))
-                   and all(_same_dim(p, q) for p, q in zip(shape_of(t), shape_of(xa))) for t in (ra, rb)):
-                add = (xa, ra, rb)
-                spec = replace(spec, residual=True)
+        add = residual_add(g, x)
+        if add is not None:
+            spec = replace(spec, residual=True)
         return _Match(norm=o, x=x, weight=w, logits=logits, matmul=m, rows=rows, bias=bias, spec=spec, add=add)
 
     def run(self) -> list[_Match]:
@@ -269,12 +266,16 @@ class _Matcher:
         return found
 
 
-def _same_dim(p, q) -> bool:
-    if isinstance(p, int) or isinstance(q, int):
-        return p == q
-    import tvm_ffi
-
-    return bool(tvm_ffi.structural_equal(p, q))
+def residual_add(g: DataflowGraph, x):
+    """``(x, a, b)`` if ``x`` (through aliases) is ``a + b`` of its own shape and dtype (a residual add before a
+    norm, which the norm kernels then compute too), else None."""
+    x = g.alias(x)
+    if g.op(x) != "relax.add":
+        return None
+    a, b = g.call(x).args
+    if all(dtype_of(t) == dtype_of(x) and same_shape(shape_of(t), shape_of(x)) for t in (a, b)):
+        return x, a, b
+    return None
 
 
 @relax.expr_functor.mutator
@@ -291,14 +292,7 @@ class _FuseRouterNormRewriter(relax.PyExprMutator):
         self.position = -1
 
     def _materialize(self, expr):
-        """``expr`` (static: weights, constants, layout ops) usable at the current binding."""
-        if not isinstance(expr, relax.Var) or expr not in self.g.value or self.g.order[expr] < self.position:
-            return self.visit_expr(expr)
-        value = self.g.value[expr]  # bound later: emit its computation here too
-        if isinstance(value, relax.Var):
-            return self._materialize(value)
-        args = [self._materialize(a) for a in value.args]
-        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+        return materialize(self, self.g, self.position, expr)
 
     def visit_var_binding_(self, binding) -> None:
         var = binding.var

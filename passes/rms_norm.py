@@ -30,9 +30,9 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import KernelCache, dtype_of, is_static, num_input_entries, prod, shape_of
+from ..compiler.graph import KernelCache, dtype_of, is_static, materialize, num_input_entries, prod, shape_of
 from ..schedules.kernels.rms_norm import RMSNormSpec, check_supported, make_rms_norm
-from .fuse_router_norm import _Matcher
+from .fuse_router_norm import _Matcher, residual_add
 
 _CANDIDATES = ("relax.multiply", "relax.nn.rms_norm")
 
@@ -53,12 +53,7 @@ def _find(matcher: _Matcher) -> tuple[dict, dict, list[str]]:
             skipped.append(f"norm {var.name}: shape {shape} / dtypes {dtype_of(x)}, {dtype_of(w)} -> {dtype_of(var)}")
             continue
         x = g.alias(x)
-        add = None  # x = a + b (same shapes and dtype): the residual add, computed in the kernel too
-        if g.op(x) == "relax.add" and x not in adds:
-            a, b = g.call(x).args
-            if all(shape_of(t) is not None and len(shape_of(t)) == len(shape_of(x)) and dtype_of(t) == dtype_of(x)
-                   and all(_same_dim(p, q) for p, q in zip(shape_of(t), shape_of(x))) for t in (a, b)):
-                add = (x, a, b)
+        add = residual_add(g, x) if x not in adds else None  # computed in the kernel too
         spec = RMSNormSpec(hidden=int(shape[-1]), eps=eps, x_dtype=dtype_of(x), weight_dtype=dtype_of(w),
                            y_dtype=dtype_of(var), residual=add is not None)
         try:
@@ -71,13 +66,6 @@ def _find(matcher: _Matcher) -> tuple[dict, dict, list[str]]:
             adds[x] = var
     return found, adds, skipped
 
-
-def _same_dim(p, q) -> bool:
-    if isinstance(p, int) or isinstance(q, int):
-        return p == q
-    import tvm_ffi
-
-    return bool(tvm_ffi.structural_equal(p, q))
 
 
 @relax.expr_functor.mutator
@@ -92,14 +80,7 @@ class _Rewriter(relax.PyExprMutator):
         self.position = -1
 
     def _materialize(self, expr):
-        """``expr`` (static: weights, constants, layout ops) usable at the current binding."""
-        if not isinstance(expr, relax.Var) or expr not in self.g.value or self.g.order[expr] < self.position:
-            return self.visit_expr(expr)
-        value = self.g.value[expr]  # bound later: emit its computation here too
-        if isinstance(value, relax.Var):
-            return self._materialize(value)
-        args = [self._materialize(a) for a in value.args]
-        return self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+        return materialize(self, self.g, self.position, expr)
 
     def _rows(self, tensors, shape, hidden):
         """``tensors`` as [N, D] rows (reshaped unless 2-D already) and N."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from ..compiler.graph import same_dim, same_shape
+
 
 def _axes(call: relax.Call, rank: int) -> list[int]:
     axes = call.attrs.axes
@@ -29,20 +31,6 @@ def _shape(expr):
 
 def _op(value, name: str) -> bool:
     return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == name
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(tvm_ffi_equal(x, y) for x, y in zip(a, b))
-
-
-def tvm_ffi_equal(x, y) -> bool:
-    """Two dims equal: static ones by value, symbolic ones structurally."""
-    import tvm_ffi
-
-    sx, sy = (int(d.value) if isinstance(d, tvm.tirx.IntImm) else d for d in (x, y))
-    if isinstance(sx, int) or isinstance(sy, int):
-        return sx == sy
-    return bool(tvm_ffi.structural_equal(sx, sy))
 
 
 @relax.expr_functor.mutator
@@ -78,9 +66,9 @@ class _Rewriter(relax.PyExprMutator):
         shape, ys = _shape(x), _shape(y)
         if y is not x and shape is not None and ys is not None:
             k = rank - len(ys)
-            if k == 0 and _same(shape, ys):
+            if k == 0 and same_shape(shape, ys):
                 return self._permute(y, axes)
-            if k > 0 and axes[:k] == list(range(k)) and all(tvm_ffi_equal(d, 1) for d in shape[:k]) and _same(shape[k:], ys):
+            if k > 0 and axes[:k] == list(range(k)) and all(same_dim(d, 1) for d in shape[:k]) and same_shape(shape[k:], ys):
                 inner = self._emitted(self._permute(y, [a - k for a in axes[k:]]))
                 return relax.op.reshape(inner, [shape[a] for a in axes])
         if _op(bound, "relax.permute_dims"):
@@ -92,7 +80,7 @@ class _Rewriter(relax.PyExprMutator):
         call = super().visit_call_(call)
         if _op(call, "relax.broadcast_to"):  # to its own shape: the identity
             x = call.args[0]
-            return x if _shape(x) is not None and _same(_shape(x), _shape(call)) else call
+            return x if _shape(x) is not None and same_shape(_shape(x), _shape(call)) else call
         if not _op(call, "relax.permute_dims"):
             return call
         shape = _shape(call.args[0])
