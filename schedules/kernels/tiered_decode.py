@@ -252,6 +252,26 @@ def _field_consts():
     return out
 
 
+# Half pairs (``half2``, the uniform grid): code j and code j + 8 of a word sit 16 bits apart, so one AND
+# leaves both as the low and high half of a uint32; with exponent and sign bits zero each half is the
+# subnormal c 2^(p - 24) of its code c at mantissa bit p. Codes 0 .. 4 are at p = 0 .. 8 of the word
+# itself, codes 5 .. 7 at p = 0 .. 4 of the word shifted right by H2_SHIFT: one shift a word. A pair
+# is then one fma.rn.f16x2 against q (keys) or p (values) scaled so that products and sums stay in the
+# float16 range (see make_tiered_decode_cuda).
+H2_SHIFT = 10
+H2_KEY_EXP = 14  # keys: q' = (q sigma / max |q sigma|) 2^(H2_KEY_EXP - p), products u c 2^(H2_KEY_EXP - 24)
+H2_VALUE_MAX = 2.0**14  # values: p' = p / max(p over the lane's tile) H2_VALUE_MAX
+
+
+def _half2_consts() -> list[tuple[int, int, int]]:
+    """Per pair j = 0 .. 7 (codes j and j + 8): (source 0 = w / 1 = w >> H2_SHIFT, mask, bit position p)."""
+    out = []
+    for j in range(8):
+        src, p = (0, 2 * j) if j <= 4 else (1, 2 * j - H2_SHIFT)
+        out.append((src, (3 << p) | (3 << (p + 16)), p))
+    return out
+
+
 def _tab(i, values, dtype):
     """values[i] for an unrolled loop index i (a chain the simplifier folds once i is a constant)."""
     mk = {"uint32": T.uint32, "int32": T.int32, "float32": T.float32}[dtype]
@@ -287,7 +307,8 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
-                            t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False):
+                            t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
+                            half2: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -341,9 +362,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     TILE = TPS * KSTEP
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
-    REG, VSPLIT, FIELDS = bool(reg_bases), bool(split_values), bool(fields)
-    if FIELDS and VSPLIT:
-        raise ValueError("CUDA tiered decode: fields and split_values are two forms of the value sums; pick one")
+    REG, VSPLIT, FIELDS, HALF2 = bool(reg_bases), bool(split_values), bool(fields), bool(half2)
+    if FIELDS + VSPLIT + HALF2 > 1:
+        raise ValueError("CUDA tiered decode: fields, split_values and half2 are forms of the tier-2 sums; pick one")
     NEG = -1e30
     consts = _code_consts()
     SRC = [c[0] for c in consts]
@@ -355,6 +376,32 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         fc = _field_consts()
         FSRC, FMASK, FC1, FCC = ([c[j] for c in fc] for j in range(4))
         BASES = [0x3F800000]  # every field sits in the mantissa of 1.0
+    if HALF2:
+        grid = uniform_grid()
+        if grid is None:
+            raise ValueError("the half2 form of the tiered decode needs evenly spaced 2-bit levels")
+        LO, STEP = grid
+        HSRC, HMASK, HPOS = ([c[j] for c in _half2_consts()] for j in range(3))
+        KMUL = [2.0 ** (H2_KEY_EXP - p_) for p_ in HPOS]  # q' = u KMUL[j]
+        VMUL = [STEP * 2.0 ** (24 - p_) / H2_VALUE_MAX for p_ in HPOS]  # step sum(p c) = vacc max(p) VMUL[j]
+        from ..cuda_prelude import H2_HI, H2_LO, HFMA2, PACK_H2, register
+
+        register()  # the generated source gets the helpers' definitions
+
+        def hfma2(a, b, c):
+            return T.call_pure_extern("uint32", HFMA2, a, b, c)
+
+        def pack_h2(lo, hi):
+            return T.call_pure_extern("uint32", PACK_H2, lo, hi)
+
+        def h2lo(a):
+            return T.call_pure_extern("float32", H2_LO, a)
+
+        def h2hi(a):
+            return T.call_pure_extern("float32", H2_HI, a)
+
+        def hx(w, j):  # pair j of word w (codes j, j + 8) as two subnormal halves
+            return T.if_then_else(_tab(j, HSRC, "int32") == 0, w, w >> T.uint32(H2_SHIFT)) & _tab(j, HMASK, "uint32")
     NT2 = min(D, 128)  # threads of the merge kernel
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -438,7 +485,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 pmu[g] = pmu[g] * mt[1]
                 for i in T.unroll(16):
                     acc[g * 16 + i] = acc[g * 16 + i] * mt[1]
-                if VSPLIT or FIELDS:
+                if VSPLIT or FIELDS or HALF2:
                     ps[g] = ps[g] * mt[1]
                 if VSPLIT:
                     for i in T.unroll(16):
@@ -526,7 +573,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
 
     @T.macro
-    def t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2):
+    def t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc):
         # per tier-2 page: q * key sigma (qs, qs2) and q . key mu (ck), from h16 = ksig, h16b = kmu
         for g in T.unroll(G):
             ck[g] = T.float32(0)
@@ -537,18 +584,38 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 if FIELDS:
                     ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, FCC, "float32")
                     qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, FC1, "float32")
+                elif HALF2:
+                    ck[g] = ck[g] + qs[g * 16 + i] * T.float32(LO)
                 elif BITSPLIT:
                     ck[g] = ck[g] + qs[g * 16 + i] * _tab(i, CC, "float32")
                     qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
                     qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
+            if HALF2:  # u = q sigma / max |q sigma| in [-1, 1]; q' = u KMUL per pair, as halves
+                ksc[g] = T.abs(qs[g * 16])
+                for i in T.unroll(15):
+                    ksc[g] = T.max(ksc[g], T.abs(qs[g * 16 + i + 1]))
+                ksc[G + g] = T.if_then_else(ksc[g] > T.float32(0), T.float32(1) / ksc[g], T.float32(0))
+                for j in T.unroll(8):
+                    qh[g * 8 + j] = pack_h2(qs[g * 16 + j] * ksc[G + g] * _tab(j, KMUL, "float32"),
+                                            qs[g * 16 + j + 8] * ksc[G + g] * _tab(j, KMUL, "float32"))
+                # the pairs' products are u c 2^(H2_KEY_EXP - 24): score = ck + step max|q sigma| 2^(24 - H2_KEY_EXP) sum
+                ksc[g] = ksc[g] * T.float32(STEP * 2.0 ** (24 - H2_KEY_EXP))
 
     @T.macro
-    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps):
+    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb):
         # one tier-2 tile (codes in kw / vw, value mu / sigma in sc16 / vs16)
         for k in T.unroll(KSTEP):
             for g in T.unroll(G):
                 s_l[g * KSTEP + k] = ck[g]
-            if FIELDS:
+            if HALF2:  # 8 pairs of codes: one AND and one fma.rn.f16x2 each (the pairs shared by the query heads)
+                for j in T.unroll(8):
+                    hxb[j] = hx(kw[k], j)
+                for g in T.unroll(G):
+                    hxb[8] = hfma2(qh[g * 8], hxb[0], T.uint32(0))
+                    for j in T.unroll(7):
+                        hxb[8] = hfma2(qh[g * 8 + j + 1], hxb[j + 1], hxb[8])
+                    s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + ksc[g] * (h2lo(hxb[8]) + h2hi(hxb[8]))
+            elif FIELDS:
                 for i in T.unroll(16):
                     for g in T.unroll(G):
                         s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * ff(xf(kw[k], i), i, bk)
@@ -565,25 +632,51 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             for g in T.unroll(G):
                 lane_sum(s_l, g * KSTEP + k)
         softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
-        for k in T.unroll(KSTEP):
-            if not VSPLIT and not FIELDS:
-                for i in T.unroll(16):
-                    lv[i] = lev(xs(vw[k], i), i, bk)
+        if HALF2:
+            # per query head: p' = p / max(p of the lane's tile) 2^14 as halves; per pair, sums of p' c 2^(p - 24)
+            # in float16 over the tile, then into acc (level domain: step sum(p c); lo sum(p) after the loop)
             for g in T.unroll(G):
-                pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
-                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                if FIELDS:  # sums of p f and p in the bit-float domain; the level constants are applied after the loop
+                for k in T.unroll(KSTEP):
+                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
                     ps[g] = ps[g] + p_l[g * KSTEP + k]
+                vr[g] = p_l[g * KSTEP]
+                for k in T.unroll(KSTEP - 1):
+                    vr[g] = T.max(vr[g], p_l[g * KSTEP + k + 1])
+                vr[G + g] = T.if_then_else(vr[g] > T.float32(0), T.float32(H2_VALUE_MAX) / vr[g], T.float32(0))
+                for j in T.unroll(8):
+                    vacc[g * 8 + j] = T.uint32(0)
+            for k in T.unroll(KSTEP):
+                for j in T.unroll(8):
+                    hxb[j] = hx(vw[k], j)
+                for g in T.unroll(G):
+                    hxb[8] = pack_h2(p_l[g * KSTEP + k] * vr[G + g], p_l[g * KSTEP + k] * vr[G + g])
+                    for j in T.unroll(8):
+                        vacc[g * 8 + j] = hfma2(hxb[8], hxb[j], vacc[g * 8 + j])
+            for g in T.unroll(G):
+                for j in T.unroll(8):
+                    acc[g * 16 + j] = acc[g * 16 + j] + h2lo(vacc[g * 8 + j]) * (vr[g] * _tab(j, VMUL, "float32"))
+                    acc[g * 16 + j + 8] = acc[g * 16 + j + 8] + h2hi(vacc[g * 8 + j]) * (vr[g] * _tab(j, VMUL, "float32"))
+        else:
+            for k in T.unroll(KSTEP):
+                if not VSPLIT and not FIELDS:
                     for i in T.unroll(16):
-                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * ff(xf(vw[k], i), i, bk)
-                elif VSPLIT:  # sums of p f0, p f1 and p; the level constants are applied after the loop
-                    ps[g] = ps[g] + p_l[g * KSTEP + k]
-                    for i in T.unroll(16):
-                        a0[g * 16 + i] = a0[g * 16 + i] + p_l[g * KSTEP + k] * f0(xs(vw[k], i), i, bk)
-                        a1[g * 16 + i] = a1[g * 16 + i] + p_l[g * KSTEP + k] * f1(xs(vw[k], i), i, bk)
-                else:
-                    for i in T.unroll(16):
-                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
+                        lv[i] = lev(xs(vw[k], i), i, bk)
+                for g in T.unroll(G):
+                    pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                    if FIELDS:  # sums of p f and p in the bit-float domain; the level constants are applied after the loop
+                        ps[g] = ps[g] + p_l[g * KSTEP + k]
+                        for i in T.unroll(16):
+                            acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * ff(xf(vw[k], i), i, bk)
+                    elif VSPLIT:  # sums of p f0, p f1 and p; the level constants are applied after the loop
+                        ps[g] = ps[g] + p_l[g * KSTEP + k]
+                        for i in T.unroll(16):
+                            a0[g * 16 + i] = a0[g * 16 + i] + p_l[g * KSTEP + k] * f0(xs(vw[k], i), i, bk)
+                            a1[g * 16 + i] = a1[g * 16 + i] + p_l[g * KSTEP + k] * f1(xs(vw[k], i), i, bk)
+                    else:
+                        for i in T.unroll(16):
+                            acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
 
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
@@ -655,6 +748,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         a0 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
                         a1 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
                         ps = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        qh = T.sblock_alloc_buffer((G * 8,), "uint32", scope="local")
+                        ksc = T.sblock_alloc_buffer((2 * G,), "float32", scope="local")
+                        vr = T.sblock_alloc_buffer((2 * G,), "float32", scope="local")
+                        vacc = T.sblock_alloc_buffer((G * 8,), "uint32", scope="local")
+                        hxb = T.sblock_alloc_buffer((9,), "uint32", scope="local")
                         if S1 + S2 > 0:
                             pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
@@ -673,7 +771,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             m_l[g] = T.float32(NEG)
                             l_l[g] = T.float32(0)
                             pmu[g] = T.float32(0)
-                            if VSPLIT or FIELDS:
+                            if VSPLIT or FIELDS or HALF2:
                                 ps[g] = T.float32(0)
                             if VSPLIT:
                                 for i in T.unroll(16):
@@ -748,7 +846,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                                 ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG) // 2 + cw * 16 + j * 8, 1, 8)]
                                             h16b[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
                                                 ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG + 2 * D) // 2 + cw * 16 + j * 8, 1, 8)]
-                                        t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2)
+                                        t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
                                     for k in T.unroll(KSTEP):
                                         kw[k] = sh[((ip * NSUB + st) % S2 * STG2 + tg * GS2) // 4 + k * W2 + cw]
                                         vw[k] = sh[((ip * NSUB + st) % S2 * STG2 + OFF_V2 + tg * GS2) // 4 + k * W2 + cw]
@@ -756,14 +854,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
                                     vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
                                         ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps)
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
                         else:
                             for ip in T.serial(np2):
                                 page2: T.let[T.int32] = t2_table[b, sp + ip * S]
                                 for j in T.unroll(2):
                                     h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
                                     h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
-                                t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2)
+                                t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
                                 for st in T.serial(NSUB):
                                     r0: T.let[T.int32] = st * TILE + tg * KSTEP
                                     wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
@@ -772,8 +870,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         vw[k] = t2_v32[wrow + k * W2]
                                     sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
                                     vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps)
+                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
 
+                        if HALF2:  # the levels' offset, once: acc += lo sum(p) over the tier-2 tokens
+                            for g in T.unroll(G):
+                                for i in T.unroll(16):
+                                    acc[g * 16 + i] = acc[g * 16 + i] + T.float32(LO) * ps[g]
                         if FIELDS:  # back from the bit-float domain: acc = c1 acc + cc sum(p), once
                             for g in T.unroll(G):
                                 for i in T.unroll(16):

@@ -242,3 +242,90 @@ def test_models_get_the_fastest_measured_form():
     assert "cp.async.wait_group 2" in src(4, 4, 32, 16, 32)  # 2-token steps of 8 bytes a token: 16-byte groups
     with pytest.raises(ValueError, match="do not fit tiles"):  # head dim 16: a warp's tile would be one-token steps
         make_tiered_decode_for_models(2, 2, 16, 16, 32)
+
+
+def _f16_fma(a, b, c):
+    """float16 a * b + c rounded once (fma.rn.f16x2 on one half)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float16)
+
+
+def _h2_halves(words, j):
+    from moec.schedules.kernels.tiered_decode import H2_SHIFT, _half2_consts
+
+    src, mask, _ = _half2_consts()[j]
+    x = (words if src == 0 else words >> np.uint32(H2_SHIFT)) & np.uint32(mask)
+    return (x & 0xFFFF).astype(np.uint16).view(np.float16), (x >> 16).astype(np.uint16).view(np.float16)
+
+
+def test_half2_decoding_of_2bit_codes():
+    # the half2 form per pair of codes (j, j + 8), emulated in NumPy: one AND of the word (or of the word shifted
+    # by H2_SHIFT) leaves both codes as subnormal float16 halves c 2^(p - 24), exactly; the keys' dot products
+    # (q sigma scaled to [-1, 1] 2^(14 - p), 8 fma.rn.f16x2 a token) and a tile's value sums (p scaled to the
+    # tile's max 2^14) stay within 0.5% of the exact sums, far below the 2-bit codes' own error
+    from moec.schedules.kernels.tiered_decode import H2_KEY_EXP, H2_VALUE_MAX, _half2_consts, uniform_grid
+
+    lo_level, step = uniform_grid()
+    pos = [p for _, _, p in _half2_consts()]
+    rng = np.random.default_rng(2)
+    words = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    code = [(words >> np.uint32(2 * i)) & np.uint32(3) for i in range(16)]
+    for j in range(8):
+        lo, hi = _h2_halves(words, j)
+        np.testing.assert_array_equal(lo.astype(np.float64), code[j] * 2.0 ** (pos[j] - 24))
+        np.testing.assert_array_equal(hi.astype(np.float64), code[j + 8] * 2.0 ** (pos[j] - 24))
+    worst_key = worst_value = 0.0
+    for t in range(0, 512, 8):  # 64 tiles of 8 tokens, each with its own q sigma and p
+        w = words[t:t + 8]
+        a = rng.standard_normal(16) * rng.uniform(0.01, 3) * np.where(rng.random(16) < 0.1, 6, 1)  # q sigma, outliers
+        top = np.abs(a).max()
+        qh = [[np.array([a[j + 8 * h] / top * 2.0 ** (H2_KEY_EXP - pos[j])], np.float32).astype(np.float16) for j in range(8)]
+              for h in (0, 1)]
+        acc = [np.zeros(w.size, np.float16), np.zeros(w.size, np.float16)]
+        for j in range(8):
+            for h, half in enumerate(_h2_halves(w, j)):
+                acc[h] = _f16_fma(qh[h][j], half, acc[h])
+        got = step * top * 2.0 ** (24 - H2_KEY_EXP) * (acc[0].astype(np.float32) + acc[1].astype(np.float32))
+        want = step * sum(a[i] * ((w >> np.uint32(2 * i)) & 3) for i in range(16))
+        worst_key = max(worst_key, float(np.abs(got - want).max() / (step * np.abs(a).sum())))
+        p = np.exp2(-rng.exponential(3, w.size)) * rng.uniform(0.05, 5, w.size)  # softmax weights times value sigma
+        ph = (p * (H2_VALUE_MAX / p.max())).astype(np.float32).astype(np.float16)
+        for j in range(8):
+            vacc = [np.zeros(1, np.float16), np.zeros(1, np.float16)]
+            for k in range(w.size):
+                for h, half in enumerate(_h2_halves(w[k:k + 1], j)):
+                    vacc[h] = _f16_fma(ph[k:k + 1], half, vacc[h])
+            for h in (0, 1):
+                got = float(vacc[h][0]) * p.max() * step * 2.0 ** (24 - pos[j]) / H2_VALUE_MAX
+                want = step * float((p * ((w >> np.uint32(2 * (j + 8 * h))) & 3)).sum())
+                worst_value = max(worst_value, abs(got - want) / (3 * step * p.sum()))
+    assert worst_key < 5e-3 and worst_value < 5e-3, (worst_key, worst_value)
+    assert lo_level == pytest.approx(-3 * step / 2)  # the levels lo + step c, c = 0 .. 3, are symmetric
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
+def test_cuda_half2_form_compiles(shape):
+    # the half2 form: the helpers' PTX is put at the top of the source, each token's 16 codes take 8 fma.rn.f16x2
+    # per query head for the keys and 8 for the values; it excludes the other tier-2 forms
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    g = shape[0] // shape[1]
+    fn = make_tiered_decode_cuda(*shape, half2=True, stages=4)
+    ex = tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90"))
+    src = ex.mod.imports[0].inspect_source()
+    assert src.startswith("#ifndef MOEC_CUDA_PRELUDE") and "fma.rn.f16x2" in src
+    kstep = 8 if g == 1 else 4
+    assert src.count("moec_hfma2(") - 1 == 2 * kstep * 8 * g  # keys and values, every unrolled token of a tile
+    assert "cp.async.wait_group 2" in src
+    with pytest.raises(ValueError, match="pick one"):
+        make_tiered_decode_cuda(*shape, half2=True, fields=True)
+
+
+def test_cuda_prelude_only_where_called():
+    from moec.schedules.cuda_prelude import HFMA2, PRELUDE, add_prelude
+
+    plain = "extern \"C\" __global__ void k() {}"
+    assert add_prelude(plain) == plain
+    called = f"__global__ void k(unsigned int* a) {{ a[0] = {HFMA2}(a[0], a[1], a[2]); }}"
+    assert add_prelude(called) == PRELUDE + called
+    assert add_prelude(add_prelude(called)) == PRELUDE + called  # once
