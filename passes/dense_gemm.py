@@ -13,7 +13,9 @@ takes (K a multiple of 64, N of 16). Guarantees after: each match is ``reshape(c
 [reshape(x, [M, K]), W]), [..., N])``; the transpose of the weight, which the imported graph would run on
 every call, is gone (dead-code elimination), and the kernel reads W in its stored layout once per step
 (CUDA: tensor cores). Results equal the matmul's up to the order of float32 sums. Other matmuls stay as
-they are, and ``skipped`` says why for those with a transposed weight.
+they are, and ``skipped`` says why for those with a transposed weight. With ``merge`` (the default), matches
+that read the same input in one block (q, k and v) become one ``call_tir(dense_gemm_xN, [x, W1, .., WN])``
+with N outputs (at most 3 a launch), emitted where the first of them was.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, shape_of
+from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, same_shape, shape_of
 from ..schedules.kernels.dense_gemm import DenseSpec, compiled_spec, eligible, make_dense
 
 
@@ -55,31 +57,77 @@ def _match(g: DataflowGraph, mv):
     return (x, w, spec), None
 
 
+MAX_MERGED = 3  # linear layers of one input per launch (dense_gemm_x2 / _x3)
+
+
+def _groups(g: DataflowGraph, matches: dict) -> list[list]:
+    """Matched matmuls that read the same input with one (K, dtypes) in one binding block, in binding order,
+    cut into runs of at most ``MAX_MERGED`` (a model's q, k and v projections: one run of three)."""
+    block_of = {b.var: i for i, block in enumerate(g.func.body.blocks) for b in block.bindings}
+    by_key: dict = {}
+    for mv in sorted(matches, key=lambda v: g.order[v]):
+        x, _, spec = matches[mv]
+        base = x  # exports reshape the input once per linear layer: the same value if the same base and shape
+        while g.op(base) == "relax.reshape":
+            base = g.alias(g.call(base).args[0])
+        key = (base, block_of.get(mv), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype)
+        runs = by_key.setdefault(key, [])
+        run = next((r for r in runs if same_shape(shape_of(matches[r[0]][0]), shape_of(x))), None)
+        if run is None:
+            runs.append([mv])
+        else:
+            run.append(mv)
+    by_key = {(k, i): run for k, runs in by_key.items() for i, run in enumerate(runs)}
+    out = []
+    for mvs in by_key.values():
+        out += [mvs[i:i + MAX_MERGED] for i in range(0, len(mvs), MAX_MERGED) if len(mvs[i:i + MAX_MERGED]) > 1]
+    return out
+
+
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, matches: dict, kernel) -> None:
+    def __init__(self, mod, matches: dict, kernel, groups: list | None = None) -> None:
         super().__init__(mod)
         self.matches = matches  # matmul var -> (x, W, spec)
-        self.kernel = kernel
+        self.kernel = kernel  # (spec, parts or None) -> kernel GlobalVar
+        self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
+        self.merged = {mv for mvs in groups or [] for mv in mvs[1:]}  # the others: their values come from the run
+
+    def _rows(self, x, k):
+        xs = shape_of(x)
+        rows = prod(xs[:-1])
+        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
+        x2 = self.visit_expr(x)
+        if len(xs) != 2:
+            x2 = self.builder_.emit(relax.op.reshape(x2, [rows, k]))
+        return xs, rows, x2
+
+    def _unflatten(self, y, xs, n):
+        return self.builder_.emit(relax.op.reshape(y, list(xs[:-1]) + [n])) if len(xs) != 2 else y
 
     def visit_var_binding_(self, binding) -> None:
+        if binding.var in self.merged:
+            return  # computed by its run's kernel (var remapped there)
         m = self.matches.get(binding.var)
         if m is None:
             super().visit_var_binding_(binding)
             return
         x, w, spec = m
         bb = self.builder_
-        xs = shape_of(x)
-        rows = prod(xs[:-1])
-        rows = rows if isinstance(rows, int) else Analyzer().simplify(rows)
-        x2 = self.visit_expr(x)
-        if len(xs) != 2:
-            x2 = bb.emit(relax.op.reshape(x2, [rows, spec.in_features]))
-        y = bb.emit(relax.call_tir(self.kernel(spec), [x2, self.visit_expr(w)],
+        xs, rows, x2 = self._rows(x, spec.in_features)
+        if binding.var in self.first:
+            run = self.first[binding.var]
+            specs = [self.matches[mv][2] for mv in run]
+            parts = tuple(sp.out_features for sp in specs)
+            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype)
+            ys = bb.emit(relax.call_tir(self.kernel(total, parts), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
+                                        out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts]))
+            for i, (mv, n) in enumerate(zip(run, parts)):
+                self.set_var_remap(mv, self._unflatten(bb.emit(relax.TupleGetItem(ys, i)), xs, n))
+            return
+        y = bb.emit(relax.call_tir(self.kernel(spec, None), [x2, self.visit_expr(w)],
                                    out_ty=relax.TensorType([rows, spec.out_features], spec.out_dtype)))
-        if len(xs) != 2:
-            y = bb.emit(relax.op.reshape(y, list(xs[:-1]) + [spec.out_features]))
-        self.set_var_remap(binding.var, y)
+        self.set_var_remap(binding.var, self._unflatten(y, xs, spec.out_features))
 
 
 @tvm.transform.module_pass(opt_level=0, name="InsertDenseGEMM")
@@ -92,23 +140,29 @@ class InsertDenseGEMM:
         Picks the kernel form: tensor cores for ``cuda`` targets, the serial llvm form otherwise.
     source : str
         Model name for messages.
+    merge : bool
+        Linear layers that read the same input (q, k and v; a dense MLP's gate and up) share one launch,
+        ``dense_gemm_x2`` / ``dense_gemm_x3``, up to three at a time; the results are the separate kernels'
+        bit for bit (each block runs the one-weight kernel's code on its rows). Default True.
     """
 
-    def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
+    def __init__(self, target: tvm.target.Target, source: str = "model", merge: bool = True) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertDenseGEMM needs a tvm.target.Target, got {type(target).__name__}")
-        self.target, self.source = target, source
+        self.target, self.source, self.merge = target, source, bool(merge)
         self.replaced: dict[str, int] = {}
+        self.merged: dict[str, list[int]] = {}
         self.skipped: dict[str, list[str]] = {}
-        self.kernels: dict[DenseSpec, str] = {}
+        self.kernels: dict[tuple, str] = {}
 
     def manifest(self) -> dict:
-        return {"replaced": dict(self.replaced), "skipped": {k: list(v) for k, v in self.skipped.items()},
-                "kernels": sorted(set(self.kernels.values()))}
+        return {"replaced": dict(self.replaced), "merged": {k: list(v) for k, v in self.merged.items()},
+                "skipped": {k: list(v) for k, v in self.skipped.items()}, "kernels": sorted(set(self.kernels.values()))}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        kernels = KernelCache(lambda spec: make_dense(spec, form), lambda spec: "dense_gemm", self.kernels)
+        kernels = KernelCache(lambda key: make_dense(key[0], form, key[1]),
+                              lambda key: "dense_gemm" if key[1] is None else f"dense_gemm_x{len(key[1])}", self.kernels)
         out = mod
         for gv, func in num_input_entries(mod, "InsertDenseGEMM", self.source):
             g = DataflowGraph(func, int(func.attrs["num_input"]))
@@ -123,8 +177,10 @@ class InsertDenseGEMM:
             self.skipped[gv.name_hint] = skipped
             if not matches:
                 continue
-            rewriter = _Rewriter(out, matches, None)
-            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
+            groups = _groups(g, matches) if self.merge else []
+            self.merged[gv.name_hint] = [len(run) for run in groups]
+            rewriter = _Rewriter(out, matches, None, groups)
+            rewriter.kernel = lambda spec, parts, b=rewriter.builder_: kernels.get(b, (spec, parts))
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

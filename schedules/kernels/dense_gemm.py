@@ -119,21 +119,33 @@ def launch_config(spec: DenseSpec) -> dict:
             "steps": spec.in_features // MMA_K}
 
 
-def _attrs() -> dict:
-    return {"tirx.is_scheduled": True, "global_symbol": "dense_gemm", "tirx.noalias": True}
+def _attrs(name: str = "dense_gemm") -> dict:
+    return {"tirx.is_scheduled": True, "global_symbol": name, "tirx.noalias": True}
 
 
-def make_dense(spec: DenseSpec, target: str = "llvm"):
-    """``dense_gemm(x [M, K], w [N, K], y [M, N])``."""
+def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | None = None):
+    """``dense_gemm(x [M, K], w [N, K], y [M, N])``.
+
+    ``parts`` (2 or 3 output widths summing to ``spec.out_features``): the linear layers of one input in one launch,
+    ``dense_gemm2(x, w1, w2, y1, y2)`` / ``dense_gemm3(x, w1, w2, w3, y1, y2, y3)`` with ``w_i [N_i, K]`` and
+    ``y_i [M, N_i]`` (a model's q, k and v projections). The grid's row blocks run over the weights one after the
+    other (each block's rows lie in one weight: blocks start at multiples of its rows within each weight), and
+    every block computes exactly what the one-weight kernel's block of those rows does."""
     spec.check()
     why = eligible(spec)
     if why is not None:
         raise MoecError(f"dense_gemm: {why}")
     if target not in ("llvm", "cuda"):
         raise MoecError(f"dense_gemm: target must be 'llvm' or 'cuda', got {target!r}")
+    outs = (spec.out_features,) if parts is None else tuple(parts)
+    if not 1 <= len(outs) <= 3 or sum(outs) != spec.out_features or any(
+            not isinstance(n, int) or n < 16 or n % 16 for n in outs):
+        raise MoecError(f"dense_gemm: parts {parts!r} must be 1 to 3 multiples of 16 summing to {spec.out_features}")
     N, K = spec.out_features, spec.in_features
     odt = spec.out_dtype
 
+    if target == "llvm" and len(outs) > 1:
+        return _dense_multi_llvm(spec, outs)
     if target == "llvm":
         @T.prim_func(s_tir=True)
         def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -167,48 +179,178 @@ def make_dense(spec: DenseSpec, target: str = "llvm"):
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step (staged form)
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch) if S else _mma_mainloop()
     XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
+    SSC = "shared" if S else "local"  # the cp.async stages (a one-element placeholder in the register form)
+    SW = S * NW * RT * 1024 if S else 1  # [stage][warp][tile][rh][c][lane][8]
+    SX = S * TOK * 64 if S else 1  # [stage][token][chunk (swizzled)][8]
+
+    @T.macro
+    def part(x, w, y, n_out, bbl, pb, tx, wa, af, xb, xf, acc, ws, xs):
+        # the block's rows [bbl ROWS, bbl ROWS + ROWS) of w [n_out, K] against the pass's tokens, into y
+        lane: T.let[T.int32] = tx % 32
+        g: T.let[T.int32] = lane // 4
+        q: T.let[T.int32] = lane % 4
+        rb: T.let[T.int32] = bbl * ROWS + (tx // 32) * (RT * 16)
+        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
+        nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
+        if S > 0:
+            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
+                     lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, k],
+                     lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
+        else:
+            mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out,
+                     lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
+        for r in T.unroll(RT):
+            if rb + r * 16 < n_out:
+                for n in T.unroll(NT):
+                    for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
+                        if n * 8 + 2 * q + c % 2 < nv:
+                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+
+    if len(outs) == 1:
+        @T.prim_func(s_tir=True)
+        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+            T.func_attr(_attrs())
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+            w = T.match_buffer(w_h, (N, K), wdt)
+            y = T.match_buffer(y_h, (M, N), odt)
+            for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
+                for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+                    for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                        with T.sblock("dense"):
+                            T.reads()
+                            T.writes()
+                            wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
+                            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
+                            xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
+                            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+                            acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                            ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
+                            xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
+                            part(x, w, y, N, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+
+        return dense_gemm
+
+    N1, N2 = outs[0], outs[1]
+    NB1, NB2 = -(-N1 // ROWS), -(-N2 // ROWS)
+    if len(outs) == 2:
+        @T.prim_func(s_tir=True)
+        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle):
+            T.func_attr(_attrs("dense_gemm2"))
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+            w1 = T.match_buffer(w1_h, (N1, K), wdt)
+            w2 = T.match_buffer(w2_h, (N2, K), wdt)
+            y1 = T.match_buffer(y1_h, (M, N1), odt)
+            y2 = T.match_buffer(y2_h, (M, N2), odt)
+            for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
+                for bb in T.thread_binding(NB1 + NB2, thread="blockIdx.y"):
+                    for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                        with T.sblock("dense"):
+                            T.reads()
+                            T.writes()
+                            wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                            xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")
+                            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")
+                            acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
+                            ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
+                            xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
+                            if bb < NB1:  # block-uniform: each block's rows lie in one weight
+                                part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                            else:
+                                part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs)
+
+        return dense_gemm2
+
+    N3 = outs[2]
+    NB3 = -(-N3 // ROWS)
 
     @T.prim_func(s_tir=True)
-    def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr(_attrs())
+    def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
+                    y3_h: T.handle):
+        T.func_attr(_attrs("dense_gemm3"))
         M = T.int64()
         x = T.match_buffer(x_h, (M, K), spec.x_dtype)
-        w = T.match_buffer(w_h, (N, K), wdt)
-        y = T.match_buffer(y_h, (M, N), odt)
+        w1 = T.match_buffer(w1_h, (N1, K), wdt)
+        w2 = T.match_buffer(w2_h, (N2, K), wdt)
+        w3 = T.match_buffer(w3_h, (N3, K), wdt)
+        y1 = T.match_buffer(y1_h, (M, N1), odt)
+        y2 = T.match_buffer(y2_h, (M, N2), odt)
+        y3 = T.match_buffer(y3_h, (M, N3), odt)
         for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
-            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+            for bb in T.thread_binding(NB1 + NB2 + NB3, thread="blockIdx.y"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
                     with T.sblock("dense"):
                         T.reads()
                         T.writes()
-                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
-                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
-                        xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
-                        xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
-                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
-                        lane: T.let[T.int32] = tx % 32
-                        g: T.let[T.int32] = lane // 4
-                        q: T.let[T.int32] = lane % 4
-                        rb: T.let[T.int32] = bb * ROWS + (tx // 32) * (RT * 16)
-                        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
-                        nv: T.let[T.int32] = T.Cast("int32", M) - p0
-                        if S > 0:
-                            ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
-                            xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
-                            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
-                                     lambda t: rb + t * 16, lambda t: rb + t * 16 < N, lambda row, k: w[row, k],
-                                     lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
+                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
+                        xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")
+                        xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
+                        ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
+                        xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
+                        if bb < NB1:
+                            part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                        elif bb < NB1 + NB2:
+                            part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs)
                         else:
-                            mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < N,
-                                     lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
-                        for r in T.unroll(RT):
-                            if rb + r * 16 < N:
-                                for n in T.unroll(NT):
-                                    for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
-                                        if n * 8 + 2 * q + c % 2 < nv:
-                                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+                            part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, wa, af, xb, xf, acc, ws, xs)
 
-    return dense_gemm
+    return dense_gemm3
+
+
+def _dense_multi_llvm(spec: DenseSpec, outs: tuple[int, ...]):
+    """The serial form of ``dense_gemm2`` / ``dense_gemm3``: each output as ``make_dense``'s llvm loop."""
+    K, odt, xdt, wdt = spec.in_features, spec.out_dtype, spec.x_dtype, spec.w_dtype
+    N1, N2, N3 = (outs + (16,))[:3]
+
+    @T.macro
+    def one(x, w, y, n_out):
+        for m in T.serial(x.shape[0]):
+            for n in T.serial(n_out):
+                with T.sblock("dense"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for k in T.serial(K):
+                        acc[0] = acc[0] + T.Cast("float32", x[m, k]) * T.Cast("float32", w[n, k])
+                    y[m, n] = T.Cast(odt, acc[0])
+
+    if len(outs) == 2:
+        @T.prim_func(s_tir=True)
+        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle):
+            T.func_attr(_attrs("dense_gemm2"))
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), xdt)
+            w1 = T.match_buffer(w1_h, (N1, K), wdt)
+            w2 = T.match_buffer(w2_h, (N2, K), wdt)
+            y1 = T.match_buffer(y1_h, (M, N1), odt)
+            y2 = T.match_buffer(y2_h, (M, N2), odt)
+            one(x, w1, y1, N1)
+            one(x, w2, y2, N2)
+
+        return dense_gemm2
+
+    @T.prim_func(s_tir=True)
+    def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
+                    y3_h: T.handle):
+        T.func_attr(_attrs("dense_gemm3"))
+        M = T.int64()
+        x = T.match_buffer(x_h, (M, K), xdt)
+        w1 = T.match_buffer(w1_h, (N1, K), wdt)
+        w2 = T.match_buffer(w2_h, (N2, K), wdt)
+        w3 = T.match_buffer(w3_h, (N3, K), wdt)
+        y1 = T.match_buffer(y1_h, (M, N1), odt)
+        y2 = T.match_buffer(y2_h, (M, N2), odt)
+        y3 = T.match_buffer(y3_h, (M, N3), odt)
+        one(x, w1, y1, N1)
+        one(x, w2, y2, N2)
+        one(x, w3, y3, N3)
+
+    return dense_gemm3
 
 
 def reference(x, w, out_dtype="float32"):

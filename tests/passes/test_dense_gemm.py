@@ -147,8 +147,8 @@ def test_ir_before_after(bmm):
     after = relax.transform.DeadCodeElimination(["main"])(p(before))
     ops = _ops(after["main"])
     assert "relax.matmul" not in ops and "relax.permute_dims" not in ops and "relax.call_tir" in ops
-    assert p.manifest() == {"replaced": {"main": 1}, "skipped": {"main": []}, "kernels": ["dense_gemm"]}
-    assert list(p.kernels) == [compiled_spec(64, 128)]  # the staged form, 4 token tiles (not an LM head)
+    assert p.manifest() == {"replaced": {"main": 1}, "merged": {"main": []}, "skipped": {"main": []}, "kernels": ["dense_gemm"]}
+    assert list(p.kernels) == [(compiled_spec(64, 128), None)]  # the staged form, 4 token tiles (not an LM head)
     prim = after["dense_gemm"]
     assert int(prim.attrs["op_pattern"]) == 8
     # the call reads the weight as stored [N, K] and writes [M, N] float32 (then the graph's own cast)
@@ -165,6 +165,56 @@ def test_ir_before_after(bmm):
         vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
         outs.append(vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy().astype(np.float32))
     np.testing.assert_allclose(outs[1].reshape(outs[0].shape), outs[0], rtol=1e-2, atol=1e-2)
+
+
+def _parallel_entry(widths, k=128, second_input=False):
+    """``main(x [s, K], (x2,) w_1 [N_1, K], ...)``: linear layers of one input (q, k, v), the last of another
+    input when ``second_input``; returns the sum of their float32 outputs' first columns and each output."""
+    bb = relax.BlockBuilder()
+    s = tvm.tirx.Var("s", "int64")
+    xs = [relax.Var(f"x{i}", relax.TensorType((s, k), "bfloat16")) for i in range(1 + second_input)]
+    ws = [relax.Var(f"w{i}", relax.TensorType((n, k), "bfloat16")) for i, n in enumerate(widths)]
+    with bb.function("main", xs + ws, attrs={"num_input": len(xs)}):
+        with bb.dataflow():
+            ys = []
+            for i, w in enumerate(ws):
+                x = xs[-1] if second_input and i == len(ws) - 1 else xs[0]
+                ys.append(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w, [1, 0])), out_dtype="float32")))
+            out = bb.emit_output(relax.Tuple(ys))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("widths,second_input,runs", [((64, 32, 32), False, [3]), ((64, 32, 32, 48), False, [3]),
+                                                      ((64, 32, 48), True, [2]), ((64, 32), False, [2])])
+def test_ir_parallel_layers_share_one_launch(widths, second_input, runs):
+    # q, k, v (and a dense MLP's gate and up) read one input: one dense_gemm_xN call with N outputs, at most 3 a
+    # launch; a layer of another input, or the fourth, stays a dense_gemm of its own. Same numbers, bit for bit.
+    before = _parallel_entry(widths, second_input=second_input)
+    merged = relax.transform.DeadCodeElimination(["main"])(InsertDenseGEMM(LLVM)(before))
+    p = InsertDenseGEMM(LLVM, merge=False)
+    single = relax.transform.DeadCodeElimination(["main"])(p(before))
+    q = InsertDenseGEMM(LLVM)
+    q(before)
+    assert q.merged == {"main": runs} and p.merged == {"main": []}
+    calls = [b.value for blk in merged["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    names = [c.args[0].name_hint for c in calls]
+    assert names.count(f"dense_gemm_x{runs[0]}") == 1 and len(calls) == len(widths) - runs[0] + 1
+    multi = calls[names.index(f"dense_gemm_x{runs[0]}")]
+    params = merged["main"].params
+    assert [a.same_as(params[len(params) - len(widths) + i]) for i, a in enumerate(multi.args[1].fields[1:])] == [True] * runs[0]
+    assert [int(t.shape.values[1]) for t in multi.ty.fields] == list(widths[:runs[0]])
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((5, 128)).astype(BF16) for _ in range(1 + second_input)]
+    ws = [rng.standard_normal((n, 128)).astype(BF16) for n in widths]
+    outs = []
+    for mod in (merged, single, before):
+        vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
+        outs.append([t.numpy() for t in vm["main"](*[tvm.runtime.tensor(a) for a in xs + ws])])
+    for a, b, c in zip(*outs):
+        np.testing.assert_array_equal(a, b)  # the merged kernel runs the one-weight kernel's sums
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kw,why", [(dict(x_dtype="float32", w_dtype="float32"), "float32"),
@@ -224,6 +274,7 @@ def test_compiled_bf16_model_uses_dense_gemm(bf16_olmoe, tmp_path):
     mon, moff = (json.loads((a / "manifest.json").read_text()) for a in (on, off))
     # per layer q, k, v, o (2 layers) and the LM head, in both entries
     assert mon["options"]["dense_gemm"]["replaced"] == {"decode": 9, "prefill": 9} and "InsertDenseGEMM" in mon["passes"]
+    assert mon["options"]["dense_gemm"]["merged"] == {"decode": [3, 3], "prefill": [3, 3]}  # q, k, v of each layer
     assert moff["options"]["dense_gemm"] is None
     assert any(v == "kernel:schedules/kernels/dense_gemm.py" for v in mon["schedules"].values())
     (lon, hist), (loff, _) = _run(on), _run(off)
