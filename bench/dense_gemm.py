@@ -7,6 +7,8 @@
 Shapes (bf16): the OLMoE-1B-7B attention projection (2048 x 2048) and LM head (50304 x 2048), Mixtral's
 projection (4096 x 4096) and LM head (32000 x 4096); tokens M of 1, 16, 64, 128 (decode batches) and 4096
 (a prefill chunk). Output float32, as the imported graphs' ``matmul(..., out_dtype="float32")``.
+The q, k and v projections of one input (OLMoE 3 x 2048, Mixtral 4096 + 2 x 1024) also run as one
+``dense_gemm_x3`` launch against three one-weight launches (``olmoe_qkv``, ``mixtral_qkv``).
 Correctness: against float32 torch over the same bf16 inputs, relative to the output's scale. Timing:
 the VM's ``time_evaluator`` for TVM, CUDA events for torch; medians of repeats.
 """
@@ -31,6 +33,9 @@ TOKENS = (1, 16, 64, 128, 4096)
 # the launch forms timed beside the default (register loads): cp.async stages (``DenseSpec.stages``), with
 # fewer warps a block (more blocks at decode sizes), or 64-token passes (the weight read once per 64 tokens)
 VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8}}
+# q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
+# compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
+QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 1024), 4096)}  # parts, K
 
 
 def build_module(kind: str):
@@ -38,7 +43,7 @@ def build_module(kind: str):
     import tvm
     from tvm import relax
 
-    from moec.schedules.kernels.dense_gemm import DenseSpec, make_dense
+    from moec.schedules.kernels.dense_gemm import DenseSpec, compiled_spec, make_dense
 
     bb = relax.BlockBuilder()
     for name, (n, k) in SHAPES.items():
@@ -53,6 +58,24 @@ def build_module(kind: str):
                 with bb.dataflow():
                     y = bb.emit_output(relax.call_tir(gv, [x, w], out_ty=relax.TensorType([m, n], "float32")))
                 bb.emit_func_output(y)
+    for name, (parts, k) in QKV.items():
+        multi = make_dense(compiled_spec(sum(parts), k), kind, parts).without_attr("global_symbol").with_attr("op_pattern", 8)
+        gm = bb.add_func(multi, f"dense_{name}_x3")
+        singles = [bb.add_func(make_dense(compiled_spec(n, k), kind).without_attr("global_symbol").with_attr("op_pattern", 8),
+                               f"dense_{name}_{i}") for i, n in enumerate(parts)]
+        m = tvm.tirx.Var("m", "int64")
+        for form in ("merged", "separate"):
+            x = relax.Var("x", relax.TensorType((m, k), "bfloat16"))
+            ws = [relax.Var(f"w{i}", relax.TensorType((n, k), "bfloat16")) for i, n in enumerate(parts)]
+            with bb.function(f"{name}_{form}", [x] + ws):
+                with bb.dataflow():
+                    if form == "merged":
+                        y = bb.emit(relax.call_tir(gm, [x] + ws, out_ty=[relax.TensorType([m, n], "float32") for n in parts]))
+                    else:
+                        y = relax.Tuple([bb.emit(relax.call_tir(g1, [x, w1], out_ty=relax.TensorType([m, n], "float32")))
+                                         for g1, w1, n in zip(singles, ws, parts)])
+                    y = bb.emit_output(y)
+                bb.emit_func_output(y)
     return bb.get()
 
 
@@ -62,7 +85,7 @@ def compile_module(target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    names = [n + s for n in SHAPES for s in VARIANTS]
+    names = [n + s for n in SHAPES for s in VARIANTS] + [f"{n}_{f}" for n in QKV for f in ("merged", "separate")]
     return tvm.compile(build_module(kind), target=target, relax_pipeline=lowering_pipeline(target, names))
 
 
@@ -121,6 +144,32 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
     return row
 
 
+def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
+    import torch
+    import tvm
+
+    parts, k = QKV[name]
+    g = torch.Generator().manual_seed(m)
+    tdev = "cuda" if device == "cuda" else "cpu"
+    x = torch.randn(m, k, generator=g).to(tdev, torch.bfloat16)
+    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(tdev, torch.bfloat16) for n in parts]
+    args = [tvm.runtime.from_dlpack(t) for t in [x] + ws]
+    refs = [x.float() @ w.float().T for w in ws]
+    ms, errs = {}, {}
+    for form in ("merged", "separate"):
+        outs = vm[f"{name}_{form}"](*args)
+        errs[form] = max(float((torch.from_dlpack(o) - r).abs().max()) / (float(r.abs().max()) or 1.0) for o, r in zip(outs, refs))
+        vm.save_function(f"{name}_{form}", f"{name}_{form}_timed", *args)
+        res = vm.time_evaluator(f"{name}_{form}_timed", dev, number=number, repeat=repeat)()
+        ms[form] = float(np.median(np.asarray(res.results))) * 1e3
+    wbytes = sum(parts) * k * 2
+    row = {"shape": name, "parts": list(parts), "K": k, "tokens": m, "errors": errs, "passed": max(errs.values()) < 1e-2,
+           "ms": ms, "weight_bytes": wbytes, "GBps_weights": {f: wbytes / v / 1e6 for f, v in ms.items()},
+           "merged_speedup": ms["separate"] / ms["merged"]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("step", choices=["prepare", "run"])
@@ -129,7 +178,7 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown", help="git commit of the tree the kernels were built from")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(QKV)))
     args = ap.parse_args()
     if args.step == "prepare":
         prepare(args.dir)
@@ -146,7 +195,7 @@ def main() -> int:
     doc["rows"] = []
     for name in args.shapes.split(","):
         for m in args.tokens:
-            r = run_point(vm, dev, name, m, args.device, number, repeat)
+            r = (run_qkv if name in QKV else run_point)(vm, dev, name, m, args.device, number, repeat)
             r["fraction_of_copy"] = {s: v / doc["copy_GBps"] for s, v in r["GBps_weights"].items()}
             doc["rows"].append(r)
             if args.json:

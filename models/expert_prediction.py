@@ -56,9 +56,12 @@ def routing_trace(model: MoEForCausalLM, input_ids: torch.Tensor) -> RoutingTrac
             lambda _m, args, _o, i=i: post.__setitem__(i, args[0].reshape(-1, d).clone())))
         hooks.append(layer.moe.router.register_forward_hook(lambda _m, _a, o, i=i: routed.__setitem__(i, o[1].clone())))
         hooks.append(layer.register_forward_hook(lambda _m, _a, o, i=i: out.__setitem__(i, o.reshape(-1, d).clone())))
+    was = model.training_kernels
+    model.use_training_kernels(True)  # experts grouped: the gathered per-token weights of a long trace do not fit
     try:
         model(input_ids)
     finally:
+        model.use_training_kernels(was)
         for h in hooks:
             h.remove()
     n = len(model.layers)
