@@ -5,7 +5,10 @@ decode step waits for with on-demand loading vs prefetching, from the same routi
 
 For each layer l >= 1 it applies layer l's post-attention norm and router to layer l - 1's
 post-attention state (``post_attention``) or output (``layer_output``), with and without a linear
-correction fitted on training text, predicting top-k + extra experts (``moec.models.expert_prediction``).
+correction fitted on training text, predicting top-k + extra experts (``moec.models.expert_prediction``);
+and (``router_fit``) the predictor ``moec calibrate`` fits and compiled offloaded models prefetch with: layer l's
+router logits fitted on layer l - 1's router input by ridge least squares (``compiler.calibrate.fit_prefetch``)
+on the training text.
 Then decode steps of S streams (S consecutive held-out tokens' routing per step) run through
 ``moec.runtime.expert_cache`` at a capacity of ``--capacity`` of all experts: stalls are experts a layer
 waited for, against on-demand loading (no prefetch) and against a perfect prediction.
@@ -51,6 +54,26 @@ def main(argv=None) -> int:
     ntr = min(len(train) // a.context, max(1, a.max_tokens // a.context))
     ctrace = routing_trace(model, torch.from_numpy(np.asarray(train[: ntr * a.context], np.int64).reshape(ntr, a.context)))
     maps = {src: calibrate_correction(ctrace, src) for src in ("post_attention", "layer_output")}
+    from moec.compiler.calibrate import fit_prefetch
+    from moec.models.expert_prediction import batch_recall, recall
+
+    def router_in(tr, layer):
+        with torch.no_grad():
+            return model.layers[layer].post_attention_norm(tr.post_attention[layer]).float().numpy()
+
+    k = cfg.top_k
+    fit_pred = [None]
+    for layer in range(1, cfg.num_layers):
+        pw, pb = fit_prefetch(router_in(ctrace, layer - 1), router_in(ctrace, layer) @
+                              model.layers[layer].moe.router.weight.detach().float().numpy().T)
+        scores = router_in(trace, layer - 1) @ pw.T + pb
+        order = torch.from_numpy(np.argsort(-scores, axis=1, kind="stable"))
+        fit_pred.append(order)
+        for extra in (0, 1, 2):
+            pred = order[:, : k + extra]
+            doc["rows"].append({"layer": layer, "source": "router_fit", "corrected": True, "extra": extra,
+                                "recall": recall(pred, trace.routed[layer]),
+                                "batch": {str(s_): batch_recall(pred, trace.routed[layer], s_, cfg.num_experts) for s_ in streams}})
     sims = {}
     for s in streams:
         steps = len(trace.routed[0]) // s
@@ -66,6 +89,9 @@ def main(argv=None) -> int:
                     pred = [None] + [predict(model, trace, layer, source, extra, maps[source] if corrected else None)
                                      for layer in range(1, cfg.num_layers)]
                     row[f"{source}{'-corrected' if corrected else ''}+{extra}"] = simulate(routed, per_step(pred), capacity)
+        for extra in (0, 1, 2):
+            pred = [None] + [o[:, : k + extra] for o in fit_pred[1:]]
+            row[f"router_fit+{extra}"] = simulate(routed, per_step(pred), capacity)
         sims[str(s)] = row
     commit = a.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=Path(__file__).resolve().parent).stdout.strip()

@@ -24,6 +24,7 @@ MANIFEST = "manifest.json"
 LIBRARY = "lib.so"
 WEIGHTS = "weights.safetensors"
 OFFLOADED_PREFIX = "offloaded:"  # weights.safetensors keys of offloaded expert weights (kept in host memory)
+PREFETCH_PREFIX = "prefetch:"  # weights.safetensors keys of calibrated prefetch predictors (``<layer>.weight`` / ``.bias``)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 
 from .. import __version__
-from .artifact import LIBRARY, OFFLOADED_PREFIX, WEIGHTS, atomic_directory, write_manifest
+from .artifact import LIBRARY, OFFLOADED_PREFIX, PREFETCH_PREFIX, WEIGHTS, atomic_directory, write_manifest
 from .errors import MoecError
 from .importers import ImportedModel, import_model
 from .targets import make_target
@@ -110,8 +110,10 @@ def compile(  # noqa: A001 - the public name users call
         reproduces the original routing.
     calibration : str | Path, optional
         A ``moec calibrate`` directory: cascade gating takes its groups and coarse routers (fitted on
-        data) for G = ``cascade_groups`` instead of the data-free ones. It must have been made for
-        this model (same layers, experts and router weights) and for G; the artifact records it.
+        data) for G = ``cascade_groups`` instead of the data-free ones, and offloaded experts its fitted
+        prefetch predictors (stored in the artifact; the runtime's prefetch uses them in place of the next
+        router applied to the previous layer's input). It must have been made for this model (same layers,
+        experts and router weights) and, with cascade gating, for G; the artifact records it.
     fuse_router_norm : bool
         Compute each router matmul (the coarse group router with cascade gating) in one kernel with the
         RMSNorm before it (``moec.passes.fuse_router_norm``): one launch instead of the norm's and the
@@ -204,8 +206,10 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"unknown KV cache {kv_cache!r}: expected paged, bf16, fp8 or tiered")
     if cascade_groups is None and cascade_keep is not None:
         raise MoecError("cascade keep needs cascade groups (--cascade-groups G)")
-    if calibration is not None and cascade_groups is None:
-        raise MoecError("a calibration needs cascade groups (--cascade-groups G)")
+    offloading = expert_slots is not None or gpu_memory_budget is not None
+    if calibration is not None and cascade_groups is None and not offloading:
+        raise MoecError("a calibration needs cascade groups (--cascade-groups G) or offloaded experts "
+                        "(--expert-slots / --gpu-memory-budget: its prefetch predictors)")
     tiered = None
     if kv_cache == "bf16":
         kv_cache_dtype = "bfloat16"
@@ -229,17 +233,20 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.tiered_kv_attention import check_supported
 
         check_supported(structure, tiered)
-    cascade = None
+    cascade = calib = None
+    if calibration is not None:
+        from .calibrate import load_calibration
+
+        calib = load_calibration(calibration)
+        calib.check_model(structure, bound_main, imported.num_inputs, dict(zip(imported.weight_names(), imported.weights)),
+                          imported.source_name)
+        prefetch = calib.prefetch_inputs() if offloading else None  # (refused here if the calibration has none)
     if cascade_groups is not None:
         from ..passes.cascade_gating import CascadeGating, check_cascade, default_keep
 
         weights = dict(zip(imported.weight_names(), imported.weights))
-        calib = given_groups = given_coarse = None
-        if calibration is not None:
-            from .calibrate import load_calibration
-
-            calib = load_calibration(calibration)
-            calib.check_model(structure, bound_main, imported.num_inputs, weights, imported.source_name)
+        given_groups = given_coarse = None
+        if calib is not None:
             given_groups, given_coarse = calib.cascade_inputs(cascade_groups)
         if cascade_keep is None and isinstance(cascade_groups, int) and not isinstance(cascade_groups, bool):
             cascade_keep = calib.default_keep(cascade_groups) if calib is not None else default_keep(structure, cascade_groups)
@@ -310,6 +317,10 @@ def compile(  # noqa: A001 - the public name users call
         stored = {f"{i:05d}:{name}": np.ascontiguousarray(w) for i, (name, w) in enumerate(zip(weight_names, weight_arrays))
                   if w is not None}
         stored.update({f"{OFFLOADED_PREFIX}{name}": np.ascontiguousarray(w) for name, w in offloaded.items()})
+        if offloaded and calib is not None:  # the calibrated prefetch predictors, per MoE layer index
+            for li, (pw, pb) in prefetch.items():
+                stored[f"{PREFETCH_PREFIX}{li}.weight"] = np.ascontiguousarray(pw, np.float32)
+                stored[f"{PREFETCH_PREFIX}{li}.bias"] = np.ascontiguousarray(pb, np.float32)
         save_file(stored, str(tmp / WEIGHTS))
         if calibration is not None:  # the calibration it was built with (hashed with the other files)
             (tmp / "cascade_calibration.json").write_bytes((Path(calibration) / "calibration.json").read_bytes())
@@ -335,6 +346,8 @@ def compile(  # noqa: A001 - the public name users call
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
                         "tiered": tiered.to_dict() if tiered is not None else None,
                         "cascade": cascade.manifest() if cascade is not None else None,
+                        "prefetch": {"calibration": calib.manifest(), "layers": sorted(prefetch),
+                                     "check": calib.meta["prefetch"]["layers"]} if offloaded and calib is not None else None,
                         "fuse_router_norm": fuse.manifest() if fuse is not None else None,
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "dense_gemm": dense.manifest() if dense is not None else None,

@@ -17,6 +17,12 @@ every token. Then, for each requested group count G:
     data-free ones ``moec compile`` uses without calibration; and ``keep_default``, the fewest groups
     kept whose agreement reaches ``target`` in every layer (G if none).
 
+And for offloaded experts (``moec compile --expert-slots N --calibration DIR``), per MoE layer l after the
+first, a prefetch predictor of its experts from the previous MoE layer's router input: the ridge fit
+``x_{l-1} @ P_l^T + p_l ~ x_l @ W_l^T`` of layer l's router logits on the fit windows (its top-k is what the
+router's softmax or sigmoid picks), with the recall of its top-k + 0 / 1 / 2 on the check windows beside
+that of the uncalibrated predictor (layer l's router on ``x_{l-1}`` rescaled by the two norms' weights).
+
 MODEL is a trained reference directory (``moec train-reference``: the PyTorch reference runs the
 text, router inputs from forward hooks) or an ONNX / ``.pt2`` file, as ``moec compile`` takes it:
 there the router inputs that ``moe_structure.analyze`` finds become outputs of the imported forward,
@@ -26,9 +32,10 @@ CascadeGating rewrites, found by structure, whatever exported the file.
 DIR (written atomically) holds ``calibration.json`` (format ``moec-calibration/1``: the model's
 router signature with the SHA-256 of each router weight, the data, per G the groups, fit and check
 figures, the SHA-256 of the tensor file) and ``coarse.safetensors`` (``G{G}.layer{i}.coarse`` [G, D],
-``G{G}.layer{i}.bias`` [G], ``layer{i}.coactivation`` [E, E]). ``moec compile --calibration DIR
---cascade-groups G`` reads them (``load_calibration``) and refuses a calibration made for another
-model, for other group counts, or whose files are missing or corrupt.
+``G{G}.layer{i}.bias`` [G], ``layer{i}.coactivation`` [E, E], ``prefetch.layer{i}.weight`` [E, D] and
+``prefetch.layer{i}.bias`` [E]). ``moec compile --calibration DIR`` with ``--cascade-groups G`` and / or
+offloaded experts reads them (``load_calibration``) and refuses a calibration made for another model,
+for other group counts, or whose files are missing or corrupt.
 """
 
 from __future__ import annotations
@@ -160,6 +167,27 @@ def fit_coarse_lstsq(x: np.ndarray, logits: np.ndarray, groups, ridge: float = 1
     gram[np.arange(d), np.arange(d)] += reg
     beta = np.linalg.solve(gram, x1.T @ y)  # D+1, G
     return beta[:d].T.copy(), beta[d].copy()
+
+
+PREFETCH_RIDGE = 1e-3  # of the mean diagonal of [x, 1]^T [x, 1]
+
+
+def fit_prefetch(x_prev: np.ndarray, logits: np.ndarray, ridge: float = PREFETCH_RIDGE) -> tuple[np.ndarray, np.ndarray]:
+    """``(P [E, D], p [E])``: the ridge least-squares fit ``x_prev @ P^T + p ~ logits`` (float64 normal equations)."""
+    xa = np.hstack([x_prev.astype(np.float64), np.ones((x_prev.shape[0], 1))])
+    gram = xa.T @ xa
+    lam = ridge * float(np.trace(gram)) / gram.shape[0]
+    sol = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), xa.T @ logits.astype(np.float64))  # [D + 1, E]
+    return np.ascontiguousarray(sol[:-1].T, dtype=np.float32), sol[-1].astype(np.float32)  # (C order: safetensors stores the buffer)
+
+
+def prefetch_recall(scores: np.ndarray, routed: np.ndarray, top_k: int, extra: int) -> float:
+    """Mean over tokens of the share of the routed experts ``routed`` [T, K] among the ``top_k + extra`` best
+    ``scores`` [T, E]."""
+    k = min(top_k + extra, scores.shape[1])
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    hit = (top[:, :, None] == routed[:, None, :]).any(axis=1)  # T, K
+    return float(hit.mean())
 
 
 def _fit_quality(x: np.ndarray, logits: np.ndarray, groups, coarse: np.ndarray, bias: np.ndarray) -> dict:
@@ -424,11 +452,27 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
     tok_check = np.repeat(check, per_window)
     tensors: dict[str, np.ndarray] = {}
     layers_meta, groupings = [], {str(gg): {"layers": {}} for gg in groups}
-    for rec in records:
+    prefetch: dict[str, dict] = {}
+    prev = None  # (record, inputs) of the previous MoE layer: the prefetch predictor's source
+    for rec in sorted(records, key=lambda r: r.index):
         x = rec.inputs()
         logits = x @ rec.rows.T  # T, E (float32, as the router computes them)
         flat = np.argsort(-logits, axis=1, kind="stable")[:, : rec.top_k]
         x_fit, x_chk = x[~tok_check], x[tok_check]
+        if prev is not None:
+            prec, px = prev
+            pw, pb = fit_prefetch(px[~tok_check], logits[~tok_check])
+            ratio = (rec.norm_weight / np.where(prec.norm_weight == 0, 1, prec.norm_weight)
+                     if rec.norm_weight is not None and prec.norm_weight is not None else np.float32(1))
+            fitted, plain = px[tok_check] @ pw.T + pb, (px[tok_check] * ratio) @ rec.rows.T
+            tensors[f"prefetch.layer{rec.index}.weight"], tensors[f"prefetch.layer{rec.index}.bias"] = pw, pb
+            prefetch[str(rec.index)] = {
+                "from": prec.index, "weight": f"prefetch.layer{rec.index}.weight", "bias": f"prefetch.layer{rec.index}.bias",
+                "check": {"tokens": int(x_chk.shape[0]),
+                          "recall": {str(e): round(prefetch_recall(fitted, flat[tok_check], rec.top_k, e), 6) for e in (0, 1, 2)},
+                          "recall_uncalibrated": {str(e): round(prefetch_recall(plain, flat[tok_check], rec.top_k, e), 6)
+                                                  for e in (0, 1, 2)}}}
+        prev = (rec, x)
         counts = coactivation(flat[~tok_check], e)
         counts_chk = coactivation(flat[tok_check], e)
         tensors[f"layer{rec.index}.coactivation"] = counts.astype(np.float32)
@@ -472,7 +516,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
 
     output_dir = Path(output_dir)
     with atomic_directory(output_dir) as tmp:
-        save_file(tensors, str(tmp / TENSORS))
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / TENSORS))  # (safetensors writes the buffer as laid out)
         meta = {
             "format": FORMAT, "moec_version": __version__,
             "model": {**model_info, "moe_layers": layers_meta},
@@ -480,6 +524,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
                      "fit_tokens": int((~tok_check).sum()), "check_tokens": int(tok_check.sum()), "check_every": check_every},
             "target_agreement": target, "seed": seed,
             "groupings": groupings,
+            "prefetch": {"ridge": PREFETCH_RIDGE, "layers": prefetch},
             "files": {TENSORS: sha256_file(tmp / TENSORS)},
             "seconds": round(time.perf_counter() - t0, 2),
         }
@@ -520,6 +565,15 @@ class Calibration:
             groups[int(key)] = lay["groups"]
             coarse[int(key)] = (self.tensors[lay["coarse"]], self.tensors[lay["bias"]])
         return groups, coarse
+
+    def prefetch_inputs(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per MoE layer index after the first, its fitted prefetch predictor ``(P [E, D], p [E])``; a ``MoecError``
+        for a calibration made before moec fitted them."""
+        layers = self.meta.get("prefetch", {}).get("layers")
+        if not layers:
+            raise MoecError(f"{self.root / CALIBRATION}: holds no prefetch predictors (made by an older moec, or a model "
+                            "with one MoE layer): run `moec calibrate` again")
+        return {int(li): (self.tensors[lay["weight"]], self.tensors[lay["bias"]]) for li, lay in layers.items()}
 
     def check_model(self, structure, func, num_inputs: int, weights: dict, source: str = "model") -> None:
         """Refuse a model whose layers, expert counts, hidden size or router weights differ from the calibrated one."""
@@ -586,6 +640,10 @@ def load_calibration(path: str | Path) -> Calibration:
                 raise MoecError(f"{f}: G={gg} layer {li}: groups are not a partition of the experts into {gg} equal groups")
         if "keep_default" not in grouping:
             raise MoecError(f"{f}: G={gg}: keep_default missing")
+    for li, lay in meta.get("prefetch", {}).get("layers", {}).items():
+        w, b, e = tensors.get(lay.get("weight")), tensors.get(lay.get("bias")), experts.get(int(li))
+        if w is None or b is None or e is None or w.shape != (e, hidden) or b.shape != (e,):
+            raise MoecError(f"{tf}: prefetch predictor of layer {li} missing or not [{e}, {hidden}] / [{e}]")
     return Calibration(root, meta, tensors)
 
 
@@ -602,8 +660,15 @@ def format_summary(calib: Calibration) -> str:
             free = min(x["check"]["topk_agreement"]["data_free"][k] for x in lay)
             mark = "  <- keep_default" if int(k) == grouping["keep_default"] else ""
             lines.append(f"{gg:>3} {k:>3}  {cal:>20.4f}  {free:>9.4f}{mark}")
+    pre = meta.get("prefetch", {}).get("layers", {})
+    if pre:
+        lines.append("prefetch of offloaded experts, recall of the top-k + 0 / 1 / 2 predicted from the previous MoE layer:")
+        for li, lay in sorted(pre.items(), key=lambda kv: int(kv[0])):
+            rc, ru = lay["check"]["recall"], lay["check"]["recall_uncalibrated"]
+            lines.append(f"  layer {int(li):>3}: calibrated {' / '.join(f'{rc[e]:.3f}' for e in ('0', '1', '2'))}"
+                         f"   uncalibrated {' / '.join(f'{ru[e]:.3f}' for e in ('0', '1', '2'))}")
     return "\n".join(lines)
 
 
-__all__ = ["Calibration", "calibrate", "coactivation", "coactivation_groups", "fit_coarse_lstsq", "format_summary",
-           "load_calibration", "load_tokens", "within_share"]
+__all__ = ["Calibration", "calibrate", "coactivation", "coactivation_groups", "fit_coarse_lstsq", "fit_prefetch",
+           "format_summary", "load_calibration", "load_tokens", "prefetch_recall", "within_share"]

@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups kept per token, 1..G (default: the calibration's choice for G, a group-limited "
                         "router's own kept groups, else G); g = G reproduces the original routing")
     g.add_argument("--calibration", default=None, metavar="CALIB_DIR",
-                   help="groups and coarse routers from `moec calibrate` (made for this model and G) instead of "
-                        "the data-free ones")
+                   help="from `moec calibrate` (made for this model): groups and coarse routers for G instead of "
+                        "the data-free ones, and with offloaded experts the fitted prefetch predictors")
     p.add_argument("--fuse-router-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="compute each router matmul (the coarse one with cascade gating) in one kernel with the "
                         "RMSNorm before it (default: on; same results up to float rounding)")
@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the kernel -> source map as JSON")
     p.set_defaults(func=cmd_schedules)
 
-    p = sub.add_parser("calibrate", help="fit cascade-gating groups and coarse routers on calibration text")
+    p = sub.add_parser("calibrate", help="fit cascade-gating groups, coarse routers and expert-prefetch predictors on "
+                                         "calibration text")
     p.add_argument("model", help="trained model directory (PyTorch reference) or model.onnx / model.pt2")
     p.add_argument("-o", "--output", required=True, help="calibration directory to write (atomically)")
     p.add_argument("--data", default="train",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, WEIGHTS, read_manifest
+from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, PREFETCH_PREFIX, WEIGHTS, read_manifest
 from ..compiler.errors import ArtifactError, MoecError
 
 
@@ -65,9 +65,11 @@ def _register_fatbins(directory: Path, manifest: dict):
     return restore
 
 
-def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None) -> tuple:
+def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None, fitted: dict | None = None) -> tuple:
     """``OffloadedExperts``' prefetch arguments: per offloaded layer its router (weight, bias) and the ratio of its
-    post-attention norm weight to the previous MoE layer's, from the recorded structure (None: no prefetch)."""
+    post-attention norm weight to the previous MoE layer's, from the recorded structure (None: no prefetch). A
+    layer with a calibrated predictor in ``fitted`` (MoE layer index -> ``(P [E, D], p [E])``, from ``moec
+    calibrate``) takes it instead, applied to the previous layer's input as it is (ratio 1)."""
     if extra is None:
         return None, 0, 0
     by_w1 = {}
@@ -75,11 +77,13 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None)
         router = layer.get("router") or {}
         mlp = [n["weight"] for n in layer.get("norms", []) if n.get("role") == "mlp"]
         for name in layer.get("experts") or {}:
-            by_w1[name] = (router.get("weight"), router.get("bias"), mlp[0] if mlp else None, router.get("top_k"))
-    rows, top_k = [], 0
+            by_w1[name] = (router.get("weight"), router.get("bias"), mlp[0] if mlp else None, router.get("top_k"),
+                           layer.get("index"))
+    rows, top_k, index = [], 0, []
     e, d = int(offload["experts"]), int(offload["pools"][0]["shape"][2])
     for w1, _ in offload["layers"]:
-        router, bias, norm, k = by_w1.get(w1, (None, None, None, None))
+        router, bias, norm, k, li = by_w1.get(w1, (None, None, None, None, None))
+        index.append(li)
         if router not in weights or norm not in weights:  # not recorded as expected: load on demand only
             return None, 0, 0
         w = np.asarray(weights[router], np.float32)
@@ -91,6 +95,10 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None)
         top_k = max(top_k, int(k or 0))
     preds = [None] + [(w, b, n / np.where(prev == 0, np.float32(1), prev))
                       for (w, b, n), (_, _, prev) in zip(rows[1:], rows[:-1])]
+    for i in range(1, len(preds)):
+        if fitted and index[i] in fitted:
+            pw, pb = fitted[index[i]]
+            preds[i] = (np.asarray(pw, np.float32), np.asarray(pb, np.float32), np.float32(1))
     return preds, top_k, extra
 
 
@@ -191,6 +199,11 @@ class Engine:
         stored = load_file(str(directory / WEIGHTS))
         names = manifest["weights"]
         pools = {p["name"] for p in offload["pools"]} if offload else set()
+        fitted = {}  # calibrated prefetch predictors (moec compile --calibration with offloaded experts)
+        for k in [k for k in stored if k.startswith(PREFETCH_PREFIX)]:
+            li, part = k[len(PREFETCH_PREFIX):].split(".", 1)
+            fitted.setdefault(int(li), {})[part] = stored.pop(k)
+        fitted = {li: (v["weight"], v["bias"]) for li, v in fitted.items() if {"weight", "bias"} <= set(v)}
         keys = sorted(k for k in stored if not k.startswith(OFFLOADED_PREFIX))
         if len(keys) != len(names) - len(pools):
             raise ArtifactError(f"{directory / WEIGHTS}: holds {len(keys)} tensors, manifest lists {len(names) - len(pools)}")
@@ -203,7 +216,7 @@ class Engine:
                 raise ArtifactError(f"{directory / WEIGHTS}: offloaded expert weights missing: {', '.join(missing[:3])}")
             self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
                 manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
-                expert_prefetch))
+                expert_prefetch, fitted))
             del host
         by_pool = dict(zip([p["name"] for p in offload["pools"]], self.experts.pools)) if offload else {}
         it = iter(keys)

@@ -10,7 +10,7 @@ import torch
 import moec
 from moec.compiler import cli
 from moec.compiler.calibrate import (CALIBRATION, TENSORS, calibrate, coactivation, coactivation_groups, fit_coarse_lstsq, group_lse,
-                                     load_calibration, within_share)
+                                     load_calibration, prefetch_recall, within_share)
 from moec.compiler.errors import MoecError
 from moec.models.cascade import cascaded, flat_topk
 from moec.passes.cascade_gating import CascadeSpec, data_free_groups, fit_coarse
@@ -147,6 +147,42 @@ def test_calibrate_trained_dir_uses_torch_and_matches_its_export(trained_tiny, t
     # the router weights it recorded are the ones the ONNX export carries: compile accepts the calibration for it
     imp = import_model(trained_tiny / "model.onnx")
     calib.check_model(analyze(imp.main, imp.num_inputs), imp.main, imp.num_inputs, dict(zip(imp.weight_names(), imp.weights)))
+    # prefetch predictor of layer 1 from layer 0's router input, fitted on the fit windows: on held-out text it
+    # finds more of layer 1's routed experts than layer 1's router applied to layer 0's input
+    pre = calib.meta["prefetch"]["layers"]
+    assert list(pre) == ["1"] and pre["1"]["from"] == 0
+    pw, pb = calib.prefetch_inputs()[1]
+    x0, x1 = xs
+    routed = np.argsort(-(x1 @ model.layers[1].moe.router.weight.detach().numpy().T), axis=1)[:, :2]
+    ratio = (model.layers[1].post_attention_norm.weight / model.layers[0].post_attention_norm.weight).detach().numpy()
+    fitted = prefetch_recall(x0 @ pw.T + pb, routed, 2, 0)
+    plain = prefetch_recall((x0 * ratio) @ model.layers[1].moe.router.weight.detach().numpy().T, routed, 2, 0)
+    assert fitted > plain + 0.1, (fitted, plain)
+    assert pre["1"]["check"]["recall"]["0"] > pre["1"]["check"]["recall_uncalibrated"]["0"] + 0.1
+    assert pre["1"]["check"]["recall"]["2"] >= pre["1"]["check"]["recall"]["0"]
+    # offloaded experts compiled with it: the artifact carries the predictor, the runtime prefetches with it, and
+    # the logits are those of loading on demand (prefetch never changes results)
+    art = moec.compile(trained_tiny / "model.onnx", tmp_path / "slots", target="llvm", expert_slots=8, calibration=out)
+    man = json.loads((art / "manifest.json").read_text())
+    assert man["options"]["prefetch"]["layers"] == [1] and man["options"]["prefetch"]["check"] == pre
+    prompts = [stream[:40].tolist(), stream[500:517].tolist()]
+    runs = []
+    for extra in (None, 0):
+        e = moec.load(art, max_batch=2, max_total_tokens=256, expert_prefetch=extra)
+        seqs, lg = e.prefill(prompts)
+        outs, toks = [np.asarray(lg)], np.asarray(lg).argmax(-1)
+        for _ in range(8):
+            lg = np.asarray(e.decode(seqs, toks.tolist()))
+            outs.append(lg)
+            toks = lg.argmax(-1)
+        runs.append((e, outs))
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+    e = runs[1][0]
+    w, b, r = e.experts.predictors[1]
+    np.testing.assert_array_equal(w, pw)
+    np.testing.assert_array_equal(b, pb)
+    assert float(r) == 1.0 and e.experts.cache.stats.prefetched > 0 and e.experts.cache.stats.prefetch_used > 0
 
 
 # ---------------------------------------------------------------------------- compile with a calibration
@@ -202,7 +238,7 @@ def _compile_error(zoo, tmp_path, calib, name="tiny", groups=G):
 def test_bad_calibrations_refused(zoo, calibrated, tmp_path, capsys):
     root = calibrated.root
     assert "calibrated for 2, 4 groups, not 8" in _compile_error(zoo, tmp_path, root, groups=8)
-    assert "calibration needs cascade groups" in _compile_error(zoo, tmp_path, root, groups=None)
+    assert "calibration needs cascade groups (--cascade-groups G) or offloaded experts" in _compile_error(zoo, tmp_path, root, groups=None)
     assert f"{root / CALIBRATION}: layer 0 was calibrated with 8 experts" in _compile_error(zoo, tmp_path, root, "tiny-deepseek", 8)
 
     def broken(edit):
