@@ -329,3 +329,44 @@ def test_cuda_prelude_only_where_called():
     called = f"__global__ void k(unsigned int* a) {{ a[0] = {HFMA2}(a[0], a[1], a[2]); }}"
     assert add_prelude(called) == PRELUDE + called
     assert add_prelude(add_prelude(called)) == PRELUDE + called  # once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form,tol", [({"half2": True}, (5e-3, 1e-3)), ({"half2": True, "stages": 4}, (5e-3, 1e-3)),
+                                      ({"fields": True, "reg_bases": True, "stages": 4}, (1e-4, 1e-5))])
+@pytest.mark.parametrize("shape,t1_lens,t2_pages", [((4, 2, 32, 16, 32), [37, 5, 16], [2, 1, 0]),
+                                                    ((16, 16, 128, 16, 128), [70, 0], [3, 2]),
+                                                    ((32, 8, 128, 16, 128), [33, 16], [2, 3])])
+def test_cuda_tier2_forms_match_numpy_on_gpu(form, tol, shape, t1_lens, t2_pages):
+    """The CUDA forms against NumPy over the same dequantized values: the half2 form (float16 sums of the 2-bit
+    codes, hence its tolerance) and the fields form compiled models use; output and importance mass, other layers
+    untouched, with the default splits and with 3."""
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+    from moec_testing import require_cuda
+
+    require_cuda()
+    h, hkv, d, ps1, ps2 = shape
+    rng = np.random.default_rng(sum(t1_lens))
+    kv = [(rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32) * 2,
+           rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32)) for n1, n2 in zip(t1_lens, t2_pages)]
+    p1, p2 = sum(-(-n // ps1) for n in t1_lens) + 3, sum(t2_pages) + 3
+    pools, tables, deq, slots = ref.fill_pools(kv, t1_lens, p1, p2, ps1, ps2, rng)
+    qv = rng.standard_normal((len(t1_lens), h, d)).astype(np.float32)
+    scale = d**-0.5
+    f = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape, **form)}), target=make_target("cuda"))
+    dev = tvm.cuda()
+    mass0 = rng.random(pools["t1_k"].shape[:3]).astype(np.float32)
+    m1, m2 = tables["t1_table"].shape[1], tables["t2_table"].shape[1]
+    want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(len(t1_lens))])
+    want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
+    for splits in (None, 3):
+        host = [qv] + [ref.layered(pools[k]) for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
+        host += [np.zeros((len(t1_lens), h, d), np.float32), ref.layered(mass0)]
+        host += [np.zeros(s_, dt) for s_, dt in decode_workspaces(len(t1_lens), h, hkv, m1, ps1, m2, ps2, d, splits)]
+        tv = [tvm.runtime.tensor(a, dev) for a in host]
+        f["tiered_decode"](*tv, ref.LAYER, scale)
+        out, mass = tv[15].numpy(), tv[16].numpy()
+        np.testing.assert_array_equal(mass[0], ref.layered(mass0)[0])
+        assert np.abs(out - want).max() < tol[0], (splits, np.abs(out - want).max())
+        assert np.abs(mass[ref.LAYER] - want_mass).max() < tol[1], (splits, np.abs(mass[ref.LAYER] - want_mass).max())
