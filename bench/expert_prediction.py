@@ -61,17 +61,23 @@ def main(argv=None) -> int:
         with torch.no_grad():
             return model.layers[layer].post_attention_norm(tr.post_attention[layer]).float().numpy()
 
+    from moec.compiler.calibrate import PREFETCH_TARGET, prefetch_recall
+
     k = cfg.top_k
-    fit_pred = [None]
+    fit_pred, auto = [None], [0]
     for layer in range(1, cfg.num_layers):
-        pw, pb = fit_prefetch(router_in(ctrace, layer - 1), router_in(ctrace, layer) @
-                              model.layers[layer].moe.router.weight.detach().float().numpy().T)
+        xs, zs = router_in(ctrace, layer - 1), router_in(ctrace, layer) @ model.layers[layer].moe.router.weight.detach().float().numpy().T
+        cut = len(xs) - len(xs) // 8  # as moec calibrate: fitted on most of the text, extras chosen on the rest
+        pw, pb = fit_prefetch(xs[:cut], zs[:cut])
+        routed_chk = np.argsort(-zs[cut:], axis=1, kind="stable")[:, :k]
+        auto.append(next((n for n in range(7) if prefetch_recall(xs[cut:] @ pw.T + pb, routed_chk, k, n) >= PREFETCH_TARGET), 6))
         scores = router_in(trace, layer - 1) @ pw.T + pb
         order = torch.from_numpy(np.argsort(-scores, axis=1, kind="stable"))
         fit_pred.append(order)
-        for extra in (0, 1, 2):
+        for extra in sorted({0, 1, 2, 3, 4, auto[-1]}):
             pred = order[:, : k + extra]
             doc["rows"].append({"layer": layer, "source": "router_fit", "corrected": True, "extra": extra,
+                                "auto": extra == auto[-1],
                                 "recall": recall(pred, trace.routed[layer]),
                                 "batch": {str(s_): batch_recall(pred, trace.routed[layer], s_, cfg.num_experts) for s_ in streams}})
     sims = {}
@@ -89,15 +95,16 @@ def main(argv=None) -> int:
                     pred = [None] + [predict(model, trace, layer, source, extra, maps[source] if corrected else None)
                                      for layer in range(1, cfg.num_layers)]
                     row[f"{source}{'-corrected' if corrected else ''}+{extra}"] = simulate(routed, per_step(pred), capacity)
-        for extra in (0, 1, 2):
-            pred = [None] + [o[:, : k + extra] for o in fit_pred[1:]]
+        for extra in (0, 1, 2, "auto"):
+            pred = [None] + [o[:, : k + (auto[i + 1] if extra == "auto" else extra)] for i, o in enumerate(fit_pred[1:])]
             row[f"router_fit+{extra}"] = simulate(routed, per_step(pred), capacity)
         sims[str(s)] = row
     commit = a.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                         cwd=Path(__file__).resolve().parent).stdout.strip()
     out = {"benchmark": "expert_prediction", "command": "python bench/expert_prediction.py " + " ".join(argv or __import__("sys").argv[1:]),
            "git_commit": commit, "device": platform.processor() or platform.machine(), "model": str(a.model),
-           "capacity_slots": capacity, "capacity_share": a.capacity, **doc, "cache_simulation": sims}
+           "capacity_slots": capacity, "capacity_share": a.capacity, **doc, "router_fit_auto_extra": auto[1:],
+           "cache_simulation": sims}
     Path(a.json).write_text(json.dumps(out, indent=2))
     for r in doc["rows"]:
         print(f"layer {r['layer']} {r['source']:>14} corrected={r['corrected']!s:5} +{r['extra']}: recall {r['recall']:.3f}",

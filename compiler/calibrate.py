@@ -170,6 +170,8 @@ def fit_coarse_lstsq(x: np.ndarray, logits: np.ndarray, groups, ridge: float = 1
 
 
 PREFETCH_RIDGE = 1e-3  # of the mean diagonal of [x, 1]^T [x, 1]
+PREFETCH_TARGET = 0.9  # share of a layer's routed experts its prefetch should find ("extra_for_target")
+PREFETCH_MAX_EXTRA = 6  # most extra experts per token the check considers
 
 
 def fit_prefetch(x_prev: np.ndarray, logits: np.ndarray, ridge: float = PREFETCH_RIDGE) -> tuple[np.ndarray, np.ndarray]:
@@ -466,12 +468,15 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
                      if rec.norm_weight is not None and prec.norm_weight is not None else np.float32(1))
             fitted, plain = px[tok_check] @ pw.T + pb, (px[tok_check] * ratio) @ rec.rows.T
             tensors[f"prefetch.layer{rec.index}.weight"], tensors[f"prefetch.layer{rec.index}.bias"] = pw, pb
+            extras = range(min(PREFETCH_MAX_EXTRA, e - rec.top_k) + 1)
+            rc = {str(n): round(prefetch_recall(fitted, flat[tok_check], rec.top_k, n), 6) for n in extras}
             prefetch[str(rec.index)] = {
                 "from": prec.index, "weight": f"prefetch.layer{rec.index}.weight", "bias": f"prefetch.layer{rec.index}.bias",
-                "check": {"tokens": int(x_chk.shape[0]),
-                          "recall": {str(e): round(prefetch_recall(fitted, flat[tok_check], rec.top_k, e), 6) for e in (0, 1, 2)},
-                          "recall_uncalibrated": {str(e): round(prefetch_recall(plain, flat[tok_check], rec.top_k, e), 6)
-                                                  for e in (0, 1, 2)}}}
+                "check": {"tokens": int(x_chk.shape[0]), "recall": rc,
+                          "recall_uncalibrated": {str(n): round(prefetch_recall(plain, flat[tok_check], rec.top_k, n), 6)
+                                                  for n in extras},
+                          # the fewest extra experts reaching the target (the most considered if none does)
+                          "extra_for_target": next((n for n in extras if rc[str(n)] >= PREFETCH_TARGET), extras[-1])}}
         prev = (rec, x)
         counts = coactivation(flat[~tok_check], e)
         counts_chk = coactivation(flat[tok_check], e)
@@ -524,7 +529,7 @@ def calibrate(model, data, output_dir, groups=None, corpus=None, context: int = 
                      "fit_tokens": int((~tok_check).sum()), "check_tokens": int(tok_check.sum()), "check_every": check_every},
             "target_agreement": target, "seed": seed,
             "groupings": groupings,
-            "prefetch": {"ridge": PREFETCH_RIDGE, "layers": prefetch},
+            "prefetch": {"ridge": PREFETCH_RIDGE, "target": PREFETCH_TARGET, "layers": prefetch},
             "files": {TENSORS: sha256_file(tmp / TENSORS)},
             "seconds": round(time.perf_counter() - t0, 2),
         }
@@ -665,8 +670,10 @@ def format_summary(calib: Calibration) -> str:
         lines.append("prefetch of offloaded experts, recall of the top-k + 0 / 1 / 2 predicted from the previous MoE layer:")
         for li, lay in sorted(pre.items(), key=lambda kv: int(kv[0])):
             rc, ru = lay["check"]["recall"], lay["check"]["recall_uncalibrated"]
-            lines.append(f"  layer {int(li):>3}: calibrated {' / '.join(f'{rc[e]:.3f}' for e in ('0', '1', '2'))}"
-                         f"   uncalibrated {' / '.join(f'{ru[e]:.3f}' for e in ('0', '1', '2'))}")
+            shown = [e for e in ("0", "1", "2") if e in rc]
+            lines.append(f"  layer {int(li):>3}: calibrated {' / '.join(f'{rc[e]:.3f}' for e in shown)}"
+                         f"   uncalibrated {' / '.join(f'{ru[e]:.3f}' for e in shown)}"
+                         f"   (top-k + {lay['check']['extra_for_target']} prefetched)")
     return "\n".join(lines)
 
 

@@ -72,6 +72,7 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None,
     calibrate``) takes it instead, applied to the previous layer's input as it is (ratio 1)."""
     if extra is None:
         return None, 0, 0
+    chosen = ((manifest.get("options") or {}).get("prefetch") or {}).get("check") or {}  # calibration's per-layer figures
     by_w1 = {}
     for layer in manifest["structure"]["layers"]:
         router = layer.get("router") or {}
@@ -99,6 +100,9 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None,
         if fitted and index[i] in fitted:
             pw, pb = fitted[index[i]]
             preds[i] = (np.asarray(pw, np.float32), np.asarray(pb, np.float32), np.float32(1))
+    if extra == "auto":  # per layer: the calibration's choice for a fitted predictor, else none
+        extra = [int(chosen.get(str(li), {}).get("check", {}).get("extra_for_target", 0)) if fitted and li in fitted else 0
+                 for li in index]
     return preds, top_k, extra
 
 
@@ -140,15 +144,17 @@ class Engine:
 
     def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
                  prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None,
-                 cuda_graph: bool | None = None, expert_prefetch: int | None = 0) -> None:
+                 cuda_graph: bool | None = None, expert_prefetch: int | str | None = "auto") -> None:
         """``cuda_graph``: run decode steps through the artifact's CUDA graphs (``moec compile --cuda-graph``) when
         they fit its bounds. None (default): if the artifact has them and the device is CUDA; False: never; True:
         the artifact must have them. ``expert_prefetch`` (offloaded experts): None loads each layer's experts when
         its router has chosen; n >= 0 also prefetches the next layer's predicted top-k + n experts per token
-        (``OffloadedExperts``)."""
-        if expert_prefetch is not None and (not isinstance(expert_prefetch, int) or isinstance(expert_prefetch, bool)
-                                            or expert_prefetch < 0):
-            raise MoecError(f"expert_prefetch must be None or a non-negative number of extra experts, got {expert_prefetch!r}")
+        (``OffloadedExperts``); "auto" (default): per layer the fewest extra experts with which the calibration's
+        check found 90% of the routed experts predicted, when the artifact was compiled with ``--calibration``,
+        else 0."""
+        if expert_prefetch is not None and expert_prefetch != "auto" and (
+                not isinstance(expert_prefetch, int) or isinstance(expert_prefetch, bool) or expert_prefetch < 0):
+            raise MoecError(f"expert_prefetch must be None, 'auto' or a non-negative number of extra experts, got {expert_prefetch!r}")
         directory = Path(directory)
         manifest = read_manifest(directory, verify=True)
         self.manifest = manifest

@@ -288,7 +288,9 @@ class OffloadedExperts:
     def __init__(self, tvm, device, doc: dict, host: dict, predictors: list | None = None, top_k: int = 0,
                  extra: int = 0, copier=None) -> None:
         self._tvm, self.device = tvm, device
-        self.predictors, self.top_k, self.extra = predictors, int(top_k), int(extra)
+        # extra: one number for every layer, or one per layer (``expert_prefetch="auto"``)
+        self.predictors, self.top_k = predictors, int(top_k)
+        self.extra = [int(e) for e in extra] if isinstance(extra, (list, tuple)) else int(extra)
         if copier is None:
             copier = CudaStreamCopies(tvm, device) if device.dlpack_device_type() == 2 else HostCopies(tvm, device)
         self.copier = copier
@@ -346,7 +348,7 @@ class OffloadedExperts:
         logits = (x * ratio) @ w.T
         if bias is not None:
             logits = logits + bias
-        k = min(self.top_k + self.extra, self.experts)
+        k = min(self.top_k + (self.extra[layer] if isinstance(self.extra, list) else self.extra), self.experts)
         top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
         for expert, slot in self.cache.prefetch(layer, np.unique(top).tolist()):
             self._copy(layer, expert, slot)

@@ -159,7 +159,10 @@ def test_calibrate_trained_dir_uses_torch_and_matches_its_export(trained_tiny, t
     plain = prefetch_recall((x0 * ratio) @ model.layers[1].moe.router.weight.detach().numpy().T, routed, 2, 0)
     assert fitted > plain + 0.1, (fitted, plain)
     assert pre["1"]["check"]["recall"]["0"] > pre["1"]["check"]["recall_uncalibrated"]["0"] + 0.1
-    assert pre["1"]["check"]["recall"]["2"] >= pre["1"]["check"]["recall"]["0"]
+    chk = pre["1"]["check"]
+    assert chk["recall"]["2"] >= chk["recall"]["0"] and sorted(chk["recall"]) == [str(n) for n in range(7)]
+    n = chk["extra_for_target"]  # the fewest extra experts whose recall reaches 90% (8 experts: always some)
+    assert chk["recall"][str(n)] >= 0.9 and (n == 0 or chk["recall"][str(n - 1)] < 0.9)
     # offloaded experts compiled with it: the artifact carries the predictor, the runtime prefetches with it, and
     # the logits are those of loading on demand (prefetch never changes results)
     art = moec.compile(trained_tiny / "model.onnx", tmp_path / "slots", target="llvm", expert_slots=8, calibration=out)
@@ -167,7 +170,7 @@ def test_calibrate_trained_dir_uses_torch_and_matches_its_export(trained_tiny, t
     assert man["options"]["prefetch"]["layers"] == [1] and man["options"]["prefetch"]["check"] == pre
     prompts = [stream[:40].tolist(), stream[500:517].tolist()]
     runs = []
-    for extra in (None, 0):
+    for extra in (None, 0, "auto"):
         e = moec.load(art, max_batch=2, max_total_tokens=256, expert_prefetch=extra)
         seqs, lg = e.prefill(prompts)
         outs, toks = [np.asarray(lg)], np.asarray(lg).argmax(-1)
@@ -176,8 +179,10 @@ def test_calibrate_trained_dir_uses_torch_and_matches_its_export(trained_tiny, t
             outs.append(lg)
             toks = lg.argmax(-1)
         runs.append((e, outs))
-    for a, b in zip(runs[0][1], runs[1][1]):
+    for a, b, c in zip(runs[0][1], runs[1][1], runs[2][1]):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert runs[1][0].experts.extra == 0 and runs[2][0].experts.extra == [0, n]  # "auto": the calibration's choice
     e = runs[1][0]
     w, b, r = e.experts.predictors[1]
     np.testing.assert_array_equal(w, pw)
