@@ -99,6 +99,9 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None,
     for i in range(1, len(preds)):
         if fitted and index[i] in fitted:
             pw, pb = fitted[index[i]]
+            if pw.shape != (e, d) or pb.shape != (e,):
+                raise ArtifactError(f"{WEIGHTS}: prefetch predictor of layer {index[i]} is {list(pw.shape)} / {list(pb.shape)}, "
+                                    f"not [{e}, {d}] / [{e}]")
             preds[i] = (np.asarray(pw, np.float32), np.asarray(pb, np.float32), np.float32(1))
     if extra == "auto":  # per layer: the calibration's choice for a fitted predictor, else none
         extra = [int(chosen.get(str(li), {}).get("check", {}).get("extra_for_target", 0)) if fitted and li in fitted else 0
@@ -207,7 +210,9 @@ class Engine:
         pools = {p["name"] for p in offload["pools"]} if offload else set()
         fitted = {}  # calibrated prefetch predictors (moec compile --calibration with offloaded experts)
         for k in [k for k in stored if k.startswith(PREFETCH_PREFIX)]:
-            li, part = k[len(PREFETCH_PREFIX):].split(".", 1)
+            li, _, part = k[len(PREFETCH_PREFIX):].partition(".")
+            if not li.isdigit() or part not in ("weight", "bias"):
+                raise ArtifactError(f"{directory / WEIGHTS}: unexpected tensor {k!r}")
             fitted.setdefault(int(li), {})[part] = stored.pop(k)
         fitted = {li: (v["weight"], v["bias"]) for li, v in fitted.items() if {"weight", "bias"} <= set(v)}
         keys = sorted(k for k in stored if not k.startswith(OFFLOADED_PREFIX))

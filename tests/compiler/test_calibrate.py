@@ -113,6 +113,12 @@ def test_calibrate_onnx_groups_and_coarse_fit(zoo, calibrated):
         assert check["coarse_fit"]["calibrated"]["lse_rmse"] < check["coarse_fit"]["data_free"]["lse_rmse"]
         assert set(check["topk_agreement"]["calibrated"]) == {"1", "2", "3", "4"}
         assert check["topk_agreement"]["calibrated"][str(G)] == 1.0  # every group kept: the flat router
+    # the prefetch predictor of layer 1 from layer 0's router input (router inputs recorded by TVM from the export)
+    pre = meta["prefetch"]["layers"]
+    assert list(pre) == ["1"] and pre["1"]["from"] == 0 and meta["prefetch"]["target"] == 0.9
+    pw, pb = calibrated.prefetch_inputs()[1]
+    assert pw.shape == (8, 64) and pb.shape == (8,) and pw.flags["C_CONTIGUOUS"]
+    assert 0 <= pre["1"]["check"]["extra_for_target"] <= 6 and set(pre["1"]["check"]["recall"]) == {str(n) for n in range(7)}
 
 
 def test_calibrate_trained_dir_uses_torch_and_matches_its_export(trained_tiny, tmp_path):
@@ -263,6 +269,15 @@ def test_bad_calibrations_refused(zoo, calibrated, tmp_path, capsys):
     assert f"{d / TENSORS}: missing" in _compile_error(zoo, tmp_path, d)
     d = broken(lambda d: (d / TENSORS).write_bytes((d / TENSORS).read_bytes()[:-8] + b"\0" * 8))
     assert f"{d / TENSORS}: SHA-256 does not match" in _compile_error(zoo, tmp_path, d)
+    def no_prefetch(d):  # a calibration made before moec fitted prefetch predictors
+        meta = json.loads((d / CALIBRATION).read_text())
+        del meta["prefetch"]
+        (d / CALIBRATION).write_text(json.dumps(meta))
+
+    d = broken(no_prefetch)
+    with pytest.raises(MoecError, match="holds no prefetch predictors"):
+        moec.compile(zoo.source("tiny", "onnx"), tmp_path / "art", calibration=d, expert_slots=8)
+    assert not (tmp_path / "art").exists()
     d = broken(lambda d: (d / CALIBRATION).write_text("{not json"))
     assert f"{d / CALIBRATION}: corrupt" in _compile_error(zoo, tmp_path, d)
     assert "no such calibration directory" in _compile_error(zoo, tmp_path, tmp_path / "nowhere")
