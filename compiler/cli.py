@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
-                        "--expert-slots slots, loaded on demand / also prefetched), hf-eager, hf-compile")
+                        "--expert-slots slots, loaded on demand / also prefetched), moec-tiered-half2 (--decode-kernel "
+                        "split-half2), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")
@@ -451,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")
     p.add_argument("--commit", default=None, help="git commit to record (default: this checkout's HEAD)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-merge", help="one bench result (JSON and PNG) from several runs of the same shape, dtype "
+                                           "and device, e.g. one system per run")
+    p.add_argument("files", nargs="+", help="`moec bench --json` files")
+    p.add_argument("--json", required=True, help="merged result to write")
+    p.add_argument("--plot", default=None, help="PNG of TPOT against context, every system")
+    p.set_defaults(func=cmd_bench_merge)
     return parser
 
 
@@ -458,6 +466,12 @@ def cmd_bench(args) -> int:
     from .serve_bench import main as bench_main
 
     return bench_main(args)
+
+
+def cmd_bench_merge(args) -> int:
+    from .serve_bench import main_merge
+
+    return main_merge(args)
 
 
 def main(argv=None) -> int:

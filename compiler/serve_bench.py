@@ -526,6 +526,65 @@ def plot(doc: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+MERGE_AGREE = ("shape", "dtype", "device_kind", "device", "tied_layers", "decode_steps")  # what merged runs share
+
+
+def merge(paths: list) -> dict:
+    """One result document from several ``moec bench`` JSON files of the same shape, dtype, device and decode steps
+    (e.g. one system per device call): the systems side by side, each with the index of its ``merged_from`` entry
+    (file, command, commit, copy bandwidth of that run), the grid the union of theirs. A system measured in two
+    files (a run stopped before a system measured a point does not count), a file that is not a bench result, or
+    runs that differ in what ``MERGE_AGREE`` names are refused."""
+    if len(paths) < 2:
+        raise MoecError("bench-merge needs two or more result files")
+    docs = []
+    for p in paths:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, ValueError) as exc:
+            raise MoecError(f"{p}: cannot read a bench result ({str(exc).splitlines()[0]})") from None
+        if not isinstance(d, dict) or d.get("benchmark") != "serve" or not isinstance(d.get("systems"), dict):
+            raise MoecError(f"{p}: not a `moec bench` result (benchmark 'serve' with systems)")
+        docs.append(d)
+    for d in docs:
+        d.setdefault("tied_layers", False)  # (results from before --tie-layers)
+    base = docs[0]
+    for p, d in zip(paths[1:], docs[1:]):
+        for k in MERGE_AGREE:
+            if d.get(k) != base.get(k):
+                raise MoecError(f"{p}: {k} {d.get(k)!r} differs from {paths[0]}'s {base.get(k)!r}")
+    systems, sources, where = {}, [], {}
+    for i, (p, d) in enumerate(zip(paths, docs)):
+        sources.append({"file": str(p), "command": d.get("command"), "git_commit": d.get("git_commit"),
+                        "copy_bandwidth_GBps": d.get("copy_bandwidth_GBps"), "synthetic_kv": d.get("synthetic_kv"),
+                        "complete": d.get("complete"), "systems": list(d["systems"])})
+        for name, runs in d["systems"].items():
+            measured = any("tpot_ms_median" in pt for pt in runs.get("points", []))
+            if name in systems:
+                if not measured:  # a run stopped before this system measured anything: the other run's stands
+                    continue
+                if any("tpot_ms_median" in pt for pt in systems[name].get("points", [])):
+                    raise MoecError(f"{p}: system {name} is also measured in {where[name]}")
+            systems[name], where[name] = {**runs, "merged_from": i}, p
+    grid = {k: sorted({v for d in docs for v in d.get("grid", {}).get(k, [])}) for k in ("streams", "contexts")}
+    return {"benchmark": "serve", "merged_from": sources,
+            **{k: base.get(k) for k in ("shape", "config", "dtype", "device_kind", "device", "decode_steps", "tied_layers")},
+            "grid": grid, "systems": systems, "complete": all(bool(d.get("complete")) for d in docs)}
+
+
+def main_merge(args) -> int:
+    doc = merge(args.files)
+    doc["command"] = " ".join(["moec"] + list(getattr(args, "argv", sys.argv[1:])))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(out)
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
 def main(args) -> int:
     import torch
 

@@ -157,3 +157,46 @@ def test_bench_offloaded_experts(tmp_path):
         assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
     assert on["experts"]["prefetched"] == 0 and pre["experts"]["prefetched"] > 0
     assert (tmp_path / "work" / "tiny-olmoe-float32" / "art-bf16-slots12-cpu" / "manifest.json").exists()
+
+
+def _result(systems, streams, contexts, **over):
+    """A `moec bench` result as the runs write it (points with TPOT only)."""
+    doc = {"benchmark": "serve", "command": "moec bench ...", "git_commit": "abc", "device": "NVIDIA H200", "shape": "olmoe-1b-7b",
+           "config": {"num_hidden_layers": 16}, "dtype": "bfloat16", "device_kind": "cuda", "decode_steps": 16,
+           "tied_layers": False, "synthetic_kv": False, "copy_bandwidth_GBps": 4100.0, "complete": True,
+           "grid": {"streams": streams, "contexts": contexts},
+           "systems": {name: {"points": [{"streams": s, "context": c, "tpot_ms_median": 1.0 + s / 100 + c / 1e4}
+                                         for s in streams for c in contexts]} for name in systems}}
+    doc.update(over)
+    return doc
+
+
+def test_bench_merge_joins_runs_and_refuses_mismatches(tmp_path, capsys):
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(_result(["moec-tiered", "moec-fp8"], [1, 128], [512, 4096], synthetic_kv=True)))
+    b.write_text(json.dumps(_result(["hf-compile"], [1, 16, 128], [512, 4096], git_commit="def", copy_bandwidth_GBps=4000.0)))
+    out, png = tmp_path / "m.json", tmp_path / "m.png"
+    assert main(["bench-merge", str(a), str(b), "--json", str(out), "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["systems"]) == ["moec-tiered", "moec-fp8", "hf-compile"] and doc["complete"]
+    assert [doc["systems"][s]["merged_from"] for s in doc["systems"]] == [0, 0, 1]
+    assert doc["grid"] == {"streams": [1, 16, 128], "contexts": [512, 4096]}
+    assert [m["git_commit"] for m in doc["merged_from"]] == ["abc", "def"] and doc["merged_from"][0]["synthetic_kv"]
+    assert doc["command"].startswith("moec bench-merge") and png.stat().st_size > 0
+    # the same system twice, another shape, a file that is not a bench result: refused, nothing written
+    c.write_text(json.dumps(_result(["moec-fp8"], [1], [512])))
+    stopped = tmp_path / "f.json"  # a run stopped before moec-fp8 measured a point: the other run's stands
+    doc = _result(["moec-bf16"], [1], [512])
+    doc["systems"]["moec-fp8"] = {"points": [], "error": "x"}
+    stopped.write_text(json.dumps(doc))
+    assert main(["bench-merge", str(stopped), str(a), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["systems"]["moec-fp8"]["merged_from"] == 1
+    for bad, why in ((c, "system moec-fp8 is also measured in"), (None, "shape 'mixtral-8x7b' differs"), ("junk", "not a `moec bench` result")):
+        if bad is None:
+            bad = tmp_path / "d.json"
+            bad.write_text(json.dumps(_result(["x"], [1], [512], shape="mixtral-8x7b")))
+        elif bad == "junk":
+            bad = tmp_path / "e.json"
+            bad.write_text(json.dumps({"benchmark": "tiered_decode"}))
+        assert main(["bench-merge", str(a), str(bad), "--json", str(tmp_path / "n.json")]) == 2
+        assert why in capsys.readouterr().err and not (tmp_path / "n.json").exists()
