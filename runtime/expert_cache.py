@@ -185,6 +185,18 @@ class HostCopies:
 _CUDA_NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
+def _handle(value) -> int:
+    """A stream handle from TVM's FFI as an integer: an int, a pointer object, or the pointer's bytes (little endian,
+    as ``runtime.get_cuda_stream`` returns it on the GPU machine's TVM)."""
+    if value is None:
+        return 0
+    if isinstance(value, (bytes, bytearray)):
+        return int.from_bytes(bytes(value), "little")
+    if hasattr(value, "value"):
+        return int(value.value or 0)
+    return int(value)
+
+
 class CudaStreamCopies:
     """Expert copies on their own CUDA stream, overlapping compute. The host weights are staged once in pinned
     (page-locked) host memory (TVM's ``cuda_host`` device), so a copy is a DMA the host only enqueues. The stream
@@ -215,10 +227,10 @@ class CudaStreamCopies:
         cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
         cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.host_device = tvm.runtime.device(3, device.index)  # kDLCUDAHost: cudaMallocHost'd memory
-        self.stream = int(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
+        self.stream = _handle(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
         self._sync_from_to = tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")
         current = tvm_ffi.get_global_func("runtime.get_cuda_stream", allow_missing=True)
-        self.compute = int(current()) if current is not None else 0  # TVM's launch stream (the legacy default: 0)
+        self.compute = _handle(current()) if current is not None else 0  # TVM's launch stream (the legacy default: 0)
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
