@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--importance", choices=["mass", "keynorm", "random"], default="mass",
                    help="re-rank score: attention mass over the uniform share, the cached key's norm, or random "
                         "(a baseline for comparison)")
-    g.add_argument("--decode-kernel", choices=["split", "split-half2", "ragged"], default="split",
+    g.add_argument("--decode-kernel", choices=["split", "split-fields", "ragged"], default="split",
                    help="decode attention: the split kernel (float32 sums of the 2-bit codes), the same with the codes "
                         "in float16 pairs (CUDA; not yet measured on a GPU), or the prefill kernels")
     g.add_argument("--t2-fit", choices=["lloyd", "moments"], default="lloyd",
@@ -427,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
-                        "--expert-slots slots, loaded on demand / also prefetched), moec-tiered-half2 (--decode-kernel "
-                        "split-half2), hf-eager, hf-compile")
+                        "--expert-slots slots, loaded on demand / also prefetched), moec-tiered-fields (--decode-kernel "
+                        "split-fields), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")

@@ -65,11 +65,11 @@ SHAPES = {
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "moec-tiered-half2", "hf-eager", "hf-compile") + tuple(
+           "moec-tiered-graph", "moec-tiered-fields", "hf-eager", "hf-compile") + tuple(
     f"moec-{c}-{m}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch"))
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
-# chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; moec-tiered-half2: the
-# tiered cache with the decode kernel's 2-bit sums in float16 pairs (--decode-kernel split-half2)
+# chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; moec-tiered-fields: the
+# tiered cache with the decode kernel's 2-bit sums in float32 (--decode-kernel split-fields, the form before the half2 one)
 
 
 def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None,
@@ -231,15 +231,15 @@ class _Moec:
 
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
         offload = kind.endswith(("-offload", "-prefetch"))  # (run_bench refuses them without expert_slots)
-        half2 = kind.endswith("-half2")
-        tag = "-graph" if graph else f"-slots{expert_slots}" if offload else "-half2" if half2 else ""
+        fields = kind.endswith("-fields")
+        tag = "-graph" if graph else f"-slots{expert_slots}" if offload else "-fields" if fields else ""
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
-            if half2:
+            if fields:
                 from ..passes.tiered_kv_attention import TieredOptions
 
-                tiered = TieredOptions(mode=cache, decode_kernel="split-half2")
+                tiered = TieredOptions(mode=cache, decode_kernel="split-fields")
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          tiered_options=tiered)

@@ -55,8 +55,9 @@ class TieredOptions:
     tier1_fraction: float = 0.15
     rerank_every: int = 16
     importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
-    # "split": tiered_decode (flash-decoding splits); "split-half2": the same with the 2-bit codes in float16 pairs
-    # (CUDA; on llvm the same kernel as "split"); "ragged": the prefill kernels
+    # "split": tiered_decode (flash-decoding splits; on CUDA the 2-bit codes summed in float16 pairs); "split-fields":
+    # the same with float32 sums (the form before 449cc97; on llvm the same kernel as "split"); "ragged": the
+    # prefill kernels
     decode_kernel: str = "split"
     t2_fit: str = "lloyd"  # 2-bit statistics at a demotion: "lloyd" (least-squares refit) or "moments" (mean, std)
 
@@ -65,8 +66,8 @@ class TieredOptions:
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
-        if self.decode_kernel not in ("split", "split-half2", "ragged"):
-            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-half2 or ragged")
+        if self.decode_kernel not in ("split", "split-fields", "ragged"):
+            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-fields or ragged")
         if self.t2_fit not in ("lloyd", "moments"):
             raise MoecError(f"unknown 2-bit fit {self.t2_fit!r}: expected lloyd or moments")
         if self.importance not in ("mass", "keynorm", "random"):
@@ -111,9 +112,9 @@ class _Kernels:
         self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
         from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_for_models
 
-        decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, half2=opts.decode_kernel == "split-half2") \
+        decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=opts.decode_kernel == "split-fields") \
             if kind == "cuda" else make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
-        self.split_decode = opts.decode_kernel in ("split", "split-half2")
+        self.split_decode = opts.decode_kernel in ("split", "split-fields")
         if self.split_decode:
             self.decode = bb.add_func(decode, "tiered_decode")
         self.rerank = None

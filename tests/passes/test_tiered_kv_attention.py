@@ -81,7 +81,7 @@ def test_bad_options_are_refused(zoo, tmp_path):
         moec.compile(zoo.source("tiny", "pt2"), tmp_path / "b", kv_cache="fp8", kv_cache_dtype="float16")
     with pytest.raises(MoecError, match="tier-1 fraction"):
         TieredOptions(tier1_fraction=1.5)
-    with pytest.raises(MoecError, match="split-half2"):
+    with pytest.raises(MoecError, match="split-fields"):
         TieredOptions(decode_kernel="half")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -189,10 +189,11 @@ def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
     assert engine.decode(seqs, [5]).shape == (1, engine.vocab_size)  # still usable
 
 
-@pytest.mark.parametrize("decode_kernel", ["split", "split-half2"])
+@pytest.mark.parametrize("decode_kernel", ["split", "split-fields"])
 def test_cuda_pipeline_builds(zoo, decode_kernel):
     """The whole model through the "moec" pipeline for CUDA: every tiered kernel is in the device code; with
-    split-half2 the decode kernel sums the 2-bit codes in float16 pairs (fma.rn.f16x2)."""
+    split (the default) the decode kernel sums the 2-bit codes in float16 pairs (fma.rn.f16x2), with split-fields in
+    float32."""
     from moec.compiler.build import _cuda_modules
     from moec.compiler.targets import make_target
     from moec.passes.pipeline import moec_pipeline
@@ -204,7 +205,7 @@ def test_cuda_pipeline_builds(zoo, decode_kernel):
     src = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
     for kernel in ("tiered_append", "tiered_attention", "tiered_mass", "tiered_decode", "tiered_rerank"):
         assert kernel in src, kernel
-    assert ("fma.rn.f16x2" in src) == (decode_kernel == "split-half2")
+    assert ("fma.rn.f16x2" in src) == (decode_kernel == "split")
 
 
 @pytest.mark.parametrize("name", ["hf-olmoe", "hf-mixtral", "hf-qwen2_moe"])

@@ -230,15 +230,18 @@ def test_models_get_the_fastest_measured_form():
     from moec.compiler.targets import make_target
     from moec.schedules.kernels.tiered_decode import make_tiered_decode_for_models
 
-    def src(*shape):
-        fn = make_tiered_decode_for_models(*shape)
+    def src(*shape, **kw):
+        fn = make_tiered_decode_for_models(*shape, **kw)
         return tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
 
     base_reg = r"\(\(uint\)\d+ \| \(\(\(uint\)layer\) >> \(uint\)31\)\)"
-    # both: 2-bit fields (one base, 1.0f, in a register), 4 stages (two younger tiles may be pending)
+    # both: the half2 form (code pairs as float16 halves, fma.rn.f16x2), 4 stages (two younger tiles may be pending)
     for src_ in (src(16, 16, 128, 16, 128), src(32, 8, 128, 16, 128)):  # OLMoE, Mixtral
-        assert "cp.async.wait_group 2" in src_
-        assert re.findall(base_reg, src_) == ["((uint)1065353216 | (((uint)layer) >> (uint)31))"]
+        assert "cp.async.wait_group 2" in src_ and "fma.rn.f16x2" in src_ and not re.findall(base_reg, src_)
+    # fields=True: the float32 fields form (one base, 1.0f, in a register), also 4 stages
+    old = src(16, 16, 128, 16, 128, fields=True)
+    assert "cp.async.wait_group 2" in old and "fma.rn.f16x2" not in old
+    assert re.findall(base_reg, old) == ["((uint)1065353216 | (((uint)layer) >> (uint)31))"]
     assert "cp.async.wait_group 2" in src(4, 4, 32, 16, 32)  # 2-token steps of 8 bytes a token: 16-byte groups
     with pytest.raises(ValueError, match="do not fit tiles"):  # head dim 16: a warp's tile would be one-token steps
         make_tiered_decode_for_models(2, 2, 16, 16, 32)
