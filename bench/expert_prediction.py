@@ -54,14 +54,12 @@ def main(argv=None) -> int:
     ntr = min(len(train) // a.context, max(1, a.max_tokens // a.context))
     ctrace = routing_trace(model, torch.from_numpy(np.asarray(train[: ntr * a.context], np.int64).reshape(ntr, a.context)))
     maps = {src: calibrate_correction(ctrace, src) for src in ("post_attention", "layer_output")}
-    from moec.compiler.calibrate import fit_prefetch
+    from moec.compiler.calibrate import PREFETCH_TARGET, fit_prefetch, prefetch_recall
     from moec.models.expert_prediction import batch_recall, recall
 
     def router_in(tr, layer):
         with torch.no_grad():
             return model.layers[layer].post_attention_norm(tr.post_attention[layer]).float().numpy()
-
-    from moec.compiler.calibrate import PREFETCH_TARGET, prefetch_recall
 
     k = cfg.top_k
     fit_pred, auto = [None], [0]
