@@ -184,6 +184,7 @@ class Engine:
             )
         self._tvm, self._shape = tvm, tvm_ffi.Shape
         self.device = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
+        self.inputs = _InputBuffers(tvm, self.device)
         restore = None
         if device == "cuda":
             _load_cuda_runtime()
@@ -385,11 +386,11 @@ class Engine:
             self.graph_steps += 1
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
-            ids = tvm.runtime.tensor(flat, self.device)
+            ids = self.inputs.put("ids", flat)
             if logit_pos is None:
                 out = fn(ids, self.cache, *self.weights)
             else:
-                pos = tvm.runtime.tensor(np.asarray(logit_pos, dtype="int32"), self.device)
+                pos = self.inputs.put("logit_pos", np.asarray(logit_pos, dtype="int32"))
                 out = fn(ids, pos, self.cache, *self.weights)
         finally:
             self._end(self.cache)
@@ -586,8 +587,8 @@ class _TieredState:
     def remove(self, seq: int) -> None:
         self.tables.remove_sequence(self.slot.pop(seq))
 
-    def _tensor(self, a):
-        return self.e._tvm.runtime.tensor(np.ascontiguousarray(a), self.e.device)
+    def _tensor(self, a, key):
+        return self.e.inputs.put(key, a)
 
     def forward(self, fn, seq_ids, counts, flat, logit_pos, graph=None):
         """One forward; ``graph`` (the ``decode_graph`` entry, for a decode step of few enough rows) runs it instead
@@ -623,10 +624,10 @@ class _TieredState:
             indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
             cache = [np.concatenate(q_pos), np.concatenate(q_slot), np.concatenate(q_row), np.concatenate(q_t1), indptr,
                      tab["t1_table"], tab["t2_table"], tab["t2_np"]]
-        args = [self._tensor(flat)]
+        args = [self._tensor(flat, "ids")]
         if logit_pos is not None:
-            args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32)))
-        args += [self._tensor(a) for a in cache] + self.pools
+            args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32), "logit_pos"))
+        args += [self._tensor(a, f"step{i}") for i, a in enumerate(cache)] + self.pools
         return fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place): logits on the device
 
     def fill_tables(self, seq: int, n: int, chunk: int) -> None:
@@ -678,8 +679,32 @@ class _TieredState:
             new[j, : len(plans[i].new_t2_pages)] = plans[i].new_t2_pages
         t1_table = tab["t1_table"][rows]
         args = [t1_table, tab["t1_len"][rows], tab["length"][rows], np.array([plans[i].demote for i in rows], np.int32), new]
-        self._rerank(*[self._tensor(a) for a in args], *self.pools)
+        self._rerank(*[self._tensor(a, f"rerank{i}") for i, a in enumerate(args)], *self.pools)
         self.reranks += 1
+
+
+class _InputBuffers:
+    """Device buffers the per-call inputs (token ids, positions, page tables) are copied into, kept from call to call.
+
+    A fresh device tensor per input and call costs a device allocation, and its release a free that on CUDA waits
+    for the device; a step copies about ten such arrays. Each input key keeps one buffer, grown to the next power of
+    two when an array outgrows it, and an array is copied into a view of the buffer's front with its own shape. The
+    copies run on the stream the kernels run on, so a buffer is overwritten only after the previous call's kernels
+    that read it have run."""
+
+    def __init__(self, tvm, device) -> None:
+        self._tvm, self._device, self._bufs = tvm, device, {}
+
+    def put(self, key, a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        buf = self._bufs.get(key)
+        if buf is None or str(buf.dtype) != str(a.dtype) or buf.shape[0] < a.size:
+            cap = 1 << max(0, a.size - 1).bit_length()
+            buf = self._bufs[key] = self._tvm.runtime.empty((max(cap, 1),), str(a.dtype), self._device)
+        view = buf._create_view(a.shape)  # (the front of the buffer: no byte offset, which kernels refuse)
+        if a.size:
+            view.copyfrom(a)
+        return view
 
 
 def _zeroed(tvm, shape, dtype: str, device):
