@@ -421,13 +421,13 @@ def _entry_doc_plain(tiered) -> dict:
             "prefill": "prefill(input_ids[1,N] int64, logit_pos[b] int32, kv_cache, *weights) -> logits[1,b,V]",
             "decode": "decode(input_ids[1,b] int64, kv_cache, *weights) -> logits[1,b,V]",
             "create_kv_cache": "create_kv_cache(max_batch, max_total_len, prefill_chunk, page_size) -> kv_cache",
-            "argmax": "argmax(logits[1,b,V]) -> tokens[1,b] int32 (greedy, on the device)",
+            "argmax": "argmax(logits[1,b,V]) -> tokens[1,b] of the token dtype (greedy, on the device)",
         }
     cache = "q_pos[N], slots[N], q_row[N], q_t1[N], q_indptr[B+1], t1_table[B,M1], t2_table[B,M2], t2_np[B], *pools"
     doc = {
         "prefill": f"prefill(input_ids[1,N], logit_pos[b] int32, {cache}, *weights) -> (logits[1,b,V], *pools)",
         "decode": f"decode(input_ids[1,N], {cache}, *weights) -> (logits[1,N,V], *pools)",
-        "argmax": "argmax(logits[1,N,V]) -> tokens[1,N] int32 (greedy, on the device)",
+        "argmax": "argmax(logits[1,N,V]) -> tokens[1,N] of the token dtype (greedy, on the device)",
     }
     if tiered.mode == "tiered":
         doc["rerank"] = "rerank(t1_table[B,M1], t1_len[B], length[B], demote[B], new_t2[B,MN], *pools) -> pools"

@@ -447,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stream after the point")
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="moec-<cache>-offload and -prefetch systems: the device slots of the offloaded experts")
+    p.add_argument("--sync-steps", action="store_true",
+                   help="moec systems: each decode step ends with its tokens on the host before the next starts (default: "
+                        "pipelined, the next step enqueued before the previous step's tokens are read back)")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

@@ -8,7 +8,9 @@ on the values), every system decodes the same random prompts at each grid point 
 C): a prefill of ``C - steps`` tokens per stream, then ``steps`` greedy decode steps that end at
 context C. Per point it records TPOT (median and p99 over the timed steps), TTFT (the batch's
 prefill), decode tokens/s (S / median TPOT), device memory in use, KV-cache bytes per token of
-context and the bandwidth floor. Systems:
+context and the bandwidth floor. moec's timed steps run pipelined (``Engine.decode_greedy_steps``: each step
+enqueued before the previous step's tokens are read back, so the host's work overlaps the device's); with
+``--sync-steps`` each step ends with its tokens on the host before the next begins (``decode_greedy``). Systems:
 
   moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
                                                     moec with that KV cache (artifacts kept in --work)
@@ -218,9 +220,10 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
                  profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False,
-                 expert_slots: int | None = None) -> None:
+                 expert_slots: int | None = None, pipelined: bool = True) -> None:
         import moec
 
+        self.pipelined = pipelined
         self.kind = kind
         self.profile = profile
         self.synthetic_kv = synthetic_kv
@@ -285,11 +288,19 @@ class _Moec:
         try:
             times = []
             timed = steps - 1 if self.profile else steps
-            for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
-                self.phase = f"decode step {i}"
-                t = time.perf_counter()
-                nxt = e.decode_greedy(seqs, list(nxt))
-                times.append(time.perf_counter() - t)
+            self.phase = "decode steps"
+            t = time.perf_counter()
+            if self.pipelined:  # each interval between two steps' tokens reaching the host
+                for nxt in e.decode_greedy_steps(seqs, list(nxt), timed):
+                    now = time.perf_counter()
+                    times.append(now - t)
+                    t = now
+            else:
+                for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
+                    self.phase = f"decode step {i}"
+                    t = time.perf_counter()
+                    nxt = e.decode_greedy(seqs, list(nxt))
+                    times.append(time.perf_counter() - t)
             copied = (e.experts.copy_bytes - copied) if e.experts is not None else 0  # the timed steps' copies
             profile = None
             if self.profile:  # the last step, untimed, with every VM call timed alone
@@ -391,7 +402,8 @@ class _HF:
 def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list[str], device: str = "cpu",
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
               progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None,
-              tie_layers: bool = False, synthetic_kv: bool = False, expert_slots: int | None = None) -> dict:
+              tie_layers: bool = False, synthetic_kv: bool = False, expert_slots: int | None = None,
+              pipelined: bool = True) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``synthetic_kv``: the tiered and FP8 systems skip prefill and decode over caches filled with random entries
@@ -417,7 +429,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     bw = copy_bandwidth(device)
     doc = {"shape": shape, "config": {k: getattr(model.config, k, None) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
-           "synthetic_kv": synthetic_kv, "expert_slots": expert_slots,
+           "synthetic_kv": synthetic_kv, "expert_slots": expert_slots, "step_loop": "pipelined" if pipelined else "sync",
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
@@ -444,7 +456,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
                                profile=profile, max_context=max(contexts),
                                synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"),
-                               expert_slots=expert_slots)
+                               expert_slots=expert_slots, pipelined=pipelined)
                 runs["kv_fill"] = "synthetic" if system.synthetic_kv else "prefill"
             else:
                 system = _HF(name, model, device)
@@ -609,7 +621,8 @@ def main(args) -> int:
     doc = run_bench(args.shape, streams, contexts, args.systems.split(","), args.device, args.dtype, args.steps, args.work,
                     checkpoint=write, profile=getattr(args, "profile", False),
                     layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False),
-                    synthetic_kv=getattr(args, "synthetic_kv", False), expert_slots=getattr(args, "expert_slots", None))
+                    synthetic_kv=getattr(args, "synthetic_kv", False), expert_slots=getattr(args, "expert_slots", None),
+                    pipelined=not getattr(args, "sync_steps", False))
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

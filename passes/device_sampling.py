@@ -1,10 +1,12 @@
 """AddGreedySampler: an ``argmax`` entry function that picks each row's greedy token on the device.
 
 Expects the phase-1 entries (``decode`` returns ``logits[1, N, V]``, alone or first in a tuple).
-Guarantees after: the module has one more entry, ``argmax(logits[1, n, V]) -> tokens[1, n] int32``,
-a single call of the ``argmax_rows`` kernel (``schedules/kernels/sampling.py``) over logits of the
-decode's dtype and vocabulary. The runtime feeds it the logits a step left on the device, so greedy
-decoding copies n token ids to the host rather than n x V floats. Nothing else changes.
+Guarantees after: the module has one more entry, ``argmax(logits[1, n, V]) -> tokens[1, n]`` of the
+dtype of ``decode``'s token ids (int64 for exported models; int32 otherwise), a single call of the
+``argmax_rows`` kernel (``schedules/kernels/sampling.py``) over logits of the decode's dtype and
+vocabulary. The runtime feeds it the logits a step left on the device, so greedy decoding copies n
+token ids to the host rather than n x V floats, and a pipelined decode passes the tokens on to the
+next step's ``decode`` without the host. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -42,15 +44,17 @@ class AddGreedySampler:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         ret = decode_logits(mod, self.source)
         vocab, dtype = int(ret.shape.values[2]), ret.dtype
+        ids = mod["decode"].params[0].ty
+        out_dtype = ids.dtype if isinstance(ids, relax.TensorType) and ids.dtype in ("int32", "int64") else "int32"
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        prim = make_argmax(vocab, dtype, form).without_attr("global_symbol").with_attr("op_pattern", OPAQUE)
+        prim = make_argmax(vocab, dtype, form, out_dtype).without_attr("global_symbol").with_attr("op_pattern", OPAQUE)
         bb = relax.BlockBuilder(mod)
         n = tirx.Var("n", "int64")
         logits = relax.Var("logits", relax.TensorType((1, n, vocab), dtype))
         with bb.function(ENTRY, [logits]):
             with bb.dataflow():
                 kernel = bb.add_func(prim, "argmax_rows")
-                tokens = bb.emit_output(relax.call_tir(kernel, [logits], out_ty=relax.TensorType((1, n), "int32")))
+                tokens = bb.emit_output(relax.call_tir(kernel, [logits], out_ty=relax.TensorType((1, n), out_dtype)))
             bb.emit_func_output(tokens)
         return bb.get()
 

@@ -20,6 +20,7 @@ from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, PREFETCH_PREFIX, WEIG
 from ..compiler.errors import ArtifactError, MoecError
 
 
+from .cuda_driver import CudaDriver, launch_stream
 from .expert_cache import RESIDENCY_FUNC, OffloadedExperts
 from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error users catch
 
@@ -184,7 +185,9 @@ class Engine:
             )
         self._tvm, self._shape = tvm, tvm_ffi.Shape
         self.device = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
-        self.inputs = _InputBuffers(tvm, self.device)
+        driver = CudaDriver(self.device.index, "step inputs and token readback") if device == "cuda" else None
+        self.inputs = _InputBuffers(tvm, self.device, driver)
+        self._readback = _TokenReadback(driver)
         restore = None
         if device == "cuda":
             _load_cuda_runtime()
@@ -268,6 +271,7 @@ class Engine:
             raise MoecError(f"{directory}: artifact has no CUDA graphs (compile it with --cuda-graph)")
         self._decode_graph, self.graph_bounds, self.graph_widths = None, None, None
         self.graph_steps = 0  # decode steps that ran through the graphs
+        self.chained_steps = 0  # decode steps whose input ids were the previous step's argmax on the device
         if doc and device == "cuda" and cuda_graph is not False:
             self._decode_graph = self.vm[doc["entry"]]
             self.graph_bounds = doc["bounds"]
@@ -360,20 +364,25 @@ class Engine:
                 f"{self.max_total_tokens}-token cache; release sequences or load with a larger max_total_tokens"
             )
 
-    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False):
-        """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor."""
+    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False, device_ids=None):
+        """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor.
+        ``device_ids``: instead of ``tokens_per_seq``, one token a sequence already on the device (``[1, b]``, the
+        token dtype: the previous step's ``argmax``)."""
         tvm = self._tvm
         if self.experts is not None:  # the compiled graph asks this engine's expert store for residency
             global _ACTIVE_EXPERTS
             _ACTIVE_EXPERTS = self.experts
             self.experts.begin()
-        counts = [len(t) for t in tokens_per_seq]
+        counts = [1] * len(seq_ids) if device_ids is not None else [len(t) for t in tokens_per_seq]
         for s in seq_ids:
             if s not in self.lengths:
                 raise MoecError(f"unknown sequence id {s}")
-        flat = np.concatenate([np.asarray(t, dtype=self.token_dtype) for t in tokens_per_seq])[None, :]
-        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
-            raise MoecError(f"token ids must be in [0, {self.vocab_size})")
+        if device_ids is not None:  # (argmax's ids: in range by construction)
+            flat = device_ids
+        else:
+            flat = np.concatenate([np.asarray(t, dtype=self.token_dtype) for t in tokens_per_seq])[None, :]
+            if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+                raise MoecError(f"token ids must be in [0, {self.vocab_size})")
         graph = self._decode_graph if fn is self._decode and len(seq_ids) <= self._graph_max_batch() else None
         if self.tiered is not None:
             out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos, graph=graph)
@@ -386,7 +395,7 @@ class Engine:
             self.graph_steps += 1
         self._begin(self.cache, self._shape(list(seq_ids)), self._shape(counts))
         try:
-            ids = self.inputs.put("ids", flat)
+            ids = self.inputs.put("ids", flat) if isinstance(flat, np.ndarray) else flat
             if logit_pos is None:
                 out = fn(ids, self.cache, *self.weights)
             else:
@@ -504,10 +513,52 @@ class Engine:
         logits = self._decode_step(seq_ids, tokens, on_device=True)
         return self._argmax(logits).numpy()[0].astype(np.int64)
 
-    def _decode_step(self, seq_ids, tokens, on_device: bool):
+    def decode_greedy_steps(self, seq_ids, tokens, steps: int):
+        """``steps`` greedy decode steps of the same sequences from ``tokens`` (one a sequence); yields each step's
+        tokens (int64 ``[b]``), as ``decode_greedy`` called in a loop would return them.
+
+        Pipelined: each step's argmax stays on the device as the next step's input ids, and its copy to the host
+        is read only after the next step has been enqueued, so the host's work for step i + 1 (page tables, their
+        copies, the kernel launches) overlaps step i on the device instead of following it. The caller sees a
+        step's tokens one step late, so a sequence that should stop has one more token appended than it keeps
+        (``release`` frees it alike). Artifacts without the device argmax, or whose argmax is not of the token
+        dtype, run the plain loop."""
+        seq_ids = list(seq_ids)
         if len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
-        out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens], on_device=on_device)
+        if steps < 0:
+            raise MoecError(f"steps must be >= 0, got {steps}")
+        if self._argmax is None:
+            for _ in range(steps):
+                tokens = self.decode_greedy(seq_ids, tokens)
+                yield tokens
+            return
+        ids, pending = None, None
+        for _ in range(steps):
+            if ids is None:
+                logits = self._decode_step(seq_ids, tokens, on_device=True)
+            else:
+                logits = self._decode_step(seq_ids, None, on_device=True, device_ids=ids)
+                self.chained_steps += 1
+            ids = self._argmax(logits)
+            if str(ids.dtype) != self.token_dtype:  # an older artifact's int32 argmax: through the host
+                tokens, ids = ids.numpy()[0].astype(np.int64), None
+                yield tokens
+                continue
+            handle = self._readback.start(ids)
+            if pending is not None:
+                yield self._readback.fetch(pending)
+            pending = handle
+        if pending is not None:
+            yield self._readback.fetch(pending)
+
+    def _decode_step(self, seq_ids, tokens, on_device: bool, device_ids=None):
+        if device_ids is None and len(seq_ids) != len(tokens):
+            raise MoecError("decode needs one token per sequence")
+        if device_ids is not None:
+            out = self._run(self._decode, list(seq_ids), None, on_device=on_device, device_ids=device_ids)
+        else:
+            out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens], on_device=on_device)
         if self.tiered is not None:
             self.tiered.after_decode_step()
         return out
@@ -624,7 +675,7 @@ class _TieredState:
             indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
             cache = [np.concatenate(q_pos), np.concatenate(q_slot), np.concatenate(q_row), np.concatenate(q_t1), indptr,
                      tab["t1_table"], tab["t2_table"], tab["t2_np"]]
-        args = [self._tensor(flat, "ids")]
+        args = [self._tensor(flat, "ids") if isinstance(flat, np.ndarray) else flat]
         if logit_pos is not None:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32), "logit_pos"))
         args += [self._tensor(a, f"step{i}") for i, a in enumerate(cache)] + self.pools
@@ -688,12 +739,18 @@ class _InputBuffers:
 
     A fresh device tensor per input and call costs a device allocation, and its release a free that on CUDA waits
     for the device; a step copies about ten such arrays. Each input key keeps one buffer, grown to the next power of
-    two when an array outgrows it, and an array is copied into a view of the buffer's front with its own shape. The
-    copies run on the stream the kernels run on, so a buffer is overwritten only after the previous call's kernels
-    that read it have run."""
+    two when an array outgrows it, and an array is copied into a view of the buffer's front with its own shape.
 
-    def __init__(self, tvm, device) -> None:
+    On CUDA (``driver``) an array goes through page-locked host memory with an asynchronous copy enqueued on the
+    kernels' stream, so the host does not wait for the device: the copy runs after the kernels enqueued before it
+    (the previous call's readers of the buffer) and before the next call's. Each key has two host stages used in
+    turn, each with an event recorded after its copy; a stage is rewritten only once its last copy has run."""
+
+    def __init__(self, tvm, device, driver=None) -> None:
         self._tvm, self._device, self._bufs = tvm, device, {}
+        self._drv = driver
+        self._stream = launch_stream() if driver is not None else 0
+        self._stages: dict = {}  # key -> [capacity bytes, turn, [(host bytes, address, event)] x 2]
 
     def put(self, key, a: np.ndarray):
         a = np.ascontiguousarray(a)
@@ -702,9 +759,60 @@ class _InputBuffers:
             cap = 1 << max(0, a.size - 1).bit_length()
             buf = self._bufs[key] = self._tvm.runtime.empty((max(cap, 1),), str(a.dtype), self._device)
         view = buf._create_view(a.shape)  # (the front of the buffer: no byte offset, which kernels refuse)
-        if a.size:
+        if not a.size:
+            return view
+        if self._drv is None:
             view.copyfrom(a)
+            return view
+        stage = self._stages.get(key)
+        if stage is None or stage[0] < a.nbytes:
+            if stage is not None:  # the old stages' copies must have run before their memory goes
+                for _, _, ev in stage[2]:
+                    self._drv.wait_event(ev)
+            cap = 1 << max(0, a.nbytes - 1).bit_length()
+            stage = self._stages[key] = [cap, 0, [(*self._drv.pinned(cap, self), self._drv.event(self)) for _ in range(2)]]
+        host, addr, ev = stage[2][stage[1]]
+        stage[1] ^= 1
+        self._drv.bind()
+        self._drv.wait_event(ev)  # this stage's previous copy has run (at once unless the host is two calls ahead)
+        host[: a.nbytes] = a.reshape(-1).view(np.uint8)
+        self._drv.htod(buf.data_ptr(), addr, a.nbytes, self._stream)
+        self._drv.record(ev, self._stream)
         return view
+
+
+class _TokenReadback:
+    """Token ids read back from the device without waiting for the kernels enqueued after them: an asynchronous
+    copy into page-locked host memory and an event (two slots used in turn). On the CPU, a plain copy."""
+
+    def __init__(self, driver=None) -> None:
+        self._drv, self._slots, self._turn = driver, [None, None], 0
+        self._stream = launch_stream() if driver is not None else 0
+
+    def start(self, tokens):
+        """Enqueue the copy of ``tokens`` (a device tensor [1, n]); returns a handle for ``fetch``."""
+        if self._drv is None:
+            return tokens.numpy()[0].astype(np.int64)
+        n = int(np.prod([int(x) for x in tokens.shape]))
+        nbytes = n * np.dtype(str(tokens.dtype)).itemsize
+        slot = self._slots[self._turn]
+        if slot is None or slot[0] < nbytes:
+            cap = 1 << max(0, nbytes - 1).bit_length()
+            slot = self._slots[self._turn] = (cap, *self._drv.pinned(cap, self), self._drv.event(self))
+        self._turn ^= 1
+        _, host, addr, ev = slot
+        self._drv.bind()
+        self._drv.dtoh(addr, tokens.data_ptr(), nbytes, self._stream)
+        self._drv.record(ev, self._stream)
+        return (host, ev, n, str(tokens.dtype))
+
+    def fetch(self, handle) -> np.ndarray:
+        """The token ids [n] (int64) of a ``start``: waits for that copy only."""
+        if self._drv is None:
+            return handle
+        host, ev, n, dtype = handle
+        self._drv.wait_event(ev)
+        return host[: n * np.dtype(dtype).itemsize].view(dtype).astype(np.int64)
 
 
 def _zeroed(tvm, shape, dtype: str, device):

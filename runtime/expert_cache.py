@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compiler.errors import MoecError
+from .cuda_driver import CudaDriver, launch_stream, stream_handle
 
 
 @dataclass
@@ -182,21 +183,6 @@ class HostCopies:
         pass
 
 
-_CUDA_NOT_READY = 600  # CUDA_ERROR_NOT_READY
-
-
-def _handle(value) -> int:
-    """A stream handle from TVM's FFI as an integer: an int, a pointer object, or the pointer's bytes (little endian,
-    as ``runtime.get_cuda_stream`` returns it on the GPU machine's TVM)."""
-    if value is None:
-        return 0
-    if isinstance(value, (bytes, bytearray)):
-        return int.from_bytes(bytes(value), "little")
-    if hasattr(value, "value"):
-        return int(value.value or 0)
-    return int(value)
-
-
 class CudaStreamCopies:
     """Expert copies on their own CUDA stream, overlapping compute. The host weights are staged once in pinned
     (page-locked) host memory (TVM's ``cuda_host`` device), so a copy is a DMA the host only enqueues. The stream
@@ -208,46 +194,14 @@ class CudaStreamCopies:
     asynchronous = True
 
     def __init__(self, tvm, device) -> None:
-        import ctypes
-
         import tvm_ffi
 
-        self._tvm, self.device, self._ct = tvm, device, ctypes
-        try:
-            self._cu = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise MoecError(f"offloaded experts on CUDA need the CUDA driver library (libcuda.so.1): {exc}") from None
-        cu, vp, sz = self._cu, ctypes.c_void_p, ctypes.c_size_t
-        cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
-        cu.cuStreamQuery.argtypes = [vp]
-        cu.cuStreamSynchronize.argtypes = [vp]
-        cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-        cu.cuCtxSetCurrent.argtypes = [vp]
-        cu.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-        cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
-        cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._tvm, self.device = tvm, device
+        self._drv = CudaDriver(device.index, "offloaded experts")
         self.host_device = tvm.runtime.device(3, device.index)  # kDLCUDAHost: cudaMallocHost'd memory
-        self.stream = _handle(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
+        self.stream = stream_handle(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
         self._sync_from_to = tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")
-        current = tvm_ffi.get_global_func("runtime.get_cuda_stream", allow_missing=True)
-        self.compute = _handle(current()) if current is not None else 0  # TVM's launch stream (the legacy default: 0)
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = self._ct.c_char_p()
-            self._cu.cuGetErrorString(rc, self._ct.byref(msg))
-            raise MoecError(f"offloaded experts: {what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
-
-    def _bind(self) -> None:
-        """The driver calls need the device's primary context current on this thread (TVM's runtime calls make it
-        current; bind it here if none is)."""
-        ctx = self._ct.c_void_p()
-        self._check(self._cu.cuCtxGetCurrent(self._ct.byref(ctx)), "cuCtxGetCurrent")
-        if not ctx.value:
-            dev = self._ct.c_int()
-            self._check(self._cu.cuDeviceGet(self._ct.byref(dev), self.device.index), "cuDeviceGet")
-            self._check(self._cu.cuDevicePrimaryCtxRetain(self._ct.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self._check(self._cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.compute = launch_stream()
 
     def stage(self, array: np.ndarray):
         pinned = self._tvm.runtime.empty(array.shape, str(array.dtype), self.host_device)
@@ -255,22 +209,17 @@ class CudaStreamCopies:
         return pinned
 
     def copy(self, pool, offset: int, src, index: int, nbytes: int) -> None:
-        self._bind()
-        rc = self._cu.cuMemcpyHtoDAsync_v2(pool.data_ptr() + offset, src.data_ptr() + index * nbytes, nbytes, self.stream)
-        self._check(rc, "cuMemcpyHtoDAsync (pinned host -> expert slot)")
+        self._drv.bind()
+        self._drv.htod(pool.data_ptr() + offset, src.data_ptr() + index * nbytes, nbytes, self.stream)
 
     def ready(self) -> bool:
-        rc = self._cu.cuStreamQuery(self.stream)
-        if rc == _CUDA_NOT_READY:
-            return False
-        self._check(rc, "cuStreamQuery")
-        return True
+        return self._drv.stream_ready(self.stream)
 
     def wait(self) -> None:
         self._sync_from_to(self.device, self.stream, self.compute)
 
     def synchronize(self) -> None:
-        self._check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self._drv.stream_synchronize(self.stream)
 
 
 class OffloadedExperts:

@@ -1,6 +1,6 @@
 """Greedy sampling on the device (TIR): the argmax of each row of the logits, after the LM head.
 
-``argmax_rows(logits[1, N, V], tokens[1, N] int32)``: for each of the N rows, the index of its
+``argmax_rows(logits[1, N, V], tokens[1, N] int32 | int64)``: for each of the N rows, the index of its
 largest value, the first such index on ties (as ``numpy.argmax``). A decode step then copies N token
 ids to the host instead of N x V logits, and no host work scales with the vocabulary.
 
@@ -17,28 +17,31 @@ from tvm.script import tirx as T
 THREADS = 1024
 
 
-def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm"):
-    """The ``argmax_rows`` PrimFunc over rows of ``vocab`` values of ``dtype`` for ``target``."""
+def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm", out_dtype: str = "int32"):
+    """The ``argmax_rows`` PrimFunc over rows of ``vocab`` values of ``dtype`` for ``target``, token ids of
+    ``out_dtype`` ("int32" or "int64")."""
     V = int(vocab)
     if V < 1:
         raise ValueError(f"argmax over an empty vocabulary ({V})")
+    if out_dtype not in ("int32", "int64"):
+        raise ValueError(f"argmax token ids are int32 or int64, not {out_dtype}")
     if target != "cuda":
-        return _make_llvm(V, dtype)
+        return _make_llvm(V, dtype, out_dtype)
     NT = min(THREADS, max(32, 1 << (V - 1).bit_length()))
-    return _make_cuda(V, dtype, NT)
+    return _make_cuda(V, dtype, NT, out_dtype)
 
 
 def _f32(v):
     return T.Cast("float32", v)
 
 
-def _make_llvm(V: int, dtype: str):
+def _make_llvm(V: int, dtype: str, out_dtype: str):
     @T.prim_func(s_tir=True)
     def argmax_rows(x_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "argmax_rows"})
         N = T.int32()
         x = T.match_buffer(x_h, (1, N, V), dtype)
-        out = T.match_buffer(out_h, (1, N), "int32")
+        out = T.match_buffer(out_h, (1, N), out_dtype)
         for r in T.serial(N):
             with T.sblock("argmax"):
                 T.reads()
@@ -51,12 +54,12 @@ def _make_llvm(V: int, dtype: str):
                     if _f32(x[0, r, j]) > bv[0]:
                         bv[0] = _f32(x[0, r, j])
                         bi[0] = j
-                out[0, r] = bi[0]
+                out[0, r] = T.Cast(out_dtype, bi[0])
 
     return argmax_rows
 
 
-def _make_cuda(V: int, dtype: str, NT: int):
+def _make_cuda(V: int, dtype: str, NT: int, out_dtype: str):
     NW = NT // 32
     IT = -(-V // NT)
     WR = max(1, (NW - 1).bit_length())  # shuffle rounds over the warps' partial results
@@ -75,7 +78,7 @@ def _make_cuda(V: int, dtype: str, NT: int):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "argmax_rows"})
         N = T.int32()
         x = T.match_buffer(x_h, (1, N, V), dtype)
-        out = T.match_buffer(out_h, (1, N), "int32")
+        out = T.match_buffer(out_h, (1, N), out_dtype)
         for r in T.thread_binding(N, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("argmax"):
@@ -116,6 +119,6 @@ def _make_cuda(V: int, dtype: str, NT: int):
                             oi[0] = shfl(bi[0], T.shift_left(1, k))
                             take_better(bv, bi, ov[0], oi[0])
                         if lane == 0:
-                            out[0, r] = T.if_then_else(bi[0] < V, bi[0], 0)  # an all -inf / NaN row: token 0
+                            out[0, r] = T.Cast(out_dtype, T.if_then_else(bi[0] < V, bi[0], 0))  # an all -inf / NaN row: token 0
 
     return argmax_rows

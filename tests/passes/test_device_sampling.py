@@ -38,7 +38,8 @@ def test_ir_before_and_after(zoo):
     assert len(calls) == 1 and calls[0].op.name == "relax.call_tir"
     kernel = after[calls[0].args[0]]
     assert isinstance(kernel, tvm.tirx.PrimFunc) and calls[0].args[0].name_hint == "argmax_rows"
-    assert func.ret_ty.dtype == "int32" and len(func.ret_ty.shape.values) == 2
+    # the token ids of the decode's dtype (int64 from the exporters), so a step's tokens feed the next step
+    assert func.ret_ty.dtype == before["decode"].params[0].ty.dtype == "int64" and len(func.ret_ty.shape.values) == 2
     assert "float32" in kernel.script() and "argmax" in kernel.script()
     # the other entries are untouched
     for name in ("prefill", "decode"):

@@ -198,3 +198,37 @@ def test_fatbin_callback_is_given_back_after_loading(tmp_path):
     finally:
         if before is not None:
             tvm_ffi.register_global_func(_CUDA_COMPILE, before, override=True)
+
+
+@pytest.mark.parametrize("cache", ["paged", "tiered"])
+def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
+    """``decode_greedy_steps`` (each step's argmax fed to the next step on the device, read back a step late) yields
+    the tokens of ``decode_greedy`` in a loop, step for step, through the tiered cache's re-ranks too, and leaves the
+    same lengths; the argmax entry returns the decode's int64 token ids."""
+    from moec.passes.tiered_kv_attention import TieredOptions
+
+    if cache == "paged":
+        art = zoo.artifact("tiny", "onnx")
+    else:
+        art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / "tiered", kv_cache="tiered",
+                           tiered_options=TieredOptions(t2_page=32, sink=2, recent=8, rerank_every=3))
+    prompts = [list(range(3, 3 + n)) for n in (70, 9, 41)]
+    a, b = moec.load(art), moec.load(art)
+    sa, la = a.prefill(prompts)
+    sb, lb = b.prefill(prompts)
+    np.testing.assert_array_equal(la, lb)
+    first = la.argmax(-1)
+    want, tok = [], first
+    for _ in range(10):
+        tok = a.decode_greedy(sa, list(tok))
+        want.append(tok)
+    got = list(b.decode_greedy_steps(sb, list(first), 10))
+    assert len(got) == 10 and all(g.dtype == np.int64 and g.shape == (3,) for g in got)
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    assert a.lengths == b.lengths
+    assert b.chained_steps == 9 and a.chained_steps == 0  # every step after the first took its ids on the device
+    if cache == "tiered":
+        assert b.tiered.reranks == a.tiered.reranks > 0
+    assert list(b.decode_greedy_steps(sb, list(got[-1]), 0)) == []
+    with pytest.raises(MoecError, match="one token per sequence"):
+        next(b.decode_greedy_steps(sb, [1], 2))

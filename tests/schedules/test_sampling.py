@@ -17,11 +17,12 @@ from moec_testing import require_cuda
 _BUILT = {}
 
 
-def _build(vocab, dtype, target):
-    key = (vocab, dtype, target)
+def _build(vocab, dtype, target, out_dtype="int32"):
+    key = (vocab, dtype, target, out_dtype)
     if key not in _BUILT:
         tgt = tvm.target.Target({"kind": "llvm"}) if target == "llvm" else make_target("cuda", "sm_90")
-        _BUILT[key] = tvm.compile(tvm.IRModule({"argmax_rows": make_argmax(vocab, dtype, target)}), target=tgt)
+        prim = make_argmax(vocab, dtype, target, out_dtype)
+        _BUILT[key] = tvm.compile(tvm.IRModule({"argmax_rows": prim}), target=tgt)
     return _BUILT[key]
 
 
@@ -39,8 +40,8 @@ def _rows(n, vocab, dtype, seed):
     return x
 
 
-def _run(ex, x, dev):
-    out = tvm.runtime.tensor(np.full((1, x.shape[1]), -5, np.int32), dev)
+def _run(ex, x, dev, out_dtype=np.int32):
+    out = tvm.runtime.tensor(np.full((1, x.shape[1]), -5, out_dtype), dev)
     ex["argmax_rows"](tvm.runtime.tensor(x, dev), out)
     return out.numpy()
 
@@ -51,6 +52,24 @@ def test_llvm_matches_numpy(vocab, dtype):
     got = _run(_build(vocab, dtype, "llvm"), x, tvm.cpu())
     np.testing.assert_array_equal(got, np.argmax(x.astype(np.float32), axis=-1))
     assert got[0, 0] == 0 and (vocab < 2 or got[0, 1] == 3 % vocab)
+
+
+def test_int64_token_ids():
+    """The decode's token dtype (int64 from the exporters), so a step's tokens feed the next step as they are."""
+    x = _rows(4, 300, "float32", seed=3)
+    got = _run(_build(300, "float32", "llvm", "int64"), x, tvm.cpu(), np.int64)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        make_argmax(300, "float32", "llvm", "float32")
+    src = _cuda_modules_src(_build(300, "float32", "cuda", "int64"))
+    assert "int64_t* __restrict__" in src or "long long* __restrict__" in src
+
+
+def _cuda_modules_src(ex):
+    from moec.compiler.build import _cuda_modules
+
+    return _cuda_modules(ex.mod)[0].inspect_source("cuda")
 
 
 def test_cuda_builds_for_sm90():
@@ -70,3 +89,5 @@ def test_cuda_matches_numpy_on_gpu(vocab, dtype):
     x = _rows(131, vocab, dtype, seed=1)
     got = _run(_build(vocab, dtype, "cuda"), x, tvm.cuda())
     np.testing.assert_array_equal(got, np.argmax(x.astype(np.float32), axis=-1))
+    got64 = _run(_build(vocab, dtype, "cuda", "int64"), x, tvm.cuda(), np.int64)
+    np.testing.assert_array_equal(got64, got)
