@@ -234,7 +234,9 @@ class _Analyzer:
             for u in g.users.get(var, []):
                 if g.op(u) != "relax.multiply":
                     continue
-                for u2 in g.users.get(u, []):
+                after = list(g.users.get(u, []))  # (half-precision models cast x * r back before the weight)
+                after += [c for a in after if g.op(a) == "relax.astype" for c in g.users.get(a, [])]
+                for u2 in after:
                     if g.op(u2) == "relax.multiply":
                         w = next((g.weight_of(a) for a in g.call(u2).args if g.weight_of(a) is not None), None)
                         if w is not None and len(shape_of(w)) == 1:

@@ -46,3 +46,21 @@ def test_structure(zoo, name, path):
     assert f"top-{e['k']}" in table and str(s.vocab_size) in table
     d = s.to_dict()
     assert d["num_moe_layers"] == 2 and d["layers"][0]["router"]["top_k"] == e["k"]
+
+
+@pytest.mark.parametrize("shape,qk", [("tiny-mixtral", 0), ("tiny-olmoe", 2)])
+def test_half_precision_norms(tmp_path, shape, qk):
+    """HF RMSNorms in bfloat16 cast ``x * rsqrt(.)`` back to bfloat16 before the weight multiply: still recognised,
+    with their roles (the expert prefetch's norm ratio reads the mlp norm's weight)."""
+    from moec.compiler.serve_bench import build_hf
+    from moec.models.export import save_pt2
+
+    model = build_hf(shape, "bfloat16", "cpu", 0, 2)
+    path = tmp_path / "m.pt2"
+    save_pt2(model, model.config.vocab_size, path, max_seq=64)
+    imported = import_model(path)
+    s = analyze(imported.main, imported.num_inputs, shape)
+    assert s.final_norm is not None
+    for layer in s.layers:
+        roles = [n.role for n in layer.norms]
+        assert roles.count("attention") == 1 and roles.count("mlp") == 1 and roles.count("qk") == qk, roles

@@ -232,3 +232,28 @@ def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
     assert list(b.decode_greedy_steps(sb, list(got[-1]), 0)) == []
     with pytest.raises(MoecError, match="one token per sequence"):
         next(b.decode_greedy_steps(sb, [1], 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["paged", "tiered"])
+def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
+    """On CUDA the pipelined loop's asynchronous input copies (page-locked stages, two a key) and token readback give
+    the tokens of the synchronous loop, step for step, re-ranks included."""
+    from moec.passes.tiered_kv_attention import TieredOptions
+    from moec_testing import require_cuda
+
+    require_cuda()
+    opts = TieredOptions(sink=2, recent=8, rerank_every=3) if cache == "tiered" else None  # (CUDA: 128-token pages)
+    art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / cache, target="cuda", kv_cache=cache, tiered_options=opts)
+    prompts = [[3 + i % 200 for i in range(n)] for n in (300, 9, 41, 520)]
+    a, b = moec.load(art, device="cuda"), moec.load(art, device="cuda")
+    sa, la = a.prefill(prompts)
+    sb, lb = b.prefill(prompts)
+    np.testing.assert_array_equal(la, lb)
+    want, tok = [], la.argmax(-1)
+    for _ in range(24):
+        tok = a.decode_greedy(sa, list(tok))
+        want.append(tok)
+    got = list(b.decode_greedy_steps(sb, list(la.argmax(-1)), 24))
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    assert b.chained_steps == 23 and a.lengths == b.lengths
