@@ -10,7 +10,9 @@ context C. Per point it records TPOT (median and p99 over the timed steps), TTFT
 prefill), decode tokens/s (S / median TPOT), device memory in use, KV-cache bytes per token of
 context and the bandwidth floor. moec's timed steps run pipelined (``Engine.decode_greedy_steps``: each step
 enqueued before the previous step's tokens are read back, so the host's work overlaps the device's); with
-``--sync-steps`` each step ends with its tokens on the host before the next begins (``decode_greedy``). Systems:
+``--sync-steps`` each step ends with its tokens on the host before the next begins (``decode_greedy``). A moec
+system that prefilled also records its timed steps' greedy tokens (``tokens_sha256``) and the share equal to the
+first such system's at the point (``tokens_vs``: offloaded experts must agree fully with resident ones). Systems:
 
   moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
                                                     moec with that KV cache (artifacts kept in --work)
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import json
 import platform
 import subprocess
@@ -290,17 +293,20 @@ class _Moec:
             timed = steps - 1 if self.profile else steps
             self.phase = "decode steps"
             t = time.perf_counter()
+            tokens = []
             if self.pipelined:  # each interval between two steps' tokens reaching the host
                 for nxt in e.decode_greedy_steps(seqs, list(nxt), timed):
                     now = time.perf_counter()
                     times.append(now - t)
                     t = now
+                    tokens.append(nxt)
             else:
                 for i in range(timed):  # greedy on the device: the step ends with b token ids on the host
                     self.phase = f"decode step {i}"
                     t = time.perf_counter()
                     nxt = e.decode_greedy(seqs, list(nxt))
                     times.append(time.perf_counter() - t)
+                    tokens.append(nxt)
             copied = (e.experts.copy_bytes - copied) if e.experts is not None else 0  # the timed steps' copies
             profile = None
             if self.profile:  # the last step, untimed, with every VM call timed alone
@@ -321,7 +327,8 @@ class _Moec:
                 (seq,), _ = e.prefill([list(prompts[0][:n])])
             profile["prefill_chunk"] = {"tokens": n, **summarize_profile(acc, time.perf_counter() - t, None)}
             e.release(seq)
-        out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile}
+        out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile,
+               "tokens": np.stack(tokens) if tokens and not self.synthetic_kv else None}
         if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
             # device rate of the timed decode steps' copies over their time, and the copy rate measured on its own
             x = e.experts
@@ -448,6 +455,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
             save_pt2(model, model.config.vocab_size, pt2, max_seq=max(contexts) + 8)
         return import_model(pt2)
 
+    first_tokens = {}  # (streams, context) -> (system, its tokens): the first moec system that prefilled
     # HF first: its StaticCache is freed (torch) before moec's engines take the device memory
     for name in sorted(systems, key=lambda s: not s.startswith("hf-")):
         runs = doc["systems"][name] = {"points": []}
@@ -496,6 +504,12 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     point["profile"] = r["profile"]
                 if r.get("experts"):
                     point["experts"] = r["experts"]
+                if r.get("tokens") is not None:  # greedy tokens of the timed steps, against the first moec system's
+                    toks = np.asarray(r["tokens"], np.int64)
+                    point["tokens_sha256"] = hashlib.sha256(toks.tobytes()).hexdigest()
+                    ref = first_tokens.setdefault((s, c), (name, toks))
+                    if ref[0] != name and ref[1].shape == toks.shape:
+                        point["tokens_vs"] = {"system": ref[0], "agree": float(np.mean(ref[1] == toks))}
                 runs["points"].append(point)
                 checkpoint(doc)
                 if progress:

@@ -142,21 +142,24 @@ def test_bench_synthetic_kv(zoo, tmp_path):
 
 def test_bench_offloaded_experts(tmp_path):
     """moec-<cache>-offload and -prefetch: one artifact with --expert-slots, loaded on demand and with prefetch; the
-    points record what the experts' copies did."""
+    points record what the experts' copies did, and their greedy tokens equal the all-resident model's. bfloat16
+    weights, as on the GPU (whose export's norms once went unrecognised, leaving the prefetch without predictors)."""
     out = tmp_path / "bench.json"
-    base = ["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "4",
+    base = ["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "4", "--dtype", "bfloat16",
             "--work", str(tmp_path / "work"), "--json", str(out)]
     assert main(base + ["--systems", "moec-bf16-offload"]) == 2 and not out.exists()  # no --expert-slots
-    assert main(base + ["--systems", "moec-bf16-offload,moec-bf16-prefetch", "--expert-slots", "12"]) == 0
+    assert main(base + ["--systems", "moec-bf16,moec-bf16-offload,moec-bf16-prefetch", "--expert-slots", "12"]) == 0
     doc = json.loads(out.read_text())
     assert doc["expert_slots"] == 12 and doc["complete"]
     on, pre = (doc["systems"][s]["points"][0] for s in ("moec-bf16-offload", "moec-bf16-prefetch"))
     for p in (on, pre):
         assert "error" not in p and p["experts"]["slots"] == 12 and p["experts"]["copies"] > 0
-        cfg = doc["config"]  # float32 weights: W1 (2I x D) and W2 (D x I) per copy
-        assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
+        cfg = doc["config"]  # bfloat16 weights: W1 (2I x D) and W2 (D x I) per copy
+        assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 2
+        assert p["tokens_vs"] == {"system": "moec-bf16", "agree": 1.0}
+        assert p["tokens_sha256"] == doc["systems"]["moec-bf16"]["points"][0]["tokens_sha256"]
     assert on["experts"]["prefetched"] == 0 and pre["experts"]["prefetched"] > 0
-    assert (tmp_path / "work" / "tiny-olmoe-float32" / "art-bf16-slots12-cpu" / "manifest.json").exists()
+    assert (tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-slots12-cpu" / "manifest.json").exists()
 
 
 def _result(systems, streams, contexts, **over):
