@@ -564,9 +564,14 @@ class Engine:
         return out
 
     def generate(self, token_id_lists, max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
-        """Greedy generation for a batch of prompts; returns the new tokens of each."""
+        """Greedy generation for a batch of prompts; returns the new tokens of each. Without a stop token the batch
+        never changes, and the steps run pipelined (``decode_greedy_steps``)."""
         seq_ids, logits = self.prefill(token_id_lists)
         try:
+            if stop_token is None:
+                first = logits.argmax(-1)
+                steps = np.stack([first] + list(self.decode_greedy_steps(seq_ids, list(first), max(0, max_new_tokens - 1))))
+                return [[int(t) for t in steps[: max(0, max_new_tokens), j]] for j in range(len(seq_ids))]
             outs = [[] for _ in seq_ids]
             active = list(range(len(seq_ids)))
             nxt = logits.argmax(-1)
