@@ -440,17 +440,20 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
+    def to_host():
+        # HF's systems have run by now, and the floors only need the parameter sizes: the weights go to the host
+        # (which the export reads too) and free the device for moec's engines, whose memory the points record
+        if next(model.parameters()).device.type != "cpu":
+            model.to("cpu")
+            torch.cuda.empty_cache()
+
     @functools.cache
     def source():  # exported and imported once, for every moec system whose artifact is not in --work yet
         from ..models.export import save_pt2
         from .importers import import_model
 
         pt2 = work / "model.pt2"
-        if next(model.parameters()).device.type != "cpu":
-            # exported from the host (the importer reads host tensors); HF's systems have run by now, and the
-            # floors only need the parameter sizes, so the weights stay there and free the device for moec
-            model.to("cpu")
-            torch.cuda.empty_cache()
+        to_host()
         if not pt2.exists():
             save_pt2(model, model.config.vocab_size, pt2, max_seq=max(contexts) + 8)
         return import_model(pt2)
@@ -461,6 +464,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
         runs = doc["systems"][name] = {"points": []}
         try:
             if name.startswith("moec-"):
+                to_host()  # (also when the artifact is already in --work and nothing is exported)
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
                                profile=profile, max_context=max(contexts),
                                synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"),
