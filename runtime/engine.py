@@ -560,7 +560,7 @@ class Engine:
         else:
             out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens], on_device=on_device)
         if self.tiered is not None:
-            self.tiered.after_decode_step()
+            self.tiered.after_decode_step(list(seq_ids))
         return out
 
     def generate(self, token_id_lists, max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
@@ -595,9 +595,11 @@ class _TieredState:
 
     Each forward reserves tier-1 slots for its tokens (all or nothing; ``CacheExhausted`` otherwise),
     passes the page tables and the tokens' slots, positions and visible tier-1 prefixes to the entry
-    function, which quantizes and appends K/V, attends and accumulates importance in place. After
-    each prefill call and every ``rerank_every`` decode steps, ``rerank`` demotes the least important
-    tier-1 tokens of every sequence over its budget into 2-bit pages.
+    function, which quantizes and appends K/V, attends and accumulates importance in place. ``rerank``
+    demotes the least important tier-1 tokens of a sequence over its budget into 2-bit pages: after each
+    prefill call of the sequence, and after every ``rerank_every`` of its own decode steps since its last
+    re-rank. The counts are per sequence (as the reference decoder's for one sequence), so when a stream's
+    cache is re-ranked does not depend on when other streams joined the batch.
 
     Pool sizes (pages of ``t1_page`` / ``t2_page`` tokens, shared by all layers) default to what
     ``max_total_tokens`` tokens in ``max_batch`` sequences can need: tier 2 for all of them; tier 1
@@ -634,14 +636,17 @@ class _TieredState:
         self.pool_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs.values())
         self._rerank = engine.vm["rerank"] if self.mode == "tiered" else None
         self.slot: dict[int, int] = {}
+        self.decoded: dict[int, int] = {}  # sequence -> its decode steps since its last re-rank
         self.steps = 0
         self.reranks = 0
 
     def add(self, seq: int) -> None:
         self.slot[seq] = self.tables.add_sequence()
+        self.decoded[seq] = 0
 
     def remove(self, seq: int) -> None:
         self.tables.remove_sequence(self.slot.pop(seq))
+        self.decoded.pop(seq, None)
 
     def _tensor(self, a, key):
         return self.e.inputs.put(key, a)
@@ -713,13 +718,18 @@ class _TieredState:
                 vals = rng.uniform(0.01, 0.1, block)
             pool.copyfrom(np.resize(vals.astype(dtype), shape))
 
-    def after_decode_step(self) -> None:
+    def after_decode_step(self, seq_ids) -> None:
+        """One decode step of ``seq_ids`` done: re-rank those with ``rerank_every`` decode steps since their last."""
         self.steps += 1
-        if self.steps % self.opts["rerank_every"] == 0:
-            self.rerank([s for s in self.slot])
+        every = self.opts["rerank_every"]
+        for s in seq_ids:
+            self.decoded[s] += 1
+        self.rerank([s for s in seq_ids if self.decoded[s] >= every])
 
     def rerank(self, seq_ids) -> None:
         """Demote what is over budget in these sequences (the tables before the plan go to the kernel)."""
+        for s in seq_ids:
+            self.decoded[s] = 0
         if self._rerank is None or not seq_ids:
             return
         pt = self.tables

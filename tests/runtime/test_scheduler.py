@@ -59,6 +59,31 @@ def test_staggered_greedy_streams_equal_each_stream_alone(arts, cache):
     assert not sched.engine.lengths and sched.reserved == [0, 0]
 
 
+def test_tiered_streams_do_not_depend_on_the_batch(arts):
+    """The tiered cache re-ranks a stream after its own prefill calls and every ``rerank_every`` of its own decode
+    steps (past 64 decoded tokens, so pages are demoted while decoding), so staggered arrivals give each stream the
+    greedy tokens it gets alone, its prompt prefilled in one call either way (the scheduler's chunking of prompts
+    that arrive together depends on the batch, and where a prefill is cut changes what is demoted)."""
+    art = arts["tiered"]
+    prompts = [RNG.integers(0, 256, n).tolist() for n in (300, 180, 420, 90, 260, 350)]  # long enough to demote
+    new = [130, 70, 140, 100, 80, 120]  # past 64 decoded tokens: demotions between prefills (t2_page 64)
+
+    def sched():
+        return Scheduler(moec.load(art, max_batch=4, max_total_tokens=4096), prefill_chunk=512)  # prompts unsplit
+
+    want = [sched().generate([Request(p, n, rid="x")])["x"] for p, n in zip(prompts, new)]
+    s = sched()
+    arrive = {0: [0, 1], 2: [2], 3: [3, 4], 9: [5]}
+    handles = {}
+    while len(handles) < len(prompts) or not s.idle:
+        for i in arrive.get(s.steps, []):
+            handles[i] = s.submit(Request(prompts[i], new[i], rid=f"r{i}"))
+        s.step()
+    assert s.engine.tiered.reranks > len(prompts)
+    for i, h in handles.items():
+        assert h.tokens == want[i], f"stream {i}"
+
+
 def test_join_leave_stop_tokens_and_waiting_for_room(arts):
     """A stop token ends a stream at once; a request that does not fit *now* waits in the queue
     (first come, first served) and runs when pages come back; cancel frees a running stream."""
