@@ -41,7 +41,8 @@ DROP = 3
 REL_TOL = 1e-3
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, caches=TINY_CACHES, cuda_graph: bool = True) -> None:
+    """The built-in ``tiny`` model (ONNX) compiled for sm_90 into ``out/tiny-<cache>`` for each of ``caches``."""
     import moec
     from moec.models import build_reference, get_config
     from moec.models.export import save_onnx
@@ -50,8 +51,8 @@ def prepare(out: Path) -> None:
     cfg = get_config("tiny")
     onnx_path = out / "tiny.onnx"
     save_onnx(build_reference(cfg), cfg.vocab_size, onnx_path)
-    for cache in TINY_CACHES:
-        moec.compile(onnx_path, out / f"tiny-{cache}", target="cuda", arch="sm_90", kv_cache=cache, cuda_graph=True,
+    for cache in caches:
+        moec.compile(onnx_path, out / f"tiny-{cache}", target="cuda", arch="sm_90", kv_cache=cache, cuda_graph=cuda_graph,
                      progress=True)
     onnx_path.unlink()
 

@@ -29,17 +29,9 @@ PROMPTS = (300, 451, 600, 377)
 
 
 def prepare(out: Path) -> None:
-    import moec
-    from moec.models import build_reference, get_config
-    from moec.models.export import save_onnx
+    from cuda_graph import prepare as prepare_tiny  # (bench/ is this script's path)
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = get_config("tiny")
-    onnx_path = out / "tiny.onnx"
-    save_onnx(build_reference(cfg), cfg.vocab_size, onnx_path)
-    for cache in CACHES:
-        moec.compile(onnx_path, out / f"tiny-{cache}", target="cuda", arch="sm_90", kv_cache=cache, progress=True)
-    onnx_path.unlink()
+    prepare_tiny(out, CACHES, cuda_graph=False)
 
 
 def check(art: Path, device: str) -> dict:
