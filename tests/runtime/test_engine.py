@@ -235,16 +235,19 @@ def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache", ["paged", "tiered"])
+@pytest.mark.parametrize("cache", ["paged", "tiered", "tiered-graph"])
 def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
     """On CUDA the pipelined loop's asynchronous input copies (page-locked stages, two a key) and token readback give
-    the tokens of the synchronous loop, step for step, re-ranks included."""
+    the tokens of the synchronous loop, step for step, re-ranks included, also through the CUDA graphs."""
     from moec.passes.tiered_kv_attention import TieredOptions
     from moec_testing import require_cuda
 
     require_cuda()
+    graph = cache.endswith("-graph")
+    cache = cache.removesuffix("-graph")
     opts = TieredOptions(sink=2, recent=8, rerank_every=3) if cache == "tiered" else None  # (CUDA: 128-token pages)
-    art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / cache, target="cuda", kv_cache=cache, tiered_options=opts)
+    art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / cache, target="cuda", kv_cache=cache, tiered_options=opts,
+                       cuda_graph=graph)
     prompts = [[3 + i % 200 for i in range(n)] for n in (300, 9, 41, 520)]
     a, b = moec.load(art, device="cuda"), moec.load(art, device="cuda")
     sa, la = a.prefill(prompts)
@@ -257,3 +260,4 @@ def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
     got = list(b.decode_greedy_steps(sb, list(la.argmax(-1)), 24))
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
     assert b.chained_steps == 23 and a.lengths == b.lengths
+    assert (b.graph_steps >= 23) == graph
