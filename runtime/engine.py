@@ -368,7 +368,6 @@ class Engine:
         """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor.
         ``device_ids``: instead of ``tokens_per_seq``, one token a sequence already on the device (``[1, b]``, the
         token dtype: the previous step's ``argmax``)."""
-        tvm = self._tvm
         if self.experts is not None:  # the compiled graph asks this engine's expert store for residency
             global _ACTIVE_EXPERTS
             _ACTIVE_EXPERTS = self.experts
