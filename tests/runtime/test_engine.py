@@ -261,3 +261,30 @@ def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
     assert b.chained_steps == 23 and a.lengths == b.lengths
     assert (b.graph_steps >= 23) == graph
+
+
+def test_input_buffers_grow_and_keep_their_front():
+    """The step-input buffers: an array lands in a view of its key's buffer with its own shape; a larger array or
+    another dtype gets a new buffer (next power of two), a smaller one reuses it; empty arrays copy nothing."""
+    import tvm
+
+    from moec.runtime.engine import _InputBuffers
+
+    bufs = _InputBuffers(tvm, tvm.cpu())
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    v = bufs.put("t", a)
+    assert tuple(v.shape) == (3, 4) and str(v.dtype) == "int32"
+    np.testing.assert_array_equal(v.numpy(), a)
+    first = bufs._bufs["t"]
+    assert first.shape[0] == 16
+    v2 = bufs.put("t", a[:2, :3].copy())  # smaller: the same buffer, a view of its front
+    assert bufs._bufs["t"].same_as(first)
+    np.testing.assert_array_equal(v2.numpy(), a[:2, :3])
+    v3 = bufs.put("t", np.arange(40, dtype=np.int32).reshape(2, 20))  # larger: a new buffer of 64
+    assert not bufs._bufs["t"].same_as(first) and bufs._bufs["t"].shape[0] == 64
+    np.testing.assert_array_equal(v3.numpy(), np.arange(40).reshape(2, 20))
+    v4 = bufs.put("t", np.arange(5, dtype=np.int64))  # another dtype: its own buffer
+    assert str(v4.dtype) == "int64" and v4.numpy().tolist() == [0, 1, 2, 3, 4]
+    assert tuple(bufs.put("t", np.zeros((4, 0), np.int32)).shape) == (4, 0)
+    np.testing.assert_array_equal(bufs.put("u", a).numpy(), a)  # keys do not share buffers
+    np.testing.assert_array_equal(v4.numpy(), np.arange(5))
