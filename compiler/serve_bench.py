@@ -8,7 +8,9 @@ on the values), every system decodes the same random prompts at each grid point 
 C): a prefill of ``C - steps`` tokens per stream, then ``steps`` greedy decode steps that end at
 context C. Per point it records TPOT (median and p99 over the timed steps), TTFT (the batch's
 prefill), decode tokens/s (S / median TPOT), device memory in use, KV-cache bytes per token of
-context and the bandwidth floor. moec's timed steps run pipelined (``Engine.decode_greedy_steps``: each step
+context and the bandwidth floor. A moec system's first decode step is not timed (the first call of each kernel
+loads it; HF's compiled system has its warm-up steps too), and ``step_ms`` keeps every timed step. moec's timed
+steps run pipelined (``Engine.decode_greedy_steps``: each step
 enqueued before the previous step's tokens are read back, so the host's work overlaps the device's); with
 ``--sync-steps`` each step ends with its tokens on the host before the next begins (``decode_greedy``). A moec
 system that prefilled also records its timed steps' greedy tokens (``tokens_sha256``) and the share equal to the
@@ -287,10 +289,14 @@ class _Moec:
             seqs, logits = e.prefill([list(p) for p in prompts])
             ttft = time.perf_counter() - t
             nxt = logits.argmax(-1)
-        copied = e.experts.copy_bytes if e.experts is not None else 0  # after the prefill
         try:
+            # one untimed step first: the first call of each kernel loads it and the VM's first allocations are
+            # made, which would otherwise be the point's slowest step (HF's compiled system warms up likewise)
+            self.phase = "warm-up decode step"
+            nxt = e.decode_greedy(seqs, list(nxt))
+            copied = e.experts.copy_bytes if e.experts is not None else 0  # after the prefill and the warm-up
             times = []
-            timed = steps - 1 if self.profile else steps
+            timed = steps - 2 if self.profile else steps - 1
             self.phase = "decode steps"
             t = time.perf_counter()
             tokens = []
@@ -428,6 +434,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
             raise MoecError(f"{s}: give --expert-slots (the device slots of the offloaded experts)")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoecError("--device cuda: no CUDA device is visible to torch")
+    if steps < (3 if profile else 2):
+        raise MoecError(f"--steps must be at least {3 if profile else 2}: one untimed warm-up step, "
+                        f"{'one profiled step, ' if profile else ''}and one timed step or more")
     if min(contexts) <= steps:
         raise MoecError(f"every context must exceed the decode steps ({steps})")
     work = Path(work) / (f"{shape}{'' if layers is None else f'-{layers}l'}{'-tied' if tie_layers else ''}-{dtype}")
@@ -500,6 +509,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 point.update({
                     "tpot_ms_median": float(np.median(ms)), "tpot_ms_p99": float(np.percentile(ms, 99)),
                     "ttft_ms": None if r["ttft_s"] is None else 1e3 * r["ttft_s"], "decode_tokens_per_s": s / (np.median(ms) / 1e3),
+                    "step_ms": [round(float(x), 4) for x in ms],
                     "memory_bytes": _memory(device), "memory_bytes_before": before,
                     "kv_bytes_per_token": r["kv_bytes_per_token"],
                     "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),

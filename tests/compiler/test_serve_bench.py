@@ -31,6 +31,8 @@ def test_bench_writes_json_and_plot(tmp_path):
             assert 0 < p["tpot_ms_median"] <= p["tpot_ms_p99"] and p["ttft_ms"] > 0
             assert p["kv_bytes_per_token"] == 4 * _kv_elements(cfg)  # float32 cache, both systems
             assert p["decode_tokens_per_s"] == pytest.approx(p["streams"] / p["tpot_ms_median"] * 1e3)
+            # moec: a warm-up step, then 2 timed; HF (eager: no warm-up) times all 3
+            assert len(p["step_ms"]) == (2 if name.startswith("moec") else 3)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -51,6 +53,11 @@ def test_bench_refusals(tmp_path, capsys):
     assert main(base[:2] + ["llama-70b"] + base[3:] + ["--systems", "hf-eager"]) == 2
     assert "unknown model shape" in capsys.readouterr().err
     assert main(base[:-6] + ["--contexts", "3"] + base[-4:] + ["--systems", "hf-eager"]) == 2
+    steps = base.index("--steps") + 1
+    assert main(base[:steps] + ["1"] + base[steps + 1:] + ["--systems", "moec-paged"]) == 2
+    assert "--steps must be at least 2" in capsys.readouterr().err
+    assert main(base[:steps] + ["2"] + base[steps + 1:] + ["--systems", "moec-paged", "--profile"]) == 2
+    assert "--steps must be at least 3" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
