@@ -126,4 +126,27 @@ class CudaDriver:
         return arr, ptr.value
 
 
-__all__ = ["CudaDriver", "NOT_READY", "launch_stream", "stream_handle"]
+class PinnedStages:
+    """Page-locked host buffers used in turn (``count``), each with an event recorded after the copy that used it:
+    ``take(nbytes)`` waits until the next buffer's last copy has run, then hands it out (grown to the next power of
+    two when too small, once every buffer's copy has run). The caller enqueues its copy and ``record``s the event."""
+
+    def __init__(self, driver: CudaDriver, count: int = 2) -> None:
+        self._drv, self._count, self._cap, self._turn, self._bufs = driver, count, 0, 0, []
+
+    def take(self, nbytes: int) -> tuple[np.ndarray, int, int]:
+        """``(host bytes, their address, event)`` of the next buffer, at least ``nbytes`` long."""
+        drv = self._drv
+        drv.bind()
+        if nbytes > self._cap:
+            for _, _, ev in self._bufs:  # the old buffers' copies must have run before their memory goes
+                drv.wait_event(ev)
+            self._cap = 1 << max(0, nbytes - 1).bit_length()
+            self._bufs = [(*drv.pinned(self._cap, self), drv.event(self)) for _ in range(self._count)]
+        buf = self._bufs[self._turn]
+        self._turn = (self._turn + 1) % self._count
+        drv.wait_event(buf[2])  # at once unless the host is ``count`` copies ahead of the device
+        return buf
+
+
+__all__ = ["CudaDriver", "NOT_READY", "PinnedStages", "launch_stream", "stream_handle"]

@@ -20,7 +20,7 @@ from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, PREFETCH_PREFIX, WEIG
 from ..compiler.errors import ArtifactError, MoecError
 
 
-from .cuda_driver import CudaDriver, launch_stream
+from .cuda_driver import CudaDriver, PinnedStages, launch_stream
 from .expert_cache import RESIDENCY_FUNC, OffloadedExperts
 from .kv_cache import CacheExhausted  # noqa: F401 - re-exported: the error users catch
 
@@ -554,10 +554,8 @@ class Engine:
     def _decode_step(self, seq_ids, tokens, on_device: bool, device_ids=None):
         if device_ids is None and len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
-        if device_ids is not None:
-            out = self._run(self._decode, list(seq_ids), None, on_device=on_device, device_ids=device_ids)
-        else:
-            out = self._run(self._decode, list(seq_ids), [[int(t)] for t in tokens], on_device=on_device)
+        per_seq = None if device_ids is not None else [[int(t)] for t in tokens]
+        out = self._run(self._decode, list(seq_ids), per_seq, on_device=on_device, device_ids=device_ids)
         if self.tiered is not None:
             self.tiered.after_decode_step(list(seq_ids))
         return out
@@ -636,7 +634,6 @@ class _TieredState:
         self._rerank = engine.vm["rerank"] if self.mode == "tiered" else None
         self.slot: dict[int, int] = {}
         self.decoded: dict[int, int] = {}  # sequence -> its decode steps since its last re-rank
-        self.steps = 0
         self.reranks = 0
 
     def add(self, seq: int) -> None:
@@ -719,7 +716,6 @@ class _TieredState:
 
     def after_decode_step(self, seq_ids) -> None:
         """One decode step of ``seq_ids`` done: re-rank those with ``rerank_every`` decode steps since their last."""
-        self.steps += 1
         every = self.opts["rerank_every"]
         for s in seq_ids:
             self.decoded[s] += 1
@@ -764,7 +760,7 @@ class _InputBuffers:
         self._tvm, self._device, self._bufs = tvm, device, {}
         self._drv = driver
         self._stream = launch_stream() if driver is not None else 0
-        self._stages: dict = {}  # key -> [capacity bytes, turn, [(host bytes, address, event)] x 2]
+        self._stages: dict = {}  # key -> PinnedStages (two)
 
     def put(self, key, a: np.ndarray):
         a = np.ascontiguousarray(a)
@@ -778,17 +774,10 @@ class _InputBuffers:
         if self._drv is None:
             view.copyfrom(a)
             return view
-        stage = self._stages.get(key)
-        if stage is None or stage[0] < a.nbytes:
-            if stage is not None:  # the old stages' copies must have run before their memory goes
-                for _, _, ev in stage[2]:
-                    self._drv.wait_event(ev)
-            cap = 1 << max(0, a.nbytes - 1).bit_length()
-            stage = self._stages[key] = [cap, 0, [(*self._drv.pinned(cap, self), self._drv.event(self)) for _ in range(2)]]
-        host, addr, ev = stage[2][stage[1]]
-        stage[1] ^= 1
-        self._drv.bind()
-        self._drv.wait_event(ev)  # this stage's previous copy has run (at once unless the host is two calls ahead)
+        stages = self._stages.get(key)
+        if stages is None:
+            stages = self._stages[key] = PinnedStages(self._drv)
+        host, addr, ev = stages.take(a.nbytes)
         host[: a.nbytes] = a.reshape(-1).view(np.uint8)
         self._drv.htod(buf.data_ptr(), addr, a.nbytes, self._stream)
         self._drv.record(ev, self._stream)
@@ -797,10 +786,11 @@ class _InputBuffers:
 
 class _TokenReadback:
     """Token ids read back from the device without waiting for the kernels enqueued after them: an asynchronous
-    copy into page-locked host memory and an event (two slots used in turn). On the CPU, a plain copy."""
+    copy into page-locked host memory and an event (two buffers used in turn). On the CPU, a plain copy."""
 
     def __init__(self, driver=None) -> None:
-        self._drv, self._slots, self._turn = driver, [None, None], 0
+        self._drv = driver
+        self._stages = PinnedStages(driver) if driver is not None else None
         self._stream = launch_stream() if driver is not None else 0
 
     def start(self, tokens):
@@ -809,13 +799,7 @@ class _TokenReadback:
             return tokens.numpy()[0].astype(np.int64)
         n = int(np.prod([int(x) for x in tokens.shape]))
         nbytes = n * np.dtype(str(tokens.dtype)).itemsize
-        slot = self._slots[self._turn]
-        if slot is None or slot[0] < nbytes:
-            cap = 1 << max(0, nbytes - 1).bit_length()
-            slot = self._slots[self._turn] = (cap, *self._drv.pinned(cap, self), self._drv.event(self))
-        self._turn ^= 1
-        _, host, addr, ev = slot
-        self._drv.bind()
+        host, addr, ev = self._stages.take(nbytes)
         self._drv.dtoh(addr, tokens.data_ptr(), nbytes, self._stream)
         self._drv.record(ev, self._stream)
         return (host, ev, n, str(tokens.dtype))

@@ -288,3 +288,38 @@ def test_input_buffers_grow_and_keep_their_front():
     assert tuple(bufs.put("t", np.zeros((4, 0), np.int32)).shape) == (4, 0)
     np.testing.assert_array_equal(bufs.put("u", a).numpy(), a)  # keys do not share buffers
     np.testing.assert_array_equal(v4.numpy(), np.arange(5))
+
+
+def test_pinned_stages_wait_before_reuse():
+    """``PinnedStages`` (the page-locked buffers of the asynchronous copies): buffers in turn, each handed out only
+    after waiting on the event of its last copy, and grown (after waiting on every buffer's event) when too small."""
+    from moec.runtime.cuda_driver import PinnedStages
+
+    class FakeDriver:
+        def __init__(self):
+            self.waits, self.allocs, self.n = [], [], 0
+
+        def bind(self):
+            pass
+
+        def pinned(self, nbytes, owner):
+            self.allocs.append(nbytes)
+            self.n += 1
+            return np.zeros(nbytes, np.uint8), 1000 * self.n
+
+        def event(self, owner):
+            self.n += 1
+            return self.n
+
+        def wait_event(self, ev):
+            self.waits.append(ev)
+
+    drv = FakeDriver()
+    st = PinnedStages(drv)
+    a = st.take(5)
+    b = st.take(8)
+    assert drv.allocs == [8, 8] and a[1] != b[1] and a[2] != b[2]
+    assert st.take(3)[1] == a[1] and drv.waits[-1] == a[2]  # the first buffer again, after its event
+    drv.waits.clear()
+    c = st.take(20)  # larger: both old events waited on, new buffers of 32
+    assert drv.allocs[-2:] == [32, 32] and set(drv.waits[:2]) == {a[2], b[2]} and len(c[0]) == 32
