@@ -229,10 +229,14 @@ def compile(  # noqa: A001 - the public name users call
 
     bound_main = _bind_batch_to_one(imported.main, imported.num_inputs)
     structure = analyze(bound_main, imported.num_inputs, imported.source_name)
+    tiered_doc = None
     if tiered is not None:
-        from ..passes.tiered_kv_attention import check_supported
+        from ..passes.tiered_kv_attention import check_supported, prefill_mma_dtype
 
         check_supported(structure, tiered)
+        mma = prefill_mma_dtype(structure, tiered, "cuda" if tgt.kind.name == "cuda" else "llvm")
+        tiered_doc = {**tiered.to_dict(), "prefill_form": f"tensor cores ({mma} operands)" if mma else
+                      "tiled float32" if tgt.kind.name == "cuda" else "llvm"}
     cascade = calib = None
     if calibration is not None:
         from .calibrate import load_calibration
@@ -344,7 +348,7 @@ def compile(  # noqa: A001 - the public name users call
                "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
                         "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else None,
-                        "tiered": tiered.to_dict() if tiered is not None else None,
+                        "tiered": tiered_doc,
                         "cascade": cascade.manifest() if cascade is not None else None,
                         "prefetch": {"calibration": calib.manifest(), "layers": sorted(prefetch),
                                      "check": calib.meta["prefetch"]["layers"]} if offloaded and calib is not None else None,

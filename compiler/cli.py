@@ -48,7 +48,7 @@ def cmd_compile(args) -> int:
 
         tiered = TieredOptions(mode=args.kv_cache, t1_page=args.t1_page, t2_page=args.t2_page, sink=args.sink, recent=args.recent,
                                tier1_fraction=args.tier1_fraction, rerank_every=args.rerank_every, importance=args.importance,
-                               t2_fit=args.t2_fit, decode_kernel=args.decode_kernel)
+                               t2_fit=args.t2_fit, decode_kernel=args.decode_kernel, prefill_kernel=args.prefill_kernel)
     moec_compile(args.model, args.output, target=args.target, arch=args.arch, debug_dump=args.debug_dump, progress=True,
                  kv_cache_dtype=args.kv_cache_dtype, kv_cache=args.kv_cache, tiered_options=tiered,
                  cascade_groups=args.cascade_groups, cascade_keep=args.cascade_keep,
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-kernel", choices=["split", "split-fields", "ragged"], default="split",
                    help="decode attention: the split kernel (float32 sums of the 2-bit codes), the same with the codes "
                         "in float16 pairs (CUDA; not yet measured on a GPU), or the prefill kernels")
+    g.add_argument("--prefill-kernel", choices=["auto", "tensor-cores", "tiled"], default="auto",
+                   help="CUDA prefill attention and importance sums: tensor cores (mma.sync, the model's bfloat16 or "
+                        "float16 as operands), tiled float32 dot products, or auto: tensor cores for 16-bit models")
     g.add_argument("--t2-fit", choices=["lloyd", "moments"], default="lloyd",
                    help="2-bit statistics of a demoted page: least-squares refit to the codes' levels (lower error) "
                         "or the plain mean and standard deviation")

@@ -60,6 +60,9 @@ class TieredOptions:
     # prefill kernels
     decode_kernel: str = "split"
     t2_fit: str = "lloyd"  # 2-bit statistics at a demotion: "lloyd" (least-squares refit) or "moments" (mean, std)
+    # CUDA prefill attention and importance sums: "tensor-cores" (mma.sync with the model's 16-bit dtype as operands),
+    # "tiled" (float32 dot products), "auto" (tensor cores for bfloat16 / float16 models, else tiled)
+    prefill_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fp8"):
@@ -68,6 +71,8 @@ class TieredOptions:
             raise MoecError("tier-1 fraction must be in [0, 1]")
         if self.decode_kernel not in ("split", "split-fields", "ragged"):
             raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-fields or ragged")
+        if self.prefill_kernel not in ("auto", "tensor-cores", "tiled"):
+            raise MoecError(f"unknown prefill kernel {self.prefill_kernel!r}: expected auto, tensor-cores or tiled")
         if self.t2_fit not in ("lloyd", "moments"):
             raise MoecError(f"unknown 2-bit fit {self.t2_fit!r}: expected lloyd or moments")
         if self.importance not in ("mass", "keynorm", "random"):
@@ -96,6 +101,22 @@ def check_supported(structure: MoEStructure, opts: TieredOptions) -> tuple[int, 
     return h, hkv, d
 
 
+def prefill_mma_dtype(structure: MoEStructure, opts: TieredOptions, kind: str) -> str | None:
+    """The operand dtype of the tensor-core prefill kernels, or None for the tiled float32 ones (``opts.prefill_kernel``;
+    "tensor-cores" on a model or target they cannot serve is refused)."""
+    from ..schedules.kernels.tiered_attention import mma_supported
+
+    if opts.prefill_kernel == "tiled":
+        return None
+    h, hkv, d = check_supported(structure, opts)
+    why = "the target is not CUDA" if kind != "cuda" else mma_supported(h, hkv, d, structure.dtype)
+    if why is None:
+        return structure.dtype
+    if opts.prefill_kernel == "tensor-cores":
+        raise MoecError(f"tiered KV cache: --prefill-kernel tensor-cores cannot serve this model: {why}")
+    return None
+
+
 class _Kernels:
     """The tiered kernels of one head configuration, added to the module being built."""
 
@@ -108,8 +129,10 @@ class _Kernels:
         kind = "cuda" if target.kind.name == "cuda" else "llvm"
         h, hkv, d = self.h, self.hkv, self.d
         self.append = bb.add_func(make_tiered_append(hkv, d, opts.t1_page, target=kind), "tiered_append")
-        self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind), "tiered_attention")
-        self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind), "tiered_mass")
+        self.mma_dtype = prefill_mma_dtype(structure, opts, kind)
+        self.attention = bb.add_func(make_tiered_attention(h, hkv, d, opts.t1_page, opts.t2_page, target=kind,
+                                                           mma_dtype=self.mma_dtype), "tiered_attention")
+        self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind, mma_dtype=self.mma_dtype), "tiered_mass")
         from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_for_models
 
         decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=opts.decode_kernel == "split-fields") \

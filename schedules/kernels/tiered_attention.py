@@ -37,10 +37,15 @@ MASS_CHUNK = 128
 
 
 def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                          target: str = "llvm"):
-    """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda"."""
+                          target: str = "llvm", mma_dtype: str | None = None):
+    """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda". ``mma_dtype``
+    ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``)."""
     if target == "cuda":
+        if mma_dtype is not None:
+            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype)
         return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
+    if mma_dtype is not None:
+        raise ValueError("tiered attention: the tensor-core form is CUDA only")
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G, D4 = H // HKV, head_dim // 4
 
@@ -125,10 +130,15 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
     return tiered_attention
 
 
-def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
-    """The importance (column-sum) PrimFunc for ``target`` "llvm" or "cuda"."""
+def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm",
+                     mma_dtype: str | None = None):
+    """The importance (column-sum) PrimFunc for ``target`` "llvm" or "cuda" (``mma_dtype``: as ``make_tiered_attention``)."""
     if target == "cuda":
+        if mma_dtype is not None:
+            return _mass_mma(num_heads, num_kv_heads, head_dim, t1_page, mma_dtype)
         return _mass_cuda(num_heads, num_kv_heads, head_dim, t1_page)
+    if mma_dtype is not None:
+        raise ValueError("tiered mass: the tensor-core form is CUDA only")
     H, HKV, D, PS1, C = num_heads, num_kv_heads, head_dim, t1_page, MASS_CHUNK
     G = H // HKV
 
@@ -429,5 +439,347 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
                                             acc[0] = acc[0] + T.if_then_else(T.Cast("float32", i) < q4[0], acc[1], T.float32(0))
                                 if dg == 0 and i < ext:
                                     t1_mass[layer, page, hk, slot] += acc[0]
+
+    return tiered_mass
+
+
+# ---------------------------------------------------------------------------- CUDA: tensor-core forms
+#
+# The prefill of one 2048-token chunk spent most of its attention time in the tiled forms' float32 dot
+# products (shared-memory bound: one shared load per multiply-add). These forms run the products on tensor
+# cores (mma.sync m16n8k16, float32 accumulators) with 16-bit operands: the model's own activation dtype,
+# bfloat16 or float16. Tier-1 codes widen to it exactly (e4m3 values are 16-bit floats); their per-token
+# scales are applied in float32, to the scores (keys) and to the probabilities (values). Tier-2 entries are
+# dequantized in float32 and rounded once to the 16-bit type; queries are rounded too (exact when the model
+# computed them in that type). Probabilities enter the value product rounded to it, while the softmax
+# sums, the statistics and the output stay float32.
+#
+# Attention: a block per (table row b, tile of MMA_ROWS / G consecutive queries of that row, KV head), 4 warps.
+# The block's MMA_ROWS rows are (query, query head of the KV head) pairs, query-major, so a GQA model
+# dequantizes each key once for its G heads. Warp w owns rows 16 w .. 16 w + 15 and keeps their query
+# fragments in registers. Keys stream through shared memory MMA_KT at a time (tier-2 pages, then tier-1
+# tokens up to the block's longest visible prefix), dequantized by the whole block; each warp computes its
+# 16 x MMA_KT scores (S = Q K^T), masks them (tier-1 token j is visible to a query with j < q_t1), takes
+# the online softmax in registers (row maxima across the 4 lanes of a row by shuffles), and adds P V with
+# the score accumulators reused as the A operand (an m16n8 accumulator pair is an m16k16 operand).
+#
+# Mass: a block per (row b, tile of MMA_KT tier-1 tokens, KV head), 4 warps; warp w owns 16 tokens and
+# keeps their raw key fragments in registers. The row's (query, head) rows stream through shared memory
+# MMA_ROWS at a time with their statistics; each warp computes the transposed scores (K Q^T), turns them
+# into probabilities with each row's (max, sum) and sums them per token in registers. Tiles whose queries
+# see none of the block's tokens are skipped. No atomics: a token is owned by one warp.
+
+MMA_WARPS = 4
+MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block
+MMA_KT = 64  # keys per shared-memory tile
+MMA_PAD = 8  # 16-bit elements of padding per shared row: the fragment loads hit 32 distinct banks
+_MMA_AB = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str) -> str | None:
+    """Why the tensor-core forms cannot take these heads and operand dtype, or None."""
+    if dtype not in _MMA_AB:
+        return f"operand dtype {dtype} is not bfloat16 or float16"
+    if head_dim % 16:
+        return f"head dim {head_dim} is not a multiple of 16"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not split into {num_kv_heads} KV heads"
+    if MMA_ROWS % (num_heads // num_kv_heads):
+        return f"{num_heads // num_kv_heads} query heads per KV head do not divide a block's {MMA_ROWS} rows"
+    return None
+
+
+def _check_mma(num_heads, num_kv_heads, head_dim, dtype):
+    why = mma_supported(num_heads, num_kv_heads, head_dim, dtype)
+    if why is not None:
+        raise ValueError(f"tiered attention (tensor cores): {why}")
+
+
+def _mma16(a, a_off, b, b_off, c, c_off, ab: str):
+    return T.ptx_legacy.mma("m16n8k16", "row", "col", ab, ab, "fp32", a.data, a_off, b.data, b_off, c.data, c_off, False,
+                            dtype="float32")
+
+
+def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str):
+    _check_mma(num_heads, num_kv_heads, head_dim, dtype)
+    H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
+    G, D4, ab = H // HKV, head_dim // 4, _MMA_AB[dtype]
+    NT, KTM, RS = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD
+    QB = MMA_ROWS // G  # queries per block
+    KS, NS, PK, ND = D // 16, KTM // 8, KTM // 16, D // 8  # QK k-steps, score n-tiles, PV k-steps, output n-tiles
+    LG = -(-KTM * D4 // NT)  # 4-element groups of a K (and of a V) tile each thread dequantizes
+    T2T = -(-PS2 // KTM)  # key tiles per tier-2 page
+
+    @T.prim_func(s_tir=True)
+    def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
+                         t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
+                         t2vsig_h: T.handle, t1tab_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle, qrow_h: T.handle,
+                         qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
+                         sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
+        NL, N, B, P1, P2, M1, M2 = T.int64(), T.int32(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (N, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
+        t2_np = T.match_buffer(t2np_h, (B,), "int32")
+        T.match_buffer(qrow_h, (N,), "int32")  # rows come from q_indptr here
+        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        q_indptr = T.match_buffer(indptr_h, (B + 1,), "int32")
+        out = T.match_buffer(out_h, (N, H, D), "float32")
+        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+
+        for b in T.thread_binding(B, thread="blockIdx.x"):
+            for qt in T.thread_binding(T.ceildiv(N, QB), thread="blockIdx.y"):
+                for hk in T.thread_binding(HKV, thread="blockIdx.z"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("attn"):
+                            T.reads()
+                            T.writes()
+                            k_s = T.sblock_alloc_buffer((KTM * RS,), dtype, scope="shared")  # [key][dim]
+                            v_s = T.sblock_alloc_buffer((KTM * RS,), dtype, scope="shared")  # [key][dim]
+                            sc_s = T.sblock_alloc_buffer((2 * KTM,), "float32", scope="shared")  # key, value scales
+                            vis_s = T.sblock_alloc_buffer((QB,), "int32", scope="shared")
+                            qa = T.sblock_alloc_buffer((KS * 8,), dtype, scope="local")  # A fragments of Q
+                            kb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of K^T
+                            pa = T.sblock_alloc_buffer((8,), dtype, scope="local")  # an A fragment of P
+                            vb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of V
+                            sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
+                            oacc = T.sblock_alloc_buffer((ND * 4,), "float32", scope="local")
+                            ml = T.sblock_alloc_buffer((6,), "float32", scope="local")  # max, sum (rows g, g + 8), tile max
+                            al = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            dq = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            ext = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            q0: T.let[T.int32] = q_indptr[b] + qt * QB
+                            end: T.let[T.int32] = q_indptr[b + 1]
+                            w: T.let[T.int32] = tx // 32
+                            g: T.let[T.int32] = (tx % 32) // 4
+                            qq: T.let[T.int32] = tx % 4
+                            if q0 < end:
+                                if tx < QB:
+                                    vis_s[tx] = T.if_then_else(q0 + tx < end, q_t1[T.min(q0 + tx, N - 1)], 0)
+                                for ks in T.unroll(KS):  # a: row g + 8 ((a // 2) % 2), dim 16 ks + 2 qq + 8 (a // 4) + a % 2
+                                    for a in T.unroll(8):
+                                        qa[ks * 8 + a] = T.Cast(dtype, T.if_then_else(
+                                            q0 + (w * 16 + g + 8 * ((a // 2) % 2)) // G < end,
+                                            q[T.min(q0 + (w * 16 + g + 8 * ((a // 2) % 2)) // G, N - 1),
+                                              hk * G + (w * 16 + g + 8 * ((a // 2) % 2)) % G, ks * 16 + 2 * qq + 8 * (a // 4) + a % 2],
+                                            T.float32(0)))
+                                for i in T.unroll(ND * 4):
+                                    oacc[i] = T.float32(0)
+                                ml[0] = T.float32(-1e30)
+                                ml[1] = T.float32(-1e30)
+                                ml[2] = T.float32(0)
+                                ml[3] = T.float32(0)
+                                T.tvm_storage_sync("shared")
+                                ext[0] = 0
+                                for i in T.serial(QB):
+                                    ext[0] = T.max(ext[0], vis_s[i])
+                                vis0: T.let[T.int32] = vis_s[(w * 16 + g) // G]
+                                vis1: T.let[T.int32] = vis_s[(w * 16 + g + 8) // G]
+                                for kt in T.serial(t2_np[b] * T2T + T.ceildiv(ext[0], KTM)):
+                                    is2: T.let[T.bool] = kt < t2_np[b] * T2T
+                                    j0: T.let[T.int32] = T.if_then_else(is2, (kt % T2T) * KTM, (kt - t2_np[b] * T2T) * KTM)
+                                    pg2: T.let[T.int32] = t2_table[b, T.min(kt // T2T, M2 - 1)]
+                                    T.tvm_storage_sync("shared")
+                                    for r in T.serial(LG):  # group e: key e // D4, dims 4 (e % D4) .. + 3
+                                        e: T.let[T.int32] = r * NT + tx
+                                        j: T.let[T.int32] = e // D4
+                                        c4: T.let[T.int32] = e % D4
+                                        if j < KTM:
+                                            if is2:
+                                                if j0 + j < PS2:
+                                                    for i in T.unroll(4):
+                                                        k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, T.Cast(
+                                                            "float32", t2_kmu[layer, pg2, hk, c4 * 4 + i]) + T.Cast(
+                                                            "float32", t2_ksig[layer, pg2, hk, c4 * 4 + i]) * _q2_level(
+                                                            t2_k[layer, pg2, hk, j0 + j, c4], i))
+                                                        v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, T.Cast(
+                                                            "float32", t2_vmu[layer, pg2, hk, j0 + j]) + T.Cast(
+                                                            "float32", t2_vsig[layer, pg2, hk, j0 + j]) * _q2_level(
+                                                            t2_v[layer, pg2, hk, j0 + j, c4], i))
+                                                else:
+                                                    for i in T.unroll(4):
+                                                        k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, 0)
+                                                        v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, 0)
+                                                if c4 == 0:
+                                                    sc_s[j] = sm_scale * T.float32(LOG2E)
+                                                    sc_s[KTM + j] = T.float32(1)
+                                            else:
+                                                tok: T.let[T.int32] = T.min(j0 + j, M1 * PS1 - 1)
+                                                pg1: T.let[T.int32] = t1_table[b, tok // PS1]
+                                                sl: T.let[T.int32] = tok % PS1
+                                                for i in T.unroll(4):
+                                                    dq[i] = _fp8_to_f32(t1_k[layer, pg1, hk, sl, c4 * 4 + i])
+                                                for i in T.unroll(4):
+                                                    k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, dq[i])
+                                                for i in T.unroll(4):
+                                                    dq[i] = _fp8_to_f32(t1_v[layer, pg1, hk, sl, c4 * 4 + i])
+                                                for i in T.unroll(4):
+                                                    v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, dq[i])
+                                                if c4 == 0:
+                                                    sc_s[j] = T.Cast("float32", t1_ks[layer, pg1, hk, sl]) * sm_scale * T.float32(LOG2E)
+                                                    sc_s[KTM + j] = T.Cast("float32", t1_vs[layer, pg1, hk, sl])
+                                    T.tvm_storage_sync("shared")
+                                    # S = Q K^T: sacc[nt * 4 + c] is row g + 8 (c // 2), key nt * 8 + 2 qq + c % 2
+                                    for i in T.unroll(NS * 4):
+                                        sacc[i] = T.float32(0)
+                                    for nt in T.unroll(NS):
+                                        for ks in T.unroll(KS):
+                                            for a in T.unroll(4):  # dim 16 ks + 2 qq + 8 (a // 2) + a % 2 of key nt * 8 + g
+                                                kb[a] = k_s[(nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * (a // 2) + a % 2]
+                                            T.evaluate(_mma16(qa, ks * 8, kb, 0, sacc, nt * 4, ab))
+                                    ml[4] = T.float32(-3e38)
+                                    ml[5] = T.float32(-3e38)
+                                    for nt in T.unroll(NS):
+                                        for c in T.unroll(4):
+                                            sacc[nt * 4 + c] = T.if_then_else(
+                                                T.if_then_else(is2, j0 + nt * 8 + 2 * qq + c % 2 < PS2,
+                                                               j0 + nt * 8 + 2 * qq + c % 2 < T.if_then_else(c < 2, vis0, vis1)),
+                                                sacc[nt * 4 + c] * sc_s[nt * 8 + 2 * qq + c % 2], T.float32(-3e38))
+                                            ml[4 + c // 2] = T.max(ml[4 + c // 2], sacc[nt * 4 + c])
+                                    for rr in T.unroll(2):
+                                        for hh in T.unroll(2):
+                                            ml[4 + hh] = T.max(ml[4 + hh], _shfl(ml[4 + hh], T.shift_left(1, rr)))
+                                    for hh in T.unroll(2):  # al[hh]: the rescale factor of row g + 8 hh
+                                        ml[4 + hh] = T.max(ml[hh], ml[4 + hh])
+                                        al[hh] = T.exp2(ml[hh] - ml[4 + hh])
+                                        ml[2 + hh] = ml[2 + hh] * al[hh]
+                                        ml[hh] = ml[4 + hh]
+                                    for i in T.unroll(ND * 4):
+                                        oacc[i] = oacc[i] * al[(i % 4) // 2]
+                                    for s2 in T.unroll(PK):
+                                        for a in T.unroll(8):  # a: score tile 2 s2 + a // 4, accumulator a % 4
+                                            sacc[(2 * s2 + a // 4) * 4 + a % 4] = T.if_then_else(
+                                                sacc[(2 * s2 + a // 4) * 4 + a % 4] > T.float32(-1e38),
+                                                T.exp2(sacc[(2 * s2 + a // 4) * 4 + a % 4] - ml[(a % 4) // 2]), T.float32(0))
+                                            ml[2 + (a % 4) // 2] = ml[2 + (a % 4) // 2] + sacc[(2 * s2 + a // 4) * 4 + a % 4]
+                                            pa[a] = T.Cast(dtype, T.if_then_else(  # (a masked key's scale may be any bits)
+                                                sacc[(2 * s2 + a // 4) * 4 + a % 4] > T.float32(0), sacc[(2 * s2 + a // 4) * 4 + a % 4] * sc_s[
+                                                    KTM + s2 * 16 + 8 * (a // 4) + 2 * qq + a % 2], T.float32(0)))
+                                        for dn in T.unroll(ND):
+                                            for a in T.unroll(4):  # key 16 s2 + 2 qq + 8 (a // 2) + a % 2, dim 8 dn + g
+                                                vb[a] = v_s[(s2 * 16 + 2 * qq + 8 * (a // 2) + a % 2) * RS + dn * 8 + g]
+                                            T.evaluate(_mma16(pa, 0, vb, 0, oacc, dn * 4, ab))
+                                for rr in T.unroll(2):
+                                    for hh in T.unroll(2):
+                                        ml[2 + hh] = ml[2 + hh] + _shfl(ml[2 + hh], T.shift_left(1, rr))
+                                for hh in T.unroll(2):
+                                    if q0 + (w * 16 + g + 8 * hh) // G < end:
+                                        for dn in T.unroll(ND):
+                                            for c in T.unroll(2):
+                                                out[q0 + (w * 16 + g + 8 * hh) // G, hk * G + (w * 16 + g + 8 * hh) % G,
+                                                    dn * 8 + 2 * qq + c] = T.if_then_else(
+                                                    ml[2 + hh] > T.float32(0), oacc[dn * 4 + hh * 2 + c] / ml[2 + hh], T.float32(0))
+                                        if qq == 0:
+                                            stats[q0 + (w * 16 + g + 8 * hh) // G, hk * G + (w * 16 + g + 8 * hh) % G, 0] = ml[hh]
+                                            stats[q0 + (w * 16 + g + 8 * hh) // G, hk * G + (w * 16 + g + 8 * hh) % G, 1] = ml[2 + hh]
+
+    return tiered_attention
+
+
+def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dtype: str):
+    _check_mma(num_heads, num_kv_heads, head_dim, dtype)
+    H, HKV, D, PS1 = num_heads, num_kv_heads, head_dim, t1_page
+    G, ab = H // HKV, _MMA_AB[dtype]
+    NT, KTM, RS, R = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD, MMA_ROWS
+    QB = R // G  # queries per tile of rows
+    KS, NS = D // 16, R // 8  # k-steps, n-tiles of rows
+    LQ = -(-R * D // NT)  # query elements each thread stages per tile
+
+    @T.prim_func(s_tir=True)
+    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
+                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
+        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
+        q = T.match_buffer(q_h, (N, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
+        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+
+        for b in T.thread_binding(B1 - 1, thread="blockIdx.x"):
+            for c in T.thread_binding(T.ceildiv(M1 * PS1, KTM), thread="blockIdx.y"):
+                for hk in T.thread_binding(HKV, thread="blockIdx.z"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("mass"):
+                            T.reads()
+                            T.writes()
+                            q_s = T.sblock_alloc_buffer((R * RS,), dtype, scope="shared")  # [row][dim]
+                            st_s = T.sblock_alloc_buffer((2 * R,), "float32", scope="shared")  # max, sum of each row
+                            vis_s = T.sblock_alloc_buffer((R,), "int32", scope="shared")
+                            ka = T.sblock_alloc_buffer((KS * 8,), dtype, scope="local")  # A fragments of the raw keys
+                            qb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of Q^T
+                            sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
+                            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")  # mass of tokens g, g + 8
+                            kscale = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            ext = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the tile's longest visible prefix
+                            q_lo: T.let[T.int32] = q_indptr[b]
+                            q_hi: T.let[T.int32] = q_indptr[b + 1]
+                            last: T.let[T.int32] = T.if_then_else(q_hi > q_lo, q_t1[T.max(q_hi - 1, 0)], 0)
+                            w: T.let[T.int32] = tx // 32
+                            g: T.let[T.int32] = (tx % 32) // 4
+                            qq: T.let[T.int32] = tx % 4
+                            i0: T.let[T.int32] = c * KTM + w * 16  # the warp's first token
+                            if c * KTM < last:
+                                for a in T.unroll(8):  # a: token i0 + g + 8 ((a // 2) % 2), dim 16 ks + 2 qq + 8 (a // 4) + a % 2
+                                    for ks in T.unroll(KS):
+                                        ka[ks * 8 + a] = T.Cast(dtype, _fp8_to_f32(t1_k[
+                                            layer, t1_table[b, T.min(i0 + g + 8 * ((a // 2) % 2), M1 * PS1 - 1) // PS1], hk,
+                                            (i0 + g + 8 * ((a // 2) % 2)) % PS1, ks * 16 + 2 * qq + 8 * (a // 4) + a % 2]))
+                                for hh in T.unroll(2):
+                                    kscale[hh] = T.Cast("float32", t1_ks[
+                                        layer, t1_table[b, T.min(i0 + g + 8 * hh, M1 * PS1 - 1) // PS1], hk,
+                                        (i0 + g + 8 * hh) % PS1]) * sm_scale * T.float32(LOG2E)
+                                    acc[hh] = T.float32(0)
+                                for t in T.serial(T.ceildiv((q_hi - q_lo) * G, R)):
+                                    T.tvm_storage_sync("shared")
+                                    for r in T.serial(LQ):
+                                        e: T.let[T.int32] = r * NT + tx
+                                        if e < R * D:
+                                            qn: T.let[T.int32] = T.min(q_lo + (t * R + e // D) // G, N - 1)
+                                            q_s[(e // D) * RS + e % D] = T.Cast(dtype, q[qn, hk * G + (t * R + e // D) % G, e % D])
+                                    if tx < R:
+                                        qn2: T.let[T.int32] = q_lo + (t * R + tx) // G
+                                        vis_s[tx] = T.if_then_else(qn2 < q_hi, q_t1[T.min(qn2, N - 1)], 0)
+                                        st_s[tx] = stats[T.min(qn2, N - 1), hk * G + (t * R + tx) % G, 0]
+                                        st_s[R + tx] = stats[T.min(qn2, N - 1), hk * G + (t * R + tx) % G, 1]
+                                    T.tvm_storage_sync("shared")
+                                    ext[0] = 0
+                                    for i in T.serial(R):
+                                        ext[0] = T.max(ext[0], vis_s[i])
+                                    if c * KTM < ext[0]:  # some query of the tile sees a token of the block
+                                        for i in T.unroll(NS * 4):
+                                            sacc[i] = T.float32(0)
+                                        for nt in T.unroll(NS):  # sacc[nt * 4 + cc]: token g + 8 (cc // 2), row nt * 8 + 2 qq + cc % 2
+                                            for ks in T.unroll(KS):
+                                                for a in T.unroll(4):
+                                                    qb[a] = q_s[(nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * (a // 2) + a % 2]
+                                                T.evaluate(_mma16(ka, ks * 8, qb, 0, sacc, nt * 4, ab))
+                                        for nt in T.unroll(NS):
+                                            for cc in T.unroll(4):
+                                                acc[cc // 2] = acc[cc // 2] + T.if_then_else(
+                                                    (i0 + g + 8 * (cc // 2) < vis_s[nt * 8 + 2 * qq + cc % 2])
+                                                    & (st_s[R + nt * 8 + 2 * qq + cc % 2] > T.float32(0)),
+                                                    T.exp2(sacc[nt * 4 + cc] * kscale[cc // 2] - st_s[nt * 8 + 2 * qq + cc % 2])
+                                                    / st_s[R + nt * 8 + 2 * qq + cc % 2], T.float32(0))
+                                for rr in T.unroll(2):
+                                    for hh in T.unroll(2):
+                                        acc[hh] = acc[hh] + _shfl(acc[hh], T.shift_left(1, rr))
+                                for hh in T.unroll(2):
+                                    if (qq == 0) & (i0 + g + 8 * hh < last):
+                                        t1_mass[layer, t1_table[b, (i0 + g + 8 * hh) // PS1], hk, (i0 + g + 8 * hh) % PS1] += acc[hh]
 
     return tiered_mass

@@ -1,5 +1,7 @@
 """InsertTieredKVAttention: IR before/after, and the compiled model against the PyTorch tiered-KV reference."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tvm
@@ -233,3 +235,33 @@ def test_hf_exports_compile_with_the_tiered_cache(zoo, tmp_path, name):
         assert err < (0.1 if mode == "fp8" else 0.5), (mode, err)
         if mode == "tiered":
             assert engine.tiered.reranks >= 1 and engine.tiered.tables.seqs[engine.tiered.slot[seqs[0]]].t2_pages
+
+
+def test_prefill_kernel_choice(zoo, tmp_path):
+    """``prefill_kernel``: a bfloat16 model's CUDA build takes the tensor-core prefill kernels (auto), ``tiled`` the
+    float32 ones; tensor cores are refused, naming the reason, where they cannot serve (llvm, float32 models)."""
+    import json
+
+    import moec
+    from moec.compiler.errors import MoecError
+    from moec.compiler.serve_bench import build_hf
+    from moec.models.export import save_pt2
+
+    model = build_hf("tiny-mixtral", "bfloat16", "cpu", 0, 2)  # 4 query heads over 2 KV heads, head dim 32
+    src = tmp_path / "m.pt2"
+    save_pt2(model, model.config.vocab_size, src, max_seq=64)
+    opts = TieredOptions(t2_page=64)
+    forms = {}
+    for kernel in ("auto", "tiled"):
+        art = moec.compile(src, tmp_path / kernel, target="cuda", kv_cache="tiered",
+                           tiered_options=replace(opts, prefill_kernel=kernel))
+        forms[kernel] = json.loads((art / "manifest.json").read_text())["options"]["tiered"]["prefill_form"]
+    assert forms == {"auto": "tensor cores (bfloat16 operands)", "tiled": "tiled float32"}
+    with pytest.raises(MoecError, match="tensor-cores cannot serve this model: the target is not CUDA"):
+        moec.compile(src, tmp_path / "llvm", kv_cache="tiered", tiered_options=replace(opts, prefill_kernel="tensor-cores"))
+    with pytest.raises(MoecError, match="operand dtype float32"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "f32", target="cuda", kv_cache="tiered",
+                     tiered_options=TieredOptions(t2_page=128, prefill_kernel="tensor-cores"))
+    assert not (tmp_path / "llvm").exists() and not (tmp_path / "f32").exists()
+    with pytest.raises(MoecError, match="unknown prefill kernel"):
+        TieredOptions(prefill_kernel="wmma")

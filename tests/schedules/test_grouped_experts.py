@@ -500,3 +500,33 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
     (c1, s1), (c2, s2) = quantize_fp8(w1), quantize_fp8(w2)
     got = _run_fp8(_build(spec, "cuda"), spec, x, c1, s1, c2, s2, ids, rw, dev=tvm.cuda())
     _check(spec, got, x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw, tol=3e-2)
+
+
+@pytest.mark.parametrize("t", [37, 300])
+def test_mma_register_form_emulated(t):
+    """The register-form mma.sync kernels (matched numpy on the H200, ``test_cuda_matches_numpy_on_gpu``) run on
+    the CPU emulation of tests/cuda_emu.py: a check of the emulator's mma fragment layouts, which the tensor-core
+    kernels not yet run on a GPU are tested with."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", stages=0)
+    src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    assert "mma.sync" in src
+    cfg = launch_config(spec)
+    k = {name: EmulatedKernel(src, f"moe_{name}_kernel") for name in ("route_prep", "gate_up", "down", "combine")}
+    x, w1, w2, ids, rw = _data(spec, t, seed=t)
+    offsets, order = np.zeros(spec.experts + 1, np.int32), np.zeros(t * 4, np.int32)
+    h = np.zeros((t * 4, spec.inter), ml_dtypes.bfloat16)
+    y = np.zeros((t * 4, spec.hidden), np.float32)
+    out = np.zeros((t, spec.hidden), np.float32)
+    ids = ids.astype(np.int64)
+    grid = lambda c: (c["blocks"][0] if c["blocks"][0] != "T" else t, c["blocks"][1], 1)  # noqa: E731
+    # (the generated route_prep takes the slot count T * K as a hoisted scalar, combine the token count as N)
+    k["route_prep"](grid(cfg["route_prep"]), cfg["route_prep"]["threads"], ids=ids, offsets=offsets, order=order, cse_v1=t * 4)
+    k["gate_up"](grid(cfg["gate_up"]), 128, x=x, w=w1, offsets=offsets, order=order, h=h)
+    k["down"](grid(cfg["down"]), 128, h=h, w=w2, offsets=offsets, order=order, rw=rw, y=y)
+    k["combine"](grid(cfg["combine"]), cfg["combine"]["threads"], y=y, ids=ids, out=out, N=t)
+    _check(spec, (offsets, order, h.astype(np.float32), out), x, w1, w2, ids, rw, tol=3e-2)

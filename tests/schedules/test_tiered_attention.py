@@ -1,12 +1,15 @@
 """Ragged-query attention over the tiered cache (prefill path) and its importance column sums (llvm)."""
 
+import functools
+
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
 
 from moec.compiler.targets import make_target
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_attention import make_tiered_attention, make_tiered_mass
+from moec.schedules.kernels.tiered_attention import KT, MMA_KT, MMA_ROWS, QT, make_tiered_attention, make_tiered_mass
 
 from moec_testing import require_cuda
 
@@ -21,19 +24,20 @@ def kernels():
     return tvm.compile(mod, target="llvm")
 
 
-def _case(seed, t1_lens, t2_pages, new):
+def _case(seed, t1_lens, t2_pages, new, heads=(H, HKV, D)):
     """Rows whose tier 1 ends with ``new[b]`` chunk tokens; a query for each chunk token."""
+    h, hkv, d = heads
     rng = np.random.default_rng(seed)
     kv = []
     for n1, n2 in zip(t1_lens, t2_pages):
-        k = rng.standard_normal((HKV, n1 + n2 * PS2, D)).astype(np.float32) * 2
+        k = rng.standard_normal((hkv, n1 + n2 * PS2, d)).astype(np.float32) * 2
         kv.append((k, rng.standard_normal(k.shape).astype(np.float32)))
     pools, tables, deq, slots = ref.fill_pools(kv, t1_lens, P1, P2, PS1, PS2, rng)
     q_row, q_t1 = [], []
     for b, (n1, m) in enumerate(zip(t1_lens, new)):
         q_row += [b] * m
         q_t1 += list(range(n1 - m + 1, n1 + 1))
-    qv = rng.standard_normal((len(q_row), H, D)).astype(np.float32)
+    qv = rng.standard_normal((len(q_row), h, d)).astype(np.float32)
     indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     return qv, pools, tables, deq, slots, np.array(q_row, np.int32), np.array(q_t1, np.int32), indptr
 
@@ -62,20 +66,115 @@ def test_cuda_attention_and_mass_against_numpy(cuda_kernels, seed, t1_lens, t2_p
     _check(cuda_kernels, tvm.cuda(), seed, t1_lens, t2_pages, new, tol=1e-4)
 
 
-def _check(kernels, dev, seed, t1_lens, t2_pages, new, tol=1e-5):
-    qv, pools, tables, deq, slots, q_row, q_t1, indptr = _case(seed, t1_lens, t2_pages, new)
-    scale = D**-0.5
+@functools.lru_cache(maxsize=None)
+def _emulated_kernels(heads, mma_dtype=None):
+    """The CUDA forms of ``heads`` (the tensor-core ones with ``mma_dtype``), run on the CPU by tests/cuda_emu.py."""
+    from cuda_emu import EmulatedKernel
+
+    h, hkv, d = heads
+    mod = tvm.IRModule({"tiered_attention": make_tiered_attention(h, hkv, d, PS1, PS2, target="cuda", mma_dtype=mma_dtype),
+                        "tiered_mass": make_tiered_mass(h, hkv, d, PS1, target="cuda", mma_dtype=mma_dtype)})
+    src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
+    if mma_dtype is None:
+        att = lambda n, b: (b, -(-n // QT), h)  # noqa: E731
+        mass = lambda n, b: (b, -(-(P1 * PS1) // KT), hkv)  # noqa: E731  (the table width: P1 pages)
+    else:
+        att = lambda n, b: (b, -(-n // (MMA_ROWS // (h // hkv))), hkv)  # noqa: E731
+        mass = lambda n, b: (b, -(-(P1 * PS1) // MMA_KT), hkv)  # noqa: E731
+    return {"tiered_attention": (EmulatedKernel(src, "tiered_attention_kernel"), att),
+            "tiered_mass": (EmulatedKernel(src, "tiered_mass_kernel"), mass)}
+
+
+@pytest.mark.parametrize("seed,t1_lens,t2_pages,new", GPU_CASES[:3])
+def test_cuda_tiled_forms_emulated(seed, t1_lens, t2_pages, new):
+    """The float32 tiled CUDA forms (measured on the H200 against numpy at 1e-4) give the same on the emulator:
+    a check of the emulation itself."""
+    _check(_emulated_kernels((H, HKV, D)), "emulated", seed, t1_lens, t2_pages, new, tol=1e-4)
+
+
+# (heads, kv heads, head dim): the tests' GQA shape, OLMoE's (no GQA) and Mixtral's (4 query heads per KV head)
+MMA_HEADS = [(H, HKV, D), (2, 2, 128), (8, 2, 128)]
+
+
+@pytest.mark.parametrize("heads,dtype", [(h, "bfloat16") for h in MMA_HEADS] + [(MMA_HEADS[2], "float16")])
+@pytest.mark.parametrize("seed,t1_lens,t2_pages,new", [GPU_CASES[0], GPU_CASES[2], GPU_CASES[3]])
+def test_tensor_core_forms_emulated(heads, dtype, seed, t1_lens, t2_pages, new):
+    """The mma.sync forms on the emulator, against numpy in float64 on queries of the operand type. Their error is
+    the rounding of the probabilities (and of the tier-2 entries) to the 16-bit type: at most 1.5e-2 on outputs of
+    unit scale in bfloat16 (8 significant bits), 4x less in float16."""
+    tol = 1.5e-2 if dtype == "bfloat16" else 4e-3
+    _check(_emulated_kernels(heads, dtype), "emulated", seed, t1_lens, t2_pages, new, tol=tol, heads=heads,
+           q_round=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16, mass_tol=tol)
+
+
+@pytest.fixture(scope="module")
+def cuda_mma_kernels():
+    require_cuda()
+    out = {}
+    for heads in MMA_HEADS:
+        h, hkv, d = heads
+        mod = tvm.IRModule({"tiered_attention": make_tiered_attention(h, hkv, d, PS1, PS2, target="cuda", mma_dtype="bfloat16"),
+                            "tiered_mass": make_tiered_mass(h, hkv, d, PS1, target="cuda", mma_dtype="bfloat16")})
+        out[heads] = tvm.compile(mod, target=make_target("cuda"))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", MMA_HEADS)
+@pytest.mark.parametrize("seed,t1_lens,t2_pages,new", GPU_CASES)
+def test_cuda_tensor_core_forms_against_numpy(cuda_mma_kernels, heads, seed, t1_lens, t2_pages, new):
+    _check(cuda_mma_kernels[heads], tvm.cuda(), seed, t1_lens, t2_pages, new, tol=1.5e-2, heads=heads,
+           q_round=ml_dtypes.bfloat16, mass_tol=1.5e-2)
+
+
+def test_tensor_core_forms_compile():
+    import re
+
+    mod = tvm.IRModule({"tiered_attention": make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16"),
+                        "tiered_mass": make_tiered_mass(16, 16, 128, 16, target="cuda", mma_dtype="bfloat16")})
+    src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("128", "tiered_attention"), ("128", "tiered_mass")}
+    # QK (8 key tiles x 8 k-steps) and PV (4 k-steps x 16 dim tiles) of a key tile; the mass kernel's K Q^T (8 x 8)
+    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128 + 64
+    assert "__shared__ alignas(64) nv_bfloat16 k_s" in src and "atomicAdd" not in src
+    with pytest.raises(ValueError, match="operand dtype float32"):
+        make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="float32")
+    with pytest.raises(ValueError, match="do not divide"):
+        make_tiered_mass(48, 1, 128, 16, target="cuda", mma_dtype="bfloat16")  # 48 heads per KV head
+    with pytest.raises(ValueError, match="CUDA only"):
+        make_tiered_attention(16, 16, 128, 16, 128, mma_dtype="bfloat16")
+
+
+def _check(kernels, dev, seed, t1_lens, t2_pages, new, tol=1e-5, heads=(H, HKV, D), q_round=None, mass_tol=None):
+    h, hkv, d = heads
+    qv, pools, tables, deq, slots, q_row, q_t1, indptr = _case(seed, t1_lens, t2_pages, new, heads)
+    if q_round is not None:  # queries as a 16-bit model computes them (the tensor-core forms' operand type)
+        qv = qv.astype(q_round).astype(np.float32)
+    scale = d**-0.5
     lp = {k: ref.layered(pools[k]) for k in ref.POOL_ORDER}
     n = len(q_row)
-    out = tvm.runtime.tensor(np.zeros((n, H, D), np.float32), dev)
-    stats = tvm.runtime.tensor(np.zeros((n, H, 2), np.float32), dev)
-    t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
-    kernels["tiered_attention"](t(qv), *[t(lp[k]) for k in ref.POOL_ORDER], t(tables["t1_table"]), t(tables["t2_table"]),
-                                t(tables["t2_np"]), t(q_row), t(q_t1), t(indptr), out, stats, ref.LAYER, scale)
-    mass0 = ref.layered(np.random.default_rng(5).random((P1, HKV, PS1)).astype(np.float32))
-    mass = t(mass0.copy())
-    kernels["tiered_mass"](t(qv), t(lp["t1_k"]), t(lp["t1_ks"]), t(tables["t1_table"]), t(q_t1), t(indptr), stats, mass,
-                           ref.LAYER, scale)
+    mass0 = ref.layered(np.random.default_rng(5).random((P1, hkv, PS1)).astype(np.float32))
+    if dev == "emulated":  # the generated CUDA code run on the CPU (tests/cuda_emu.py): kernels maps name -> (kernel, grid)
+        out, stats, mass = np.zeros((n, h, d), np.float32), np.zeros((n, h, 2), np.float32), mass0.copy()
+        common = dict(q=qv, q_indptr=indptr, q_t1=q_t1, q_row=q_row, t1_table=tables["t1_table"], B=len(t1_lens),
+                      M1=tables["t1_table"].shape[1], N=n, P1=lp["t1_k"].shape[1], layer=ref.LAYER, sm_scale=scale)
+        kern, grid = kernels["tiered_attention"]
+        kern(grid(n, len(t1_lens)), 128, out=out, stats=stats, **{k: lp[k] for k in ref.POOL_ORDER}, **common,
+             t2_table=tables["t2_table"], t2_np=tables["t2_np"], M2=tables["t2_table"].shape[1], P2=lp["t2_k"].shape[1])
+        kern, grid = kernels["tiered_mass"]
+        kern(grid(n, len(t1_lens)), 128, stats=stats, t1_mass=mass, t1_k=lp["t1_k"], t1_ks=lp["t1_ks"], B1=len(t1_lens) + 1,
+             **common)
+        got, got_out, got_stats = mass, out, stats
+    else:
+        out = tvm.runtime.tensor(np.zeros((n, h, d), np.float32), dev)
+        stats = tvm.runtime.tensor(np.zeros((n, h, 2), np.float32), dev)
+        t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+        kernels["tiered_attention"](t(qv), *[t(lp[k]) for k in ref.POOL_ORDER], t(tables["t1_table"]), t(tables["t2_table"]),
+                                    t(tables["t2_np"]), t(q_row), t(q_t1), t(indptr), out, stats, ref.LAYER, scale)
+        mass = t(mass0.copy())
+        kernels["tiered_mass"](t(qv), t(lp["t1_k"]), t(lp["t1_ks"]), t(tables["t1_table"]), t(q_t1), t(indptr), stats, mass,
+                               ref.LAYER, scale)
+        got, got_out, got_stats = mass.numpy(), out.numpy(), stats.numpy()
     want_mass = mass0[ref.LAYER].astype(np.float64)
     for j in range(n):
         b = q_row[j]
@@ -83,16 +182,16 @@ def _check(kernels, dev, seed, t1_lens, t2_pages, new, tol=1e-5):
         n1 = t1_lens[b]
         vis = np.r_[0:q_t1[j], n1:kd.shape[1]]
         want, p = ref.attention(qv[j], kd[:, vis], vd[:, vis], scale)
-        np.testing.assert_allclose(out.numpy()[j], want, rtol=tol, atol=tol)
-        per_kv = p.reshape(HKV, -1, p.shape[-1]).sum(1)
+        np.testing.assert_allclose(got_out[j], want, rtol=tol, atol=tol)
+        per_kv = p.reshape(hkv, -1, p.shape[-1]).sum(1)
         for col in range(q_t1[j]):
             pg, sl = slots[b][col]
             want_mass[pg, :, sl] += per_kv[:, col]
-    got = mass.numpy()
     np.testing.assert_array_equal(got[0], mass0[0])
-    np.testing.assert_allclose(got[ref.LAYER], want_mass, rtol=tol, atol=tol / 10)
+    mass_tol = mass_tol or tol
+    np.testing.assert_allclose(got[ref.LAYER], want_mass, rtol=mass_tol, atol=mass_tol / 10)
     # every query's probabilities sum to one: the stats describe the same softmax the output used
-    assert np.isfinite(stats.numpy()).all() and (stats.numpy()[..., 1] >= 1 - 1e-6).all()
+    assert np.isfinite(got_stats).all() and (got_stats[..., 1] >= 1 - 1e-6).all()
 
 
 def test_cuda_forms_compile():

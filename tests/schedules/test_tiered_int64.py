@@ -17,6 +17,8 @@ KERNELS = {
     "tiered_attention": lambda: make_tiered_attention(16, 16, 128, 16, 128, target="cuda"),
     "tiered_mass": lambda: make_tiered_mass(16, 16, 128, 16, target="cuda"),
     "tiered_decode": lambda: make_tiered_decode_cuda(16, 16, 128, 16, 128),
+    "tiered_attention_mma": lambda: make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16"),
+    "tiered_mass_mma": lambda: make_tiered_mass(16, 16, 128, 16, target="cuda", mma_dtype="bfloat16"),
     "tiered_append": lambda: make_tiered_append(16, 128, 16, target="cuda"),
     "tiered_rerank": lambda: make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda"),
 }

@@ -1,0 +1,376 @@
+"""Run a CUDA kernel that TVM generated on this machine's CPU: a test harness for machines without a GPU.
+
+The kernel's source (``inspect_source`` of a compiled CUDA module) is compiled by the host C++ compiler
+with a small prelude that supplies what the device would: ``threadIdx`` / ``blockIdx``, ``__syncthreads``,
+warp shuffles, 16-bit float types and ``mma.sync`` (each inline-asm ``mma`` becomes a call to an
+emulation that gathers the warp's fragments as the PTX ISA lays them out). Threads are fibers
+(``ucontext``) on one OS thread, switched only at barriers, so a run is deterministic; the blocks of
+the grid run one after another, ``__shared__`` arrays being the function's statics.
+
+It checks what the generated code computes (indexing, fragment layouts, masking, reductions, the
+order of shared-memory phases), not speed or memory-model races. Unsupported constructs (other inline
+assembly, atomics) make ``compile_kernel`` raise, so a test never passes by skipping them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <ucontext.h>
+#include <vector>
+#include <stdexcept>
+#include <algorithm>
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+struct dim3_ { int x, y, z; };
+static dim3_ blockIdx, blockDim, gridDim;
+
+static inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+struct nv_bfloat16 {
+  uint16_t x;
+  nv_bfloat16() : x(0) {}
+  nv_bfloat16(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { x = 0x7fc0; return; }
+    x = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  nv_bfloat16(double f) : nv_bfloat16((float)f) {}
+  nv_bfloat16(int f) : nv_bfloat16((float)f) {}
+  operator float() const { return u2f(((uint32_t)x) << 16); }
+};
+struct half {
+  uint16_t x;
+  half() : x(0) {}
+  half(float f) {
+    uint32_t u = f2u(f), sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) { x = 0x7e00; return; }
+    if (a >= 0x477ff000u) { x = (uint16_t)(sign | 0x7c00u); return; }  // rounds to inf
+    if (a < 0x38800000u) {  // subnormal or zero: value / 2^-24, rounded to nearest even
+      float v = u2f(a) * 16777216.0f;
+      float r = std::nearbyint(v);
+      x = (uint16_t)(sign | (uint32_t)r);
+      return;
+    }
+    uint32_t e = ((a >> 23) - 112) << 10, m = a & 0x7fffffu;
+    uint32_t h = e | (m >> 13);
+    uint32_t rest = m & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h += 1;
+    x = (uint16_t)(sign | h);
+  }
+  half(double f) : half((float)f) {}
+  half(int f) : half((float)f) {}
+  operator float() const {
+    uint32_t sign = ((uint32_t)(x & 0x8000u)) << 16, e = (x >> 10) & 31u, m = x & 1023u;
+    if (e == 0) { float v = (float)m * 5.9604644775390625e-08f; return sign ? -v : v; }
+    if (e == 31) return u2f(sign | 0x7f800000u | (m << 13));
+    return u2f(sign | ((e + 112) << 23) | (m << 13));
+  }
+};
+static inline float __half2float(half h) { return (float)h; }
+static inline half __float2half(float f) { return half(f); }
+static inline half __float2half_rn(float f) { return half(f); }
+static inline float __bfloat162float(nv_bfloat16 h) { return (float)h; }
+static inline nv_bfloat16 __float2bfloat16(float f) { return nv_bfloat16(f); }
+static inline nv_bfloat16 __float2bfloat16_rn(float f) { return nv_bfloat16(f); }
+struct float2 { float x, y; }; struct float4 { float x, y, z, w; };
+struct uint2 { uint x, y; }; struct uint4 { uint x, y, z, w; };
+struct int2 { int x, y; }; struct int4 { int x, y, z, w; };
+struct uchar4 { uchar x, y, z, w; }; struct char4 { signed char x, y, z, w; };
+static inline uint __pack_nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) { return (uint)a.x | ((uint)b.x << 16); }
+static inline uint __pack_half2(half a, half b) { return (uint)a.x | ((uint)b.x << 16); }
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline int2 make_int2(int x, int y) { return {x, y}; }
+static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+static inline uint2 make_uint2(uint x, uint y) { return {x, y}; }
+static inline uint4 make_uint4(uint x, uint y, uint z, uint w) { return {x, y, z, w}; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline uint max(uint a, uint b) { return a > b ? a : b; }
+static inline uint min(uint a, uint b) { return a < b ? a : b; }
+static inline float max(float a, float b) { return std::fmax(a, b); }
+static inline float min(float a, float b) { return std::fmin(a, b); }
+static inline float exp2f_(float x) { return std::exp2(x); }
+#define __expf(x) std::exp((float)(x))
+static inline float __fdividef(float a, float b) { return a / b; }
+static inline int __popc(uint v) { return __builtin_popcount(v); }
+
+// ------------------------------------------------------------------ fibers and barriers
+struct Fiber { ucontext_t ctx; int tid; int wait; bool done; std::vector<char> stack; dim3_ idx; };
+static ucontext_t sched_ctx;
+static std::vector<Fiber> fibers;
+static int cur = -1;
+#define threadIdx (fibers[cur].idx)  // the running fiber's
+static int block_threads = 0;
+enum { RUN = 0, AT_BLOCK = 1, AT_WARP = 2 };
+static void yield_() { swapcontext(&fibers[cur].ctx, &sched_ctx); }
+static void __syncthreads() { fibers[cur].wait = AT_BLOCK; yield_(); }
+static void warp_sync_() { fibers[cur].wait = AT_WARP; yield_(); }
+static inline int lane_() { return threadIdx.x % 32; }
+static inline int warp_() { return threadIdx.x / 32; }
+
+struct WarpBuf { uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t v[32]; };
+static std::vector<WarpBuf> warp_bufs;
+
+template <typename T> static T shfl_xor_(T v, int m) {
+  WarpBuf &w = warp_bufs[warp_()];
+  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
+  w.v[lane_()] = bits;
+  warp_sync_();
+  uint64_t o = w.v[lane_() ^ m];
+  warp_sync_();
+  T r; std::memcpy(&r, &o, sizeof(T)); return r;
+}
+template <typename T> static T shfl_idx_(T v, int src) {
+  WarpBuf &w = warp_bufs[warp_()];
+  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
+  w.v[lane_()] = bits;
+  warp_sync_();
+  uint64_t o = w.v[src & 31];
+  warp_sync_();
+  T r; std::memcpy(&r, &o, sizeof(T)); return r;
+}
+template <typename T> static T shfl_down_(T v, int d) {
+  int l = lane_() + d; return shfl_idx_(v, l < 32 ? l : lane_());
+}
+template <typename T> static T shfl_up_(T v, int d) {
+  int l = lane_() - d; return shfl_idx_(v, l >= 0 ? l : lane_());
+}
+#define __shfl_xor_sync(mask, v, m, width) shfl_xor_(v, m)
+#define __shfl_sync(mask, v, src, width) shfl_idx_(v, src)
+#define __shfl_down_sync(mask, v, d, width) shfl_down_(v, d)
+#define __shfl_up_sync(mask, v, d, width) shfl_up_(v, d)
+static uint __ballot_sync(uint mask, int pred) {
+  uint r = 0;
+  for (int i = 0; i < 32; i++) r |= 0;
+  WarpBuf &w = warp_bufs[warp_()];
+  w.v[lane_()] = pred ? 1 : 0;
+  warp_sync_();
+  for (int i = 0; i < 32; i++) r |= (uint)(w.v[i] ? 1u << i : 0u);
+  warp_sync_();
+  return r;
+}
+static void __syncwarp(uint mask = 0xffffffffu) { warp_sync_(); }
+
+static inline float half_bits_(uint32_t h, bool bf16) {
+  if (bf16) { nv_bfloat16 b; b.x = (uint16_t)h; return (float)b; }
+  half f; f.x = (uint16_t)h; return (float)f;
+}
+// mma.sync m16n8k16 row.col, f32 accumulators (PTX ISA fragment layouts: lane = 4 g + q)
+static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *c, float *d, bool bf16) {
+  WarpBuf &w = warp_bufs[warp_()];
+  int l = lane_();
+  for (int i = 0; i < 4; i++) { w.a[l][i] = a[i]; w.c[l][i] = c[i]; }
+  for (int i = 0; i < 2; i++) w.b[l][i] = b[i];
+  warp_sync_();
+  int g = l / 4, q = l % 4;
+  for (int i = 0; i < 4; i++) {
+    int row = g + 8 * (i / 2), col = 2 * q + (i % 2);
+    float acc = w.c[(row % 8) * 4 + col / 2][(row >= 8) * 2 + col % 2];
+    for (int k = 0; k < 16; k++) {
+      int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8) + 2 * (k >= 8);
+      uint32_t ah = (w.a[al][ar] >> (16 * (k % 2))) & 0xffffu;
+      int bl = col * 4 + (k % 8) / 2, br = (k >= 8);
+      uint32_t bh = (w.b[bl][br] >> (16 * (k % 2))) & 0xffffu;
+      acc += half_bits_(ah, bf16) * half_bits_(bh, bf16);
+    }
+    d[i] = acc;
+  }
+  warp_sync_();
+}
+
+struct Launch { void (*entry)(void **); void **args; };
+static Launch launch_;
+static void fiber_main(int i) {
+  launch_.entry(launch_.args);
+  fibers[i].done = true;
+  swapcontext(&fibers[i].ctx, &sched_ctx);
+}
+static void fiber_trampoline(unsigned lo, unsigned hi) { fiber_main((int)lo); }
+
+static void run_block(int nthreads) {
+  dim3_ bidx = blockIdx;
+  fibers.assign(nthreads, Fiber());
+  warp_bufs.assign((nthreads + 31) / 32, WarpBuf());
+  for (int i = 0; i < nthreads; i++) {
+    Fiber &f = fibers[i];
+    f.tid = i; f.idx = {i, 0, 0}; f.wait = RUN; f.done = false; f.stack.resize(1 << 18);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data(); f.ctx.uc_stack.ss_size = f.stack.size(); f.ctx.uc_link = &sched_ctx;
+    makecontext(&f.ctx, (void (*)())fiber_trampoline, 2, (unsigned)i, 0u);
+  }
+  for (;;) {
+    bool any = false;
+    for (int i = 0; i < nthreads; i++) {
+      Fiber &f = fibers[i];
+      if (f.done || f.wait != RUN) continue;
+      any = true; cur = i; blockIdx = bidx;
+      swapcontext(&sched_ctx, &f.ctx);
+    }
+    if (any) continue;
+    bool alldone = true;
+    for (auto &f : fibers) alldone &= f.done;
+    if (alldone) break;
+    // release a warp whose live lanes all wait at a warp barrier, else the block barrier once every live thread waits
+    bool released = false;
+    for (int w = 0; w * 32 < nthreads; w++) {
+      bool all = true, some = false;
+      for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); i++) {
+        if (fibers[i].done) continue;
+        some = true; all &= fibers[i].wait == AT_WARP;
+      }
+      if (some && all) {
+        for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); i++) fibers[i].wait = RUN;
+        released = true;
+      }
+    }
+    if (released) continue;
+    bool all_block = true;
+    for (auto &f : fibers) if (!f.done) all_block &= f.wait == AT_BLOCK;
+    if (!all_block) throw std::runtime_error("barrier mismatch: threads wait at different barriers");
+    for (auto &f : fibers) if (!f.done) f.wait = RUN;
+  }
+}
+"""
+
+_LAUNCH = r"""
+extern "C" int emu_launch(void **args, int gx, int gy, int gz, int bx, char *err, int errlen) {
+  try {
+    launch_.entry = &call_kernel_; launch_.args = args;
+    blockDim = {bx, 1, 1}; gridDim = {gx, gy, gz};
+    for (int z = 0; z < gz; z++) for (int y = 0; y < gy; y++) for (int x = 0; x < gx; x++) {
+      blockIdx = {x, y, z};
+      run_block(bx);
+    }
+  } catch (std::exception &e) { std::strncpy(err, e.what(), errlen - 1); return 1; }
+  return 0;
+}
+"""
+
+_MMA = re.compile(r'__asm__\s+__volatile__\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.(?:bf16|f16)\.f32"\s*"[^"]*"\s*:(.*?):(.*?)\);',
+                  re.S)
+
+
+def _operands(text: str) -> list[str]:
+    """The expressions of an inline-asm operand list: ``"=f"(expr), "r"(expr), ...``."""
+    out, depth, start = [], 0, None
+    for i, ch in enumerate(text):
+        if ch == "(":
+            if depth == 0:
+                start = i + 1
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:i])
+    return out
+
+
+def _replace_mma(m: re.Match) -> str:
+    bf16 = m.group(1) == "bf16"
+    outs, ins = _operands(m.group(2)), _operands(m.group(3))
+    if len(outs) != 4 or len(ins) != 10:
+        raise ValueError(f"unexpected mma operands: {len(outs)} outputs, {len(ins)} inputs")
+    a, b, c = ins[:4], ins[4:6], ins[6:]
+    body = (f"uint32_t _a[4] = {{{', '.join(a)}}}; uint32_t _b[2] = {{{', '.join(b)}}}; float _c[4] = {{{', '.join(c)}}}; "
+            f"float _d[4]; emu_mma_m16n8k16(_a, _b, _c, _d, {'true' if bf16 else 'false'}); ")
+    body += " ".join(f"{o} = _d[{i}];" for i, o in enumerate(outs))
+    return "{ " + body + " }"
+
+
+def _kernel_text(source: str, name: str) -> tuple[str, list[tuple[str, str]]]:
+    """The definition of ``name`` in ``source`` and its parameters (type, name)."""
+    sig = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?' + re.escape(name) + r"\(([^()]*)\)\s*\{")
+    m = sig.search(source)
+    if m is None:
+        raise ValueError(f"kernel {name} not found in the source")
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        i += 1
+    params = []
+    for p in m.group(1).split(","):
+        p = p.replace("__restrict__", "").strip()
+        typ, pname = p.rsplit(None, 1)
+        if pname.startswith("*"):
+            typ, pname = typ + "*", pname[1:]
+        params.append((typ.strip(), pname))
+    body = source[m.end() - 1:i]
+    return body, params
+
+
+_CTYPE = {"int": np.int32, "int64_t": np.int64, "float": np.float32, "uint": np.uint32, "unsigned int": np.uint32}
+
+
+class EmulatedKernel:
+    """One kernel of a CUDA source, compiled for the host; call it with its parameters by name."""
+
+    def __init__(self, source: str, name: str, cache_dir: Path | None = None) -> None:
+        if shutil.which("g++") is None:
+            raise RuntimeError("the CUDA emulation needs a host C++ compiler (g++)")
+        body, self.params = _kernel_text(source, name)
+        body = _MMA.sub(_replace_mma, body)
+        for bad in ("asm", "atomic"):
+            if re.search(r"\b__asm__\b|\basm\b" if bad == "asm" else r"\batomic\w*\(", body):
+                raise ValueError(f"kernel {name}: the emulation does not support {bad} in the generated code")
+        body = re.sub(r"__shared__\s+(alignas\(\d+\)\s+)?", lambda m: (m.group(1) or "") + "static ", body).replace("exp2f(", "exp2f_(")
+        body = re.sub(r"\(\(int\)threadIdx\.x\)", "threadIdx.x", body)
+        decl = ", ".join(f"{t} {n}" for t, n in self.params)
+        unpack = ", ".join(f"*({t}*)args[{i}]" for i, (t, _) in enumerate(self.params))
+        code = (_PRELUDE + f"\nstatic void {name}({decl})\n" + body + "\n" +
+                f"static void call_kernel_(void **args) {{ {name}({unpack}); }}\n" + _LAUNCH)
+        key = hashlib.sha256(code.encode()).hexdigest()[:16]
+        cache = cache_dir or Path(tempfile.gettempdir()) / "moec-cuda-emu"
+        cache.mkdir(parents=True, exist_ok=True)
+        lib = cache / f"{name}-{key}.so"
+        if not lib.exists():
+            src = cache / f"{name}-{key}.cpp"
+            src.write_text(code)
+            tmp = lib.with_suffix(".tmp.so")
+            r = subprocess.run(["g++", "-O1", "-std=c++17", "-fno-strict-aliasing", "-shared", "-fPIC", "-w", "-o", str(tmp),
+                                str(src)], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"compiling the emulated kernel {name} failed:\n{r.stderr[-4000:]}")
+            tmp.rename(lib)
+        self._lib = ctypes.CDLL(str(lib))
+        self.name = name
+
+    def __call__(self, grid: tuple[int, int, int], threads: int, **args) -> None:
+        keep, ptrs = [], []
+        for typ, pname in self.params:
+            key = pname[:-4] if pname.endswith("_ptr") else pname
+            if key not in args:
+                raise KeyError(f"kernel {self.name}: missing argument {key}")
+            v = args[key]
+            if typ.endswith("*"):
+                if not isinstance(v, np.ndarray) or not v.flags.c_contiguous:
+                    raise TypeError(f"{key}: expected a C-contiguous numpy array")
+                p = ctypes.c_void_p(v.ctypes.data)
+            else:
+                p = np.array([v], dtype=_CTYPE[typ])
+                keep.append(p)
+                p = ctypes.c_void_p(p.ctypes.data)
+            keep.append(p)
+            ptrs.append(ctypes.addressof(p) if typ.endswith("*") else p.value)
+        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        err = ctypes.create_string_buffer(512)
+        rc = self._lib.emu_launch(arr, *[int(x) for x in grid], int(threads), err, 512)
+        if rc:
+            raise RuntimeError(f"kernel {self.name}: {err.value.decode()}")
