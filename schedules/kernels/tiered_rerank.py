@@ -98,7 +98,7 @@ def _hash_score(p, layer, h):
 
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
                        recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments",
-                       threads: int = 512):
+                       threads: int = 512, stage_bytes: int = 40960):
     """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
 
     ``importance`` "mass" is the score above; "keynorm" is the squared L2 norm of the token's key as
@@ -109,6 +109,11 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     A block per (sequence, KV head) of ``threads`` threads (at least ``head_dim``): the ranking and ordering
     steps are quadratic in the tier-1 tokens, and after a 2048-token prefill chunk one sequence gives only
     as many blocks as KV heads, so they get the most threads; the key statistics use a thread per channel.
+
+    Step 3 stages each new page's source rows (FP8 keys, then values) in shared memory when a page's rows fit
+    in ``stage_bytes`` (PS2 x (head_dim + 4) bytes and the rows' scales): the statistics' passes (moments, then
+    the least-squares refits) and the codes read them there, instead of gathering every element through the
+    slot order and the page table from global memory once per pass. Larger pages take the gathering form.
     """
     if fit not in FITS:
         raise ValueError(f"unknown 2-bit fit {fit!r}: expected one of {', '.join(FITS)}")
@@ -125,6 +130,10 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
         raise ValueError(f"the tier-2 page ({PS2}) must be a multiple of head_dim ({D})")
     INF = 3.0e38
     KG = NT // D  # pages whose key statistics run side by side (a thread per channel of each)
+    RB = D + 4  # staged row stride in bytes: 4-byte words at an odd stride, so a thread per row hits distinct banks
+    staged = PS2 * RB + 8 * PS2 + 8 * D <= stage_bytes
+    SROWS = PS2 if staged else 1
+    SCOPE = "shared" if gpu else "global"
 
     def threads():
         return T.thread_binding(NT, thread="threadIdx.x") if gpu else T.serial(NT)
@@ -168,6 +177,10 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                     acc = T.sblock_alloc_buffer((5,), "float32", scope="local")
                     stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     row = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                    row_s = T.sblock_alloc_buffer((SROWS * RB,), "uint8", scope=SCOPE)  # a page's FP8 rows (staged)
+                    loc_s = T.sblock_alloc_buffer((2 * SROWS,), "int32", scope=SCOPE)  # their tier-1 page, slot
+                    sc_s = T.sblock_alloc_buffer((2 * SROWS,), "float32", scope=SCOPE)  # their key, value scales
+                    st_s = T.sblock_alloc_buffer((2 * D,), "float32", scope=SCOPE)  # the page's key mu, sigma
                     n1: T.let[T.int32] = t1_len[b]
                     nd: T.let[T.int32] = demote[b]
                     keep: T.let[T.int32] = n1 - nd
@@ -231,70 +244,159 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     order[b, h, M1 * PS1 + cnt[0]] = i
                     if gpu:
                         T.tvm_storage_sync("shared")
-                    # 3a. key statistics: per channel over each new page's tokens; thread tx takes channel tx % D
-                    # of the pages tx // D, tx // D + NT // D, ... (a prefill chunk demotes a dozen pages at once)
-                    for tx in threads():
-                        for pj in T.serial(T.if_then_else(tx < KG * D, (nd // PS2 - tx // D + KG - 1) // KG, 0)):
-                            pi: T.let[T.int32] = pj * KG + tx // D
-                            ch: T.let[T.int32] = tx % D
-                            acc[0] = T.float32(0)
-                            acc[1] = T.float32(0)
-                            for r in T.serial(PS2):
-                                src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, ch]) * \
-                                    T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
-                                acc[0] += x
-                                acc[1] += x * x
-                            mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                            stat[0] = T.Cast("float32", T.Cast("float16", mu))
-                            stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
-                            if lloyd:
-                                _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
-                                    t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
-                                         order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, ch]) * T.Cast("float32", t1_ks[
-                                             layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
-                                             order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
-                            t2_kmu[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[0])
-                            t2_ksig[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[1])
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    # 3b. codes: a token per thread (keys against the page statistics, values per token)
-                    for tx in threads():
+                    if staged:
+                        # 3. a new tier-2 page at a time, its tokens' FP8 rows staged in shared memory (coalesced 4-byte
+                        # loads; rows padded to RB bytes, so a thread per token reads distinct banks): keys, then values
                         for pi in T.serial(nd // PS2):
-                            for rr in T.serial(T.if_then_else(tx < PS2 % NT, PS2 // NT + 1, PS2 // NT)):
-                                r: T.let[T.int32] = rr * NT + tx
-                                page2: T.let[T.int32] = new_t2[b, pi]
-                                src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
-                                sl2: T.let[T.int32] = src2 % PS1
-                                t2_pos[layer, page2, h, r] = t1_pos[layer, pg2, h, sl2]
-                                for cc in T.serial(D4):
-                                    t2_k[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
-                                    for e in T.serial(4):
-                                        t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
-                                            (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
-                                             - T.Cast("float32", t2_kmu[layer, page2, h, cc * 4 + e])) /
-                                            T.Cast("float32", t2_ksig[layer, page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
+                            page: T.let[T.int32] = new_t2[b, pi]
+                            if gpu:
+                                T.tvm_storage_sync("shared")
+                            for tx in threads():
+                                for rr in T.serial(T.ceildiv(PS2, NT)):
+                                    r: T.let[T.int32] = rr * NT + tx
+                                    if r < PS2:
+                                        src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                        loc_s[r] = t1_table[b, src // PS1]
+                                        loc_s[PS2 + r] = src % PS1
+                                        sc_s[r] = T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
+                                        sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, t1_table[b, src // PS1], h, src % PS1])
+                                        t2_pos[layer, page, h, r] = t1_pos[layer, t1_table[b, src // PS1], h, src % PS1]
+                            for kv in T.serial(2):  # 0: keys (statistics per channel), 1: values (per token)
+                                if gpu:
+                                    T.tvm_storage_sync("shared")
+                                for tx in threads():
+                                    for it in T.serial(T.ceildiv(PS2 * D4, NT)):
+                                        e: T.let[T.int32] = it * NT + tx
+                                        if e < PS2 * D4:
+                                            for i in T.unroll(4):
+                                                row_s[(e // D4) * RB + (e % D4) * 4 + i] = T.if_then_else(
+                                                    kv == 0, t1_k[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i],
+                                                    t1_v[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i])
+                                if gpu:
+                                    T.tvm_storage_sync("shared")
+                                if kv == 0:
+                                    for tx in threads():  # key statistics: a thread per channel
+                                        if tx < D:
+                                            acc[0] = T.float32(0)
+                                            acc[1] = T.float32(0)
+                                            for r in T.serial(PS2):
+                                                x: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r]
+                                                acc[0] += x
+                                                acc[1] += x * x
+                                            mu: T.let[T.float32] = acc[0] / T.float32(PS2)
+                                            stat[0] = T.Cast("float32", T.Cast("float16", mu))
+                                            stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
+                                            if lloyd:
+                                                _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r])
+                                            t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
+                                            t2_ksig[layer, page, h, tx] = T.Cast("float16", stat[1])
+                                            st_s[tx] = stat[0]
+                                            st_s[D + tx] = stat[1]
+                                    if gpu:
+                                        T.tvm_storage_sync("shared")
+                                    for tx in threads():  # key codes: a thread per token
+                                        for rr in T.serial(T.ceildiv(PS2, NT)):
+                                            r: T.let[T.int32] = rr * NT + tx
+                                            if r < PS2:
+                                                for cc in T.serial(D4):
+                                                    cnt[0] = 0
+                                                    for e in T.unroll(4):
+                                                        cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                            (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[r] - st_s[cc * 4 + e])
+                                                            / st_s[D + cc * 4 + e]) << T.Cast("uint32", e * 2))
+                                                    t2_k[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                                else:
+                                    for tx in threads():  # values: statistics and codes per token
+                                        for rr in T.serial(T.ceildiv(PS2, NT)):
+                                            r: T.let[T.int32] = rr * NT + tx
+                                            if r < PS2:
+                                                acc[0] = T.float32(0)
+                                                acc[1] = T.float32(0)
+                                                for d in T.serial(D):
+                                                    y: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r]
+                                                    acc[0] += y
+                                                    acc[1] += y * y
+                                                vmu: T.let[T.float32] = acc[0] / T.float32(D)
+                                                stat[0] = T.Cast("float32", T.Cast("float16", vmu))
+                                                stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                                    acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                                if lloyd:
+                                                    _lloyd(stat, acc, D, lambda d: _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r])
+                                                t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
+                                                t2_vsig[layer, page, h, r] = T.Cast("float16", stat[1])
+                                                for cc in T.serial(D4):
+                                                    cnt[0] = 0
+                                                    for e in T.unroll(4):
+                                                        cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                            (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[PS2 + r] - stat[0])
+                                                            / stat[1]) << T.Cast("uint32", e * 2))
+                                                    t2_v[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                    else:
+                        # 3a. key statistics: per channel over each new page's tokens; thread tx takes channel tx % D
+                        # of the pages tx // D, tx // D + NT // D, ... (a prefill chunk demotes a dozen pages at once)
+                        for tx in threads():
+                            for pj in T.serial(T.if_then_else(tx < KG * D, (nd // PS2 - tx // D + KG - 1) // KG, 0)):
+                                pi: T.let[T.int32] = pj * KG + tx // D
+                                ch: T.let[T.int32] = tx % D
                                 acc[0] = T.float32(0)
                                 acc[1] = T.float32(0)
-                                for d in T.serial(D):
-                                    row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
-                                    acc[0] += row[d]
-                                    acc[1] += row[d] * row[d]
-                                vmu: T.let[T.float32] = acc[0] / T.float32(D)
-                                stat[0] = T.Cast("float32", T.Cast("float16", vmu))
+                                for r in T.serial(PS2):
+                                    src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                    x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, ch]) * \
+                                        T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
+                                    acc[0] += x
+                                    acc[1] += x * x
+                                mu: T.let[T.float32] = acc[0] / T.float32(PS2)
+                                stat[0] = T.Cast("float32", T.Cast("float16", mu))
                                 stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                    acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                    acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
                                 if lloyd:
-                                    _lloyd(stat, acc, D, lambda d: row[d])
-                                t2_vmu[layer, page2, h, r] = T.Cast("float16", stat[0])
-                                t2_vsig[layer, page2, h, r] = T.Cast("float16", stat[1])
-                                for cc in T.serial(D4):
-                                    t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
-                                    for e in T.serial(4):
-                                        t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
-                                            (row[cc * 4 + e] - stat[0]) / stat[1]) << T.Cast("uint32", e * 2))
+                                    _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
+                                        t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                             order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, ch]) * T.Cast("float32", t1_ks[
+                                                 layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                                 order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
+                                t2_kmu[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[0])
+                                t2_ksig[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[1])
+                        if gpu:
+                            T.tvm_storage_sync("shared")
+                        # 3b. codes: a token per thread (keys against the page statistics, values per token)
+                        for tx in threads():
+                            for pi in T.serial(nd // PS2):
+                                for rr in T.serial(T.if_then_else(tx < PS2 % NT, PS2 // NT + 1, PS2 // NT)):
+                                    r: T.let[T.int32] = rr * NT + tx
+                                    page2: T.let[T.int32] = new_t2[b, pi]
+                                    src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                    pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
+                                    sl2: T.let[T.int32] = src2 % PS1
+                                    t2_pos[layer, page2, h, r] = t1_pos[layer, pg2, h, sl2]
+                                    for cc in T.serial(D4):
+                                        t2_k[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                        for e in T.serial(4):
+                                            t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
+                                                (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
+                                                 - T.Cast("float32", t2_kmu[layer, page2, h, cc * 4 + e])) /
+                                                T.Cast("float32", t2_ksig[layer, page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
+                                    acc[0] = T.float32(0)
+                                    acc[1] = T.float32(0)
+                                    for d in T.serial(D):
+                                        row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
+                                        acc[0] += row[d]
+                                        acc[1] += row[d] * row[d]
+                                    vmu: T.let[T.float32] = acc[0] / T.float32(D)
+                                    stat[0] = T.Cast("float32", T.Cast("float16", vmu))
+                                    stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                        acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                    if lloyd:
+                                        _lloyd(stat, acc, D, lambda d: row[d])
+                                    t2_vmu[layer, page2, h, r] = T.Cast("float16", stat[0])
+                                    t2_vsig[layer, page2, h, r] = T.Cast("float16", stat[1])
+                                    for cc in T.serial(D4):
+                                        t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
+                                        for e in T.serial(4):
+                                            t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
+                                                (row[cc * 4 + e] - stat[0]) / stat[1]) << T.Cast("uint32", e * 2))
                     if gpu:
                         T.tvm_storage_sync("shared")
                     # 4. compaction: the m-th kept token at slot >= keep fills the m-th demoted slot (< keep)

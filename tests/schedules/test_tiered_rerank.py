@@ -35,11 +35,14 @@ def _case(seed):
 
 # threads: 512 runs every new page's key statistics side by side (16 pages of D channels); 32 runs them one page
 # after another (the loop over a thread's pages), 64 two at a time
+# stage 0: the form that gathers step 3's rows from global memory (pages too large to stage in shared memory)
 @pytest.fixture(scope="module", params=[("mass", "moments", 512), ("keynorm", "moments", 512), ("mass", "lloyd", 512),
-                                        ("mass", "lloyd", 32), ("mass", "moments", 64)])
+                                        ("mass", "lloyd", 32), ("mass", "moments", 64), ("mass", "lloyd", 512, 0),
+                                        ("mass", "moments", 32, 0)])
 def kernel(request):
-    importance, fit, threads = request.param
-    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit, threads=threads)
+    importance, fit, threads, *stage = request.param
+    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit, threads=threads,
+                              **({"stage_bytes": stage[0]} if stage else {}))
     return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param[:2]
 
 
@@ -48,21 +51,52 @@ ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rerank_matches_reference(kernel, seed):
-    pools, tables, length, demote, new_t2 = _case(seed)
     kernel, (importance, fit) = kernel
+
+    def run(host):
+        tv = [tvm.runtime.tensor(a, tvm.cpu()) for a in host]
+        kernel["tiered_rerank"](*tv, ref.LAYER)
+        return [t.numpy() for t in tv]
+
+    _check(run, seed, importance, fit)
+
+
+@pytest.mark.parametrize("fit,threads", [("lloyd", 512), ("moments", 64)])
+def test_cuda_form_emulated(fit, threads):
+    """The CUDA form (shared-memory staging and barriers, a block per sequence and KV head) run on the CPU
+    emulation of the generated code (tests/cuda_emu.py)."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.targets import make_target
+
+    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit=fit, threads=threads)
+    src = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    kern = EmulatedKernel(src, "tiered_rerank_kernel")
+    names = ORDER + ("t1_table", "t1_len", "length", "demote", "new_t2", "score", "rank", "order")
+
+    def run(host):
+        host = [np.ascontiguousarray(a) for a in host]
+        m1 = host[len(ORDER)].shape[1]
+        kern((2, HKV, 1), max(threads, D), **dict(zip(names, host)), layer=ref.LAYER, B=2, M1=m1, MN=host[len(ORDER) + 4].shape[1],
+             P1=P1, P2=P2)
+        return host
+
+    _check(run, 0, "mass", fit)
+
+
+def _check(run, seed, importance, fit):
+    pools, tables, length, demote, new_t2 = _case(seed)
     want = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance, fit)
     if fit == "lloyd":  # the refit statistics differ from the moments (so the comparison below can tell)
         other = ref.rerank_reference(pools, tables, length, demote, new_t2, SINK, RECENT, importance)
         pg = new_t2[0, 0]
         assert np.abs(other["t2_ksig"][pg].astype(np.float32) / want["t2_ksig"][pg].astype(np.float32) - 1).max() > 0.01
-    dev = tvm.cpu()
     m1 = tables["t1_table"].shape[1]
     host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
                                         np.zeros((2, HKV, m1 * PS1), np.float32), np.zeros((2, HKV, m1 * PS1), np.int32),
                                         np.zeros((2, HKV, 2 * m1 * PS1), np.int32)]
-    tv = [tvm.runtime.tensor(a, dev) for a in host]
-    kernel["tiered_rerank"](*tv, ref.LAYER)
-    got = {k: tv[i].numpy() for i, k in enumerate(ORDER)}
+    out = run([a.copy() for a in host])
+    got = {k: out[i] for i, k in enumerate(ORDER)}
     for i, k in enumerate(ORDER):
         np.testing.assert_array_equal(got[k][0], host[i][0], err_msg=f"{k}: another layer changed")
     got = {k: v[ref.LAYER] for k, v in got.items()}
