@@ -77,7 +77,7 @@ from tvm.sym.analyzer import Analyzer
 from ..compiler.errors import MoecError
 from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], x [T, D], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
-from ..schedules.kernels.grouped_experts import _BYTES, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible
+from ..schedules.kernels.grouped_experts import _BYTES, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible, prefill_spec
 
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
@@ -637,7 +637,10 @@ class InsertGroupedExperts:
     def _transform(self, mod: tvm.IRModule) -> tvm.IRModule:
         entries = num_input_entries(mod, "InsertGroupedExperts", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form), lambda key: f"moe_{key[1]}", self.kernels)
+        # (names distinct per token tiling: the prefill entry's GEMMs are added by another builder than decode's, which
+        # would not rename a clash)
+        kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form),
+                              lambda key: f"moe_{key[1]}" + (f"_nt{key[0].n_tiles}" if key[0].n_tiles else ""), self.kernels)
         found = []
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)
@@ -655,6 +658,9 @@ class InsertGroupedExperts:
             layer_of, slot_spec = self._plan_offload(found)
             self.offload["budget"] = self.budget_note
             found = [(gv, func, [replace(m, spec=slot_spec) for m in matches]) for gv, func, matches in found]
+        if form == "cuda":  # the prefill entry's own token tiles (prefill_spec)
+            found = [(gv, func, [replace(m, spec=prefill_spec(m.spec)) for m in matches] if gv.name_hint == "prefill" else matches)
+                     for gv, func, matches in found]
         out = mod
         for gv, func, matches in found:
             if not matches:
@@ -675,7 +681,9 @@ class InsertGroupedExperts:
                 pools = [relax.Var(p["name"], relax.TensorType(p["shape"], p["dtype"])) for p in self.offload["pools"]]
             rewriter = _GroupedExpertsRewriter(out, matches, None, conv, pools, layer_of)
 
-            rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(b, (spec, name))
+            # (route_prep and combine do not depend on the token tiles: one of each serves both entries' specs)
+            rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(
+                b, (spec if name in ("gate_up", "down") else replace(spec, n_tiles=0), name))
             new_func = rewriter.visit_expr(func)
             if conv:
                 new_func = relax.analysis.remove_all_unused(new_func)

@@ -50,7 +50,7 @@ Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 try:
     from tvm.script import tirx as T
@@ -359,6 +359,20 @@ def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
             nt *= 2
     rt = spec.row_tiles or (1 if _staged(spec) else 2 if nt <= 4 else 1)
     return nt, rt, rt
+
+
+PREFILL_TILES = 8  # NT of the prefill entry's mma forms: 64 tokens per weight pass
+
+
+def prefill_spec(spec: GroupedExpertsSpec) -> GroupedExpertsSpec:
+    """The spec of the prefill entry's kernels. A prefill chunk routes hundreds of tokens to every expert (2048
+    tokens: 256 per OLMoE expert), and each pass of NT * 8 tokens streams the expert's weights again, from
+    HBM once they no longer fit the L2 (a layer's are 10x its size). The widest token tile (8 tiles of 8) halves
+    the passes of the decode default (NT 4 for OLMoE), and so the weight bytes; decode keeps its own kernels.
+    An explicit ``n_tiles`` is kept, and specs without an mma form are returned as they are (one kernel set)."""
+    if spec.n_tiles or not (mma_eligible(spec, "gate_up") or mma_eligible(spec, "down")) or mma_tiles(spec)[0] >= PREFILL_TILES:
+        return spec
+    return replace(spec, n_tiles=PREFILL_TILES)
 
 
 SMEM_LIMIT = 49152  # bytes of static shared memory per block (the moec CUDA target's max_shared_memory_per_block)

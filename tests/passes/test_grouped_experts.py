@@ -5,6 +5,7 @@ bfloat16), the CUDA build's kernels, options and refusals."""
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -543,3 +544,40 @@ def test_compile_warns_when_moe_layers_stay_in_the_gather_form():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_unreplaced_experts({"replaced": {"decode": 16, "prefill": 16}, "skipped": {}}, 16, "m.pt2")
+
+
+def test_prefill_entry_takes_wider_token_tiles(tmp_path):
+    """A bfloat16 model with 32 experts (decode's automatic tiles: 2 of 8 tokens) for sm_90: prefill's expert GEMMs
+    are kernels of their own with 8 token tiles per weight pass (``prefill_spec``); decode keeps its tiles, and
+    route_prep / combine serve both."""
+    import torch
+    import transformers as tf
+
+    from moec.compiler.importers import import_model
+    from moec.models.export import save_pt2
+    from moec.passes.pipeline import moec_pipeline
+    from moec.schedules.kernels.grouped_experts import (PREFILL_TILES, GroupedExpertsSpec, launch_config, mma_tiles,
+                                                        prefill_spec)
+
+    cfg = tf.OlmoeConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, num_experts=32, num_experts_per_tok=2, max_position_embeddings=256,
+                         experts_implementation="batched_mm", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.OlmoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    save_pt2(model, 256, tmp_path / "m.pt2", max_seq=64)
+    imported = import_model(tmp_path / "m.pt2")
+    target = make_target("cuda", "sm_90")
+    g = InsertGroupedExperts(target)
+    pipe, _ = moec_pipeline(imported.num_inputs, target, "olmoe32", grouped_experts=g)
+    text = tvm.compile(imported.mod, target=target, relax_pipeline=pipe).as_text()
+    calls = {}
+    for entry in ("decode", "prefill"):
+        body = text[text.index(f"@{entry}:"):].split("\n\n")[0]
+        calls[entry] = re.findall(r"call\s+(moe_\w+)\s+in:", body)
+    assert calls["decode"] == ["moe_route_prep", "moe_gate_up", "moe_down", "moe_combine"], calls
+    assert calls["prefill"] == ["moe_route_prep", f"moe_gate_up_nt{PREFILL_TILES}", f"moe_down_nt{PREFILL_TILES}", "moe_combine"]
+    spec = next(s for s, n in g.kernels if n == "gate_up" and s.n_tiles == 0)
+    assert mma_tiles(spec)[0] == 2 and launch_config(prefill_spec(spec))["gate_up"]["tokens_per_pass"] == 64
+    assert prefill_spec(replace(spec, n_tiles=4)).n_tiles == 4  # an explicit tiling is kept
+    f32 = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4)  # no mma form: one kernel set
+    assert prefill_spec(f32) is f32
