@@ -37,7 +37,7 @@ CONTEXT, T1, EVERY, STREAMS = 4096, 768, 16, 128
 CASES = {"steady": None, "worst": None, "prefill-chunk": (1, 2048, 2048, 13)}  # rows, context, tier-1 tokens, pages
 
 
-def prepare(out: Path, threads: int = 512) -> None:
+def prepare(out: Path, threads: int = 512, stage_bytes: int | None = None) -> None:
     import tvm
 
     from moec.compiler.artifact import atomic_directory
@@ -47,14 +47,15 @@ def prepare(out: Path, threads: int = 512) -> None:
 
     target = make_target("cuda", "sm_90")
     with atomic_directory(out) as tmp:
-        func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit="lloyd", threads=threads)
+        stage = {} if stage_bytes is None else {"stage_bytes": stage_bytes}
+        func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit="lloyd", threads=threads, **stage)
         ex = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=target)
         kernels = _compile_cuda_kernels(ex, target, tmp, progress=True)
         ex.export_library(str(tmp / "lib.so"))
         func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, fit="lloyd", threads=threads)
         cpu = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=make_target("llvm", None))
         cpu.export_library(str(tmp / "lib_cpu.so"))
-        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels, "threads": threads}))
+        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels, "threads": threads, "stage_bytes": stage_bytes}))
 
 
 def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1):
@@ -152,6 +153,7 @@ def run(root: Path, json_out: Path, commit: str) -> int:
               "shape": {"kv_heads": HKV, "head_dim": D, "t1_page": PS1, "t2_page": PS2, "context": CONTEXT,
                         "tier1_tokens_before": T1, "demoted_per_row": PS2, "rerank_every": EVERY, "streams": STREAMS},
               "threads": json.loads((root / "index.json").read_text()).get("threads"),
+              "stage_bytes": json.loads((root / "index.json").read_text()).get("stage_bytes"),
               "steady_state_rows": steady, "results": rows_out}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
@@ -164,13 +166,15 @@ def main() -> int:
     p = sub.add_parser("prepare")
     p.add_argument("out", type=Path)
     p.add_argument("--threads", type=int, default=512, help="threads per block (head_dim: the form before 21983bf)")
+    p.add_argument("--stage-bytes", type=int, default=None,
+                   help="shared memory for staging a new page's rows (0: the gathering form, the default before a8c1171)")
     p = sub.add_parser("run")
     p.add_argument("root", type=Path)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--commit", default=None)
     args = ap.parse_args()
     if args.cmd == "prepare":
-        prepare(args.out, args.threads)
+        prepare(args.out, args.threads, args.stage_bytes)
         return 0
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     return run(args.root, args.json, commit)
