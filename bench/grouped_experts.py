@@ -73,7 +73,8 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             "pipe_w4": {"stages": 4, "row_tiles": 1, "l2_prefetch": 0}, "pipe_w2": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 0},
             "pipe_w1": {"stages": 8, "warps": 1, "row_tiles": 1, "l2_prefetch": 0},
             "pipe_w2_pf": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
-            "nt8": {"n_tiles": 8}}  # the prefill entry's tiling (prefill_spec): 64 tokens per weight pass; run --batches 2048
+            # the prefill entry's forms (prefill_spec): 64 tokens per weight pass, and a block per pass; run --batches 2048
+            "nt8": {"n_tiles": 8}, "nt8_pb": {"n_tiles": 8, "pass_blocks": True}}
 
 
 def build_module(shape, kind: str):

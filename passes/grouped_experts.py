@@ -640,7 +640,8 @@ class InsertGroupedExperts:
         # (names distinct per token tiling: the prefill entry's GEMMs are added by another builder than decode's, which
         # would not rename a clash)
         kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form),
-                              lambda key: f"moe_{key[1]}" + (f"_nt{key[0].n_tiles}" if key[0].n_tiles else ""), self.kernels)
+                              lambda key: f"moe_{key[1]}" + (f"_nt{key[0].n_tiles}" if key[0].n_tiles else "")
+                              + ("_pb" if key[0].pass_blocks else ""), self.kernels)
         found = []
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)
@@ -683,7 +684,7 @@ class InsertGroupedExperts:
 
             # (route_prep and combine do not depend on the token tiles: one of each serves both entries' specs)
             rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(
-                b, (spec if name in ("gate_up", "down") else replace(spec, n_tiles=0), name))
+                b, (spec if name in ("gate_up", "down") else replace(spec, n_tiles=0, pass_blocks=False), name))
             new_func = rewriter.visit_expr(func)
             if conv:
                 new_func = relax.analysis.remove_all_unused(new_func)

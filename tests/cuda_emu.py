@@ -196,6 +196,10 @@ static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *
   warp_sync_();
 }
 
+// cp.async: copied at once (a valid schedule of an asynchronous copy); the group commits and waits do nothing
+#define tvm_builtin_cuda_cvta_generic_to_shared(p) ((uintptr_t)(p))
+static inline void emu_cp_async(int nbytes, uintptr_t dst, const void *src) { std::memcpy((void *)dst, src, nbytes); }
+
 struct Launch { void (*entry)(void **); void **args; };
 static Launch launch_;
 static void fiber_main(int i) {
@@ -327,8 +331,10 @@ class EmulatedKernel:
             raise RuntimeError("the CUDA emulation needs a host C++ compiler (g++)")
         body, self.params = _kernel_text(source, name)
         body = _MMA.sub(_replace_mma, body)
-        for bad in ("asm", "atomic"):
-            if re.search(r"\b__asm__\b|\basm\b" if bad == "asm" else r"\batomic\w*\(", body):
+        body = re.sub(r"\btvm_builtin_ptx_cp_async_(?:commit_group|wait_group)\w*\(\)", "(void)0", body)
+        body = re.sub(r"\btvm_builtin_ptx_cp_async_\w*?_(\d+)\(", r"emu_cp_async(\1, ", body)
+        for bad in ("asm", "atomic", "tvm_builtin_ptx"):
+            if re.search({"asm": r"\b__asm__\b|\basm\b", "atomic": r"\batomic\w*\(", "tvm_builtin_ptx": r"\btvm_builtin_ptx\w*"}[bad], body):
                 raise ValueError(f"kernel {name}: the emulation does not support {bad} in the generated code")
         body = re.sub(r"__shared__\s+(alignas\(\d+\)\s+)?", lambda m: (m.group(1) or "") + "static ", body).replace("exp2f(", "exp2f_(")
         body = re.sub(r"\(\(int\)threadIdx\.x\)", "threadIdx.x", body)

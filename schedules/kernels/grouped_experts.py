@@ -90,6 +90,8 @@ class GroupedExpertsSpec:
     l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
     slots: int = 0  # 0: W1, W2 stacked per expert [E, ...]; S: a pool of S expert slots [S, ...] (offloaded experts):
     #                 the GEMMs then take offsets [2E + 1], the bounds and then each expert's slot (``_weight_slot``)
+    pass_blocks: bool = False  # cp.async forms: a block per weight pass (grid x: passes, y: row tiles x experts) instead
+    #                 of a block looping over an expert's passes (``_pass_grid``)
 
     def check(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 0:
@@ -100,6 +102,10 @@ class GroupedExpertsSpec:
             raise MoecError(f"grouped_experts: row_tiles must be 0 (automatic), 1 or 2, got {self.row_tiles!r}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
             raise MoecError(f"grouped_experts: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
+        if not isinstance(self.pass_blocks, bool):
+            raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
+        if self.pass_blocks and not (self.stages and self.w_format == "float" and self.tensor_cores):
+            raise MoecError("grouped_experts: pass_blocks needs the cp.async forms (tensor cores, float weights, stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256) or isinstance(self.l2_prefetch, bool):
             raise MoecError(f"grouped_experts: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
@@ -369,10 +375,13 @@ def prefill_spec(spec: GroupedExpertsSpec) -> GroupedExpertsSpec:
     tokens: 256 per OLMoE expert), and each pass of NT * 8 tokens streams the expert's weights again, from
     HBM once they no longer fit the L2 (a layer's are 10x its size). The widest token tile (8 tiles of 8) halves
     the passes of the decode default (NT 4 for OLMoE), and so the weight bytes; decode keeps its own kernels.
+    The cp.async forms also take a block per pass (``pass_blocks``): an expert's passes then run side by side on
+    different SMs, reading its weight tiles at about the same time, so from the L2 after the first.
     An explicit ``n_tiles`` is kept, and specs without an mma form are returned as they are (one kernel set)."""
-    if spec.n_tiles or not (mma_eligible(spec, "gate_up") or mma_eligible(spec, "down")) or mma_tiles(spec)[0] >= PREFILL_TILES:
+    if not (mma_eligible(spec, "gate_up") or mma_eligible(spec, "down")):
         return spec
-    return replace(spec, n_tiles=PREFILL_TILES)
+    out = spec if spec.n_tiles or mma_tiles(spec)[0] >= PREFILL_TILES else replace(spec, n_tiles=PREFILL_TILES)
+    return replace(out, pass_blocks=True) if _staged(out) else out
 
 
 SMEM_LIMIT = 49152  # bytes of static shared memory per block (the moec CUDA target's max_shared_memory_per_block)
@@ -403,7 +412,21 @@ def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
     if _staged(spec):
         st, per_stage = mma_stages(spec, kernel)
         cfg.update({"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per_stage})
+        if spec.pass_blocks:  # (blocks[0] stays the row tiles: the grid is passes x (row tiles x experts))
+            cfg.update({"form": cfg["form"] + ", a block per pass", "grid": (f"ceil(T / {8 * nt})", cfg["blocks"][0] * spec.experts)})
     return cfg
+
+
+def _pass_grid(spec: GroupedExpertsSpec, nbx: int, tok: int):
+    """``(grid x extent, grid y extent, expert, row tile, first pass, end pass)`` of the cp.async forms, as functions of
+    the token count ``n`` and the block indices: a block per (row tile, expert) looping over the expert's passes,
+    or with ``pass_blocks`` a block per (pass, row tile, expert), passes on grid x (an expert has at most ``n``
+    tokens: blocks past its passes exit at once)."""
+    if not spec.pass_blocks:
+        return (lambda n: nbx, lambda: spec.experts, lambda bx, by: by, lambda bx, by: bx, lambda bx: 0,
+                lambda bx, npass: npass)
+    return (lambda n: T.Cast("int32", (n + tok - 1) // tok), lambda: nbx * spec.experts, lambda bx, by: by // nbx,
+            lambda bx, by: by % nbx, lambda bx: bx, lambda bx, npass: T.min(bx + 1, npass))
 
 
 def _mma(a, a_off, b, b_off, c, c_off, ab: str):
@@ -750,14 +773,15 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+    gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     def swiglu(gv, uv):
         return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
 
     @T.macro
     def body(x, w, s1, offsets, order, h):
-        for e in T.thread_binding(E, thread="blockIdx.y"):
-            for jb in T.thread_binding(NBX, thread="blockIdx.x"):
+        for by in T.thread_binding(gy(), thread="blockIdx.y"):
+            for bx in T.thread_binding(gx(x.shape[0]), thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
                     with T.sblock("gate_up"):
                         T.reads()
@@ -770,14 +794,15 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                         xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
                         ltok = T.sblock_alloc_buffer((XL,), "int32", scope="local")  # tokens of the chunks this thread copies
+                        e: T.let[T.int32] = e_of(bx, by)
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
                         q: T.let[T.int32] = lane % 4
-                        rb: T.let[T.int32] = jb * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        rb: T.let[T.int32] = jb_of(bx, by) * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
-                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                        for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             for j in T.unroll(XL):
                                 ltok[j] = T.if_then_else((j * 32 * NW + tx) // 8 < nv,
@@ -806,11 +831,12 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+    gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     @T.macro
     def body(h, w, s2, offsets, order, rw, y):
-        for e in T.thread_binding(E, thread="blockIdx.y"):
-            for db in T.thread_binding(NBX, thread="blockIdx.x"):
+        for by in T.thread_binding(gy(), thread="blockIdx.y"):
+            for bx in T.thread_binding(gx(rw.shape[0]), thread="blockIdx.x"):
                 for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
                     with T.sblock("down"):
                         T.reads()
@@ -822,14 +848,15 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
                         xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+                        e: T.let[T.int32] = e_of(bx, by)
                         lane: T.let[T.int32] = tx % 32
                         g: T.let[T.int32] = lane // 4
                         q: T.let[T.int32] = lane % 4
-                        rb: T.let[T.int32] = db * (NW * RT * 16) + (tx // 32) * (RT * 16)
+                        rb: T.let[T.int32] = jb_of(bx, by) * (NW * RT * 16) + (tx // 32) * (RT * 16)
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
-                        for ps in T.serial((cnt + TOK - 1) // TOK):
+                        for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,
                                      lambda t: rb + t * 16 < D, lambda row, k: w[ei(we), row, k],

@@ -575,9 +575,11 @@ def test_prefill_entry_takes_wider_token_tiles(tmp_path):
         body = text[text.index(f"@{entry}:"):].split("\n\n")[0]
         calls[entry] = re.findall(r"call\s+(moe_\w+)\s+in:", body)
     assert calls["decode"] == ["moe_route_prep", "moe_gate_up", "moe_down", "moe_combine"], calls
-    assert calls["prefill"] == ["moe_route_prep", f"moe_gate_up_nt{PREFILL_TILES}", f"moe_down_nt{PREFILL_TILES}", "moe_combine"]
+    assert calls["prefill"] == ["moe_route_prep", f"moe_gate_up_nt{PREFILL_TILES}_pb", f"moe_down_nt{PREFILL_TILES}_pb", "moe_combine"]
     spec = next(s for s, n in g.kernels if n == "gate_up" and s.n_tiles == 0)
     assert mma_tiles(spec)[0] == 2 and launch_config(prefill_spec(spec))["gate_up"]["tokens_per_pass"] == 64
+    assert launch_config(prefill_spec(spec))["gate_up"]["grid"] == ("ceil(T / 64)", 32)  # a block per pass (1 row tile x 32)
     assert prefill_spec(replace(spec, n_tiles=4)).n_tiles == 4  # an explicit tiling is kept
+    assert not prefill_spec(replace(spec, stages=0)).pass_blocks  # the register form loops over its passes
     f32 = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4)  # no mma form: one kernel set
     assert prefill_spec(f32) is f32

@@ -251,7 +251,8 @@ def test_cuda_matches_numpy_on_gpu(t, tensor_cores):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [{"stages": 4, "row_tiles": 1}, {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
+@pytest.mark.parametrize("launch", [{"stages": 4, "row_tiles": 1}, {"stages": 4, "row_tiles": 1, "n_tiles": 2, "pass_blocks": True},
+                                    {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
                                     {"stages": 3, "warps": 3, "row_tiles": 1}, {"stages": 8, "warps": 1, "row_tiles": 1}])
 @pytest.mark.parametrize("t", [1, 37, 300])
 def test_cuda_pipe_form_matches_numpy_on_gpu(t, launch):
@@ -502,17 +503,21 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
     _check(spec, got, x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw, tol=3e-2)
 
 
-@pytest.mark.parametrize("t", [37, 300])
-def test_mma_register_form_emulated(t):
-    """The register-form mma.sync kernels (matched numpy on the H200, ``test_cuda_matches_numpy_on_gpu``) run on
-    the CPU emulation of tests/cuda_emu.py: a check of the emulator's mma fragment layouts, which the tensor-core
-    kernels not yet run on a GPU are tested with."""
+@pytest.mark.parametrize("t,launch", [(37, {"stages": 0}), (300, {"stages": 0}), (300, {"stages": 4, "row_tiles": 1}),
+                                      (300, {"stages": 4, "row_tiles": 1, "n_tiles": 2, "pass_blocks": True}),
+                                      (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True})])
+def test_mma_forms_emulated(t, launch):
+    """The mma.sync kernels on the CPU emulation of tests/cuda_emu.py. The register form and the cp.async form (4
+    stages) matched numpy on the H200 (``test_cuda_matches_numpy_on_gpu``, ``test_cuda_pipe_form_matches_numpy_on_gpu``):
+    a check of the emulator's mma fragments, which the kernels not yet run on a GPU are tested with; then the
+    cp.async form with a block per pass (``pass_blocks``, the prefill entry's): 2 token tiles make several passes
+    per expert, 3 warps leave row blocks past the rows."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
 
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, **{k: "bfloat16" for k in (
-        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", stages=0)
+        "x_dtype", "w_dtype", "h_dtype", "rw_dtype")}, out_dtype="float32", **launch)
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
     assert "mma.sync" in src
     cfg = launch_config(spec)
@@ -523,10 +528,16 @@ def test_mma_register_form_emulated(t):
     y = np.zeros((t * 4, spec.hidden), np.float32)
     out = np.zeros((t, spec.hidden), np.float32)
     ids = ids.astype(np.int64)
-    grid = lambda c: (c["blocks"][0] if c["blocks"][0] != "T" else t, c["blocks"][1], 1)  # noqa: E731
-    # (the generated route_prep takes the slot count T * K as a hoisted scalar, combine the token count as N)
+    def grid(c):
+        if "grid" in c:  # a block per pass: ceil(T / tokens per pass) x (row tiles x experts)
+            return (-(-t // c["tokens_per_pass"]), c["grid"][1], 1)
+        return (c["blocks"][0] if c["blocks"][0] != "T" else t, c["blocks"][1], 1)
+
+    # (the generated route_prep takes the slot count T * K as a hoisted scalar, combine the token count as N; the
+    # pass-block forms' grids depend on the token count, so they take it too)
+    extra = {"N": t} if spec.pass_blocks else {}
     k["route_prep"](grid(cfg["route_prep"]), cfg["route_prep"]["threads"], ids=ids, offsets=offsets, order=order, cse_v1=t * 4)
-    k["gate_up"](grid(cfg["gate_up"]), 128, x=x, w=w1, offsets=offsets, order=order, h=h)
-    k["down"](grid(cfg["down"]), 128, h=h, w=w2, offsets=offsets, order=order, rw=rw, y=y)
+    k["gate_up"](grid(cfg["gate_up"]), cfg["gate_up"]["threads"], x=x, w=w1, offsets=offsets, order=order, h=h, **extra)
+    k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=w2, offsets=offsets, order=order, rw=rw, y=y, **extra)
     k["combine"](grid(cfg["combine"]), cfg["combine"]["threads"], y=y, ids=ids, out=out, N=t)
     _check(spec, (offsets, order, h.astype(np.float32), out), x, w1, w2, ids, rw, tol=3e-2)
