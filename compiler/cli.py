@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="offload the routed experts: their weights stay in host memory and the device holds N expert "
                         "slots (at least one layer's experts), filled as each layer's router chooses, least recently "
-                        "used slots reused; for models whose experts do not fit in device memory")
+                        "used slots reused; for models whose experts do not fit in device memory. With --expert-weights "
+                        "fp8 the host holds and copies FP8 codes and scales: about half the bytes of bf16 per copy")
     p.add_argument("--gpu-memory-budget", type=_bytes, default=None, metavar="BYTES",
                    help="device memory for the weights (e.g. 40G, 512M or a byte count): if they do not fit, the "
                         "experts are offloaded into as many slots as remain after the other weights (the KV cache is "
@@ -430,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
-                        "--expert-slots slots, loaded on demand / also prefetched), moec-tiered-fields (--decode-kernel "
+                        "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
+                        "same with FP8 experts), moec-tiered-fields (--decode-kernel "
                         "split-fields), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")

@@ -20,6 +20,9 @@ first such system's at the point (``tokens_vs``: offloaded experts must agree fu
                                                     moec with that KV cache (artifacts kept in --work)
   moec-<cache>-graph                                the same with ``--cuda-graph`` (bounds: the grid's largest
                                                     streams and context): decode steps replay CUDA graphs
+  moec-<cache>-offload[-fp8]                        experts offloaded into ``--expert-slots`` device slots,
+  moec-<cache>-prefetch[-fp8]                       loaded on demand, or also prefetched; -fp8: stored and
+                                                    copied as FP8 codes and scales (``--expert-weights fp8``)
   hf-eager                                          HF forward with a StaticCache, HF's default experts
                                                     implementation (grouped_mm where torch has it), the
                                                     prefill in chunks of 512 positions
@@ -71,11 +74,13 @@ SHAPES = {
                                      num_experts_per_tok=2, max_position_embeddings=1024)),
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
+OFFLOAD_SUFFIXES = ("-offload", "-prefetch", "-offload-fp8", "-prefetch-fp8")
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
            "moec-tiered-graph", "moec-tiered-fields", "hf-eager", "hf-compile") + tuple(
-    f"moec-{c}-{m}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch"))
+    f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8"))
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
-# chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; moec-tiered-fields: the
+# chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; -offload-fp8 / -prefetch-fp8:
+# the same with the experts stored and copied as FP8 (--expert-weights fp8: half the bytes); moec-tiered-fields: the
 # tiered cache with the decode kernel's 2-bit sums in float32 (--decode-kernel split-fields, the form before the half2 one)
 
 
@@ -238,9 +243,10 @@ class _Moec:
             from ..passes.cuda_graph import GraphBounds
 
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
-        offload = kind.endswith(("-offload", "-prefetch"))  # (run_bench refuses them without expert_slots)
+        offload = kind.endswith(OFFLOAD_SUFFIXES)  # (run_bench refuses them without expert_slots)
+        fp8_experts = offload and kind.endswith("-fp8")
         fields = kind.endswith("-fields")
-        tag = "-graph" if graph else f"-slots{expert_slots}" if offload else "-fields" if fields else ""
+        tag = "-graph" if graph else f"-slots{expert_slots}" + ("-fp8" if fp8_experts else "") if offload else "-fields" if fields else ""
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -250,10 +256,11 @@ class _Moec:
                 tiered = TieredOptions(mode=cache, decode_kernel="split-fields")
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
+                         expert_weights="fp8" if fp8_experts else None,
                          tiered_options=tiered)
             if not offload:
                 _share_weights(art, work)
-        extra = {"expert_prefetch": 0 if kind.endswith("-prefetch") else None} if offload else {}
+        extra = {"expert_prefetch": 0 if kind.endswith(("-prefetch", "-prefetch-fp8")) else None} if offload else {}
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens, **extra)
         self.cfg = model.config
         self.cache = cache
@@ -430,7 +437,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     for s in systems:
         if s not in SYSTEMS:
             raise MoecError(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
-        if s.endswith(("-offload", "-prefetch")) and expert_slots is None:
+        if s.endswith(OFFLOAD_SUFFIXES) and expert_slots is None:
             raise MoecError(f"{s}: give --expert-slots (the device slots of the offloaded experts)")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoecError("--device cuda: no CUDA device is visible to torch")

@@ -471,7 +471,8 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
         self.by_out = {m.out: m for m in matches}
         self.kernel = kernel  # (spec, name) -> GlobalVar
         self.converted = converted or {}  # weight name -> (new param, scale param or None)
-        self.pools, self.layer_of = pools, layer_of or {}  # offloaded experts: (pool W1, pool W2), W1 name -> layer
+        # offloaded experts: the pools (W1, W2; FP8: W1 codes, scales, W2 codes, scales), W1 name -> layer
+        self.pools, self.layer_of = pools, layer_of or {}
 
     def _weight(self, w):
         """The weight argument(s) of a kernel: the param itself, or its converted param (and FP8 scales)."""
@@ -499,7 +500,7 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
             table = bb.emit(relax.call_pure_packed(RESIDENCY_FUNC, ids, x, relax.prim_value(tvm.tirx.IntImm("int64", self.layer_of[m.w1.name])),
                                                    ty_args=relax.TensorType([s.experts], "int32")))
             offsets = bb.emit(relax.op.concat([offsets, table], axis=0))
-            w1, w2 = [self.pools[0]], [self.pools[1]]
+            w1, w2 = self.pools[:len(w1)], self.pools[len(w1):len(w1) + len(w2)]  # (FP8: codes and scales of each)
         h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, *w1, offsets, order],
                                    out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
         y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *w2, offsets, order, rw],
@@ -515,12 +516,13 @@ def check_offload_options(expert_slots, memory_budget, expert_weights) -> None:
         raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
     if memory_budget is not None and expert_slots is not None:
         raise MoecError("give either expert slots or a device memory budget, not both")
-    if (expert_slots is not None or memory_budget is not None) and expert_weights is not None:
-        raise MoecError("offloaded experts (expert slots) keep the model's weight dtype: drop --expert-weights")
 
 
 def _expert_bytes(spec: GroupedExpertsSpec) -> int:
-    """One expert's W1 and W2 bytes (one slot of the offloaded experts' pools)."""
+    """One expert's W1 and W2 bytes (one slot of the offloaded experts' pools): FP8 codes and their float32 scales
+    per output channel, or the weights of ``w_dtype``."""
+    if spec.w_format == "fp8":
+        return 3 * spec.hidden * spec.inter + 4 * (2 * spec.inter + spec.hidden)
     return 3 * spec.hidden * spec.inter * _BYTES[spec.w_dtype]
 
 
@@ -569,15 +571,15 @@ class InsertGroupedExperts:
         self.offload: dict | None = None  # with expert slots: the pools and each layer's offloaded weights
         self.error: MoecError | None = None  # the refusal of the last run, if any
 
-    def _slots_for_budget(self, found) -> int | None:
+    def _slots_for_budget(self, found, stored) -> int | None:
         """Expert slots that a device memory budget leaves after every weight that stays on the device (None: the
         experts fit, nothing is offloaded)."""
-        budget, total = self.memory_budget
+        budget, total = self.memory_budget  # total: the model's weight bytes as imported
         experts, per_expert, num = {}, None, None
-        for _, _, matches in found:
-            for m in matches:  # a layer's W1 and W2 hold E experts' bytes
+        for (_, _, matches), (_, _, conv) in zip(found, stored):
+            for m, c in zip(matches, conv):  # a layer's W1 and W2 hold E experts' bytes (as imported; a slot as stored)
                 experts[m.w1.name] = m.spec.experts * _expert_bytes(m.spec)
-                per_expert, num = _expert_bytes(m.spec), m.spec.experts
+                per_expert, num = _expert_bytes(c.spec), m.spec.experts
         if not experts:
             raise MoecError(f"{self.source}: a device memory budget offloads experts, and no MoE layer was recognised "
                             "in the grouped form")
@@ -620,11 +622,20 @@ class InsertGroupedExperts:
                     raise MoecError(f"{self.source}: expert weight {m.w1.name} pairs with {w2_of[m.w1.name]} and {m.w2.name}")
         if len(set(w2_of.values())) != len(w2_of):
             raise MoecError(f"{self.source}: offloaded experts need each layer's own expert weights (layers share them)")
-        D, I, E = spec.hidden, spec.inter, spec.experts
-        self.offload = {"slots": self.expert_slots, "experts": E,
-                        "pools": [{"name": "experts.pool.w1", "shape": [self.expert_slots, 2 * I, D], "dtype": spec.w_dtype},
-                                  {"name": "experts.pool.w2", "shape": [self.expert_slots, D, I], "dtype": spec.w_dtype}],
-                        "layers": [[n, w2_of[n]] for n in order]}
+        D, I, E, S = spec.hidden, spec.inter, spec.experts, self.expert_slots
+        if spec.w_format == "fp8":  # codes and their scales per output channel, each weight's pair
+            pools = [{"name": "experts.pool.w1", "shape": [S, 2 * I, D], "dtype": "uint8"},
+                     {"name": "experts.pool.w1.fp8_scale", "shape": [S, 2 * I], "dtype": "float32"},
+                     {"name": "experts.pool.w2", "shape": [S, D, I], "dtype": "uint8"},
+                     {"name": "experts.pool.w2.fp8_scale", "shape": [S, D], "dtype": "float32"}]
+            layers = [[n, self.converted[n]["scale"], w2_of[n], self.converted[w2_of[n]]["scale"]] for n in order]
+        else:
+            pools = [{"name": "experts.pool.w1", "shape": [S, 2 * I, D], "dtype": spec.w_dtype},
+                     {"name": "experts.pool.w2", "shape": [S, D, I], "dtype": spec.w_dtype}]
+            layers = [[n, w2_of[n]] for n in order]
+        # layers: per offloaded layer the stored arrays of its experts, in the order of the pools they are copied into
+        self.offload = {"slots": S, "experts": E, "pools": pools, "layers": layers, "slot_bytes": _expert_bytes(spec),
+                        "weights": spec.w_format if spec.w_format == "fp8" else spec.w_dtype}
         return {n: i for i, n in enumerate(order)}, spec
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -652,11 +663,13 @@ class InsertGroupedExperts:
             self.rounding[gv.name_hint] = [r for m in matches for r in m.rounding]
             found.append((gv, func, matches))
         convert = self._plan_conversion(found) if self.expert_weights is not None else []
+        # the experts as they will be stored (converted to bf16 / FP8): what the slots hold
+        stored = [(gv, func, [self._converted_match(m) for m in matches]) for gv, func, matches in found] if convert else found
         if self.memory_budget is not None:
-            self.expert_slots = self._slots_for_budget(found)
+            self.expert_slots = self._slots_for_budget(found, stored)
         layer_of = None
         if self.expert_slots is not None:
-            layer_of, slot_spec = self._plan_offload(found)
+            layer_of, slot_spec = self._plan_offload(stored)
             self.offload["budget"] = self.budget_note
             found = [(gv, func, [replace(m, spec=slot_spec) for m in matches]) for gv, func, matches in found]
         if form == "cuda":  # the prefill entry's own token tiles (prefill_spec)
@@ -717,7 +730,7 @@ class InsertGroupedExperts:
             return list(names), list(arrays), {}
         gone = {n for pair in self.offload["layers"] for n in pair}
         keep = [(n, a) for n, a in zip(names, arrays) if n not in gone]
-        return ([n for n, _ in keep] + [p["name"] for p in self.offload["pools"]], [a for _, a in keep] + [None, None],
+        return ([n for n, _ in keep] + [p["name"] for p in self.offload["pools"]], [a for _, a in keep] + [None] * len(self.offload["pools"]),
                 {n: a for n, a in zip(names, arrays) if n in gone})
 
     def _plan_conversion(self, found) -> list[str]:

@@ -83,7 +83,7 @@ def _predictors(manifest: dict, offload: dict, weights: dict, extra: int | None,
                            layer.get("index"))
     rows, top_k, index = [], 0, []
     e, d = int(offload["experts"]), int(offload["pools"][0]["shape"][2])
-    for w1, _ in offload["layers"]:
+    for w1, *_ in offload["layers"]:
         router, bias, norm, k, li = by_w1.get(w1, (None, None, None, None, None))
         index.append(li)
         if router not in weights or norm not in weights:  # not recorded as expected: load on demand only
@@ -229,9 +229,12 @@ class Engine:
             missing = [n for n, a in host.items() if a is None]
             if missing:
                 raise ArtifactError(f"{directory / WEIGHTS}: offloaded expert weights missing: {', '.join(missing[:3])}")
-            self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
-                manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
-                expert_prefetch, fitted))
+            try:
+                self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
+                    manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
+                    expert_prefetch, fitted))
+            except ValueError as exc:  # arrays that do not fit the manifest's pools
+                raise ArtifactError(f"{directory / WEIGHTS}: {exc}") from None
             del host
         by_pool = dict(zip([p["name"] for p in offload["pools"]], self.experts.pools)) if offload else {}
         it = iter(keys)

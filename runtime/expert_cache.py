@@ -224,8 +224,9 @@ class CudaStreamCopies:
 
 class OffloadedExperts:
     """The runtime side of offloaded experts (``moec compile --expert-slots``): the layers' expert weights in host
-    memory (pinned on CUDA), two device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]) that the compiled
-    grouped expert kernels read, and an ``ExpertCache`` deciding residency.
+    memory (pinned on CUDA), device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]; with FP8 experts,
+    ``--expert-weights fp8``, their e4m3 codes and float32 scales [S, 2I], [S, D], four pools at about half the
+    bytes) that the compiled grouped expert kernels read, and an ``ExpertCache`` deciding residency.
 
     ``residency(ids, x, layer)`` is what the compiled graph calls (``RESIDENCY_FUNC``) once a layer's router has
     chosen (``ids``; ``x`` the layer's expert input, its post-attention state after the norm): the routed experts
@@ -255,9 +256,16 @@ class OffloadedExperts:
         if copier is None:
             copier = CudaStreamCopies(tvm, device) if device.dlpack_device_type() == 2 else HostCopies(tvm, device)
         self.copier = copier
-        first = host[doc["layers"][0][0]], host[doc["layers"][0][1]]
+        # per layer its stored arrays, one per pool (W1, W2; with FP8 experts W1 codes, scales, W2 codes, scales)
+        if any(len(names) != len(doc["pools"]) for names in doc["layers"]):
+            raise ValueError(f"offloaded experts: each layer needs one array per pool ({len(doc['pools'])})")
+        first = [host[n] for n in doc["layers"][0]]
+        for p, a in zip(doc["pools"], first):
+            if tuple(a.shape[1:]) != tuple(p["shape"][1:]) or str(a.dtype) != p["dtype"]:
+                raise ValueError(f"offloaded experts: an array of {list(a.shape)} {a.dtype} for pool {p['name']} "
+                                 f"({p['shape']} {p['dtype']})")
         self._slot_bytes = [int(np.prod(p["shape"][1:])) * first[i].itemsize for i, p in enumerate(doc["pools"])]
-        self.layers = [(copier.stage(host[w1]), copier.stage(host[w2])) for w1, w2 in doc["layers"]]
+        self.layers = [tuple(copier.stage(host[n]) for n in names) for names in doc["layers"]]
         self.experts = int(doc["experts"])
         self.pools = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"], device) for p in doc["pools"]]
         self.cache = ExpertCache(int(doc["slots"]))

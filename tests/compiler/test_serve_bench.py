@@ -167,6 +167,17 @@ def test_bench_offloaded_experts(tmp_path):
         assert p["tokens_sha256"] == doc["systems"]["moec-bf16"]["points"][0]["tokens_sha256"]
     assert on["experts"]["prefetched"] == 0 and pre["experts"]["prefetched"] > 0
     assert (tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-slots12-cpu" / "manifest.json").exists()
+    # -fp8: one artifact with FP8 experts (codes and float32 scales per output channel copied), the same tokens
+    # on demand and with prefetch
+    out.unlink()
+    assert main(base + ["--systems", "moec-bf16-offload-fp8,moec-bf16-prefetch-fp8", "--expert-slots", "12"]) == 0
+    doc = json.loads(out.read_text())
+    on8, pre8 = (doc["systems"][s]["points"][0] for s in ("moec-bf16-offload-fp8", "moec-bf16-prefetch-fp8"))
+    d, i = doc["config"]["hidden_size"], doc["config"]["intermediate_size"]
+    for p in (on8, pre8):
+        assert "error" not in p and p["experts"]["copy_bytes"] == p["experts"]["copies"] * (3 * d * i + 4 * (2 * i + d))
+    assert pre8["tokens_vs"] == {"system": "moec-bf16-offload-fp8", "agree": 1.0} and pre8["experts"]["prefetched"] > 0
+    assert (tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-slots12-fp8-cpu" / "manifest.json").exists()
 
 
 def _result(systems, streams, contexts, **over):

@@ -101,11 +101,62 @@ def test_refusals(arts, tmp_path):
         moec.compile(model, tmp_path / "a", target="llvm", expert_slots=7)
     with pytest.raises(MoecError, match="expert slots must be a positive integer"):
         moec.compile(model, tmp_path / "b", target="llvm", expert_slots=0)
-    with pytest.raises(MoecError, match="drop --expert-weights"):
-        moec.compile(model, tmp_path / "c", target="llvm", expert_slots=8, expert_weights="bf16")
     with pytest.raises(MoecError, match="need the grouped experts"):
         moec.compile(model, tmp_path / "d", target="llvm", expert_slots=8, grouped_experts=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()
+
+
+def test_fp8_offloaded_experts_equal_fp8_resident(arts, tmp_path):
+    """``--expert-weights fp8`` with expert slots: the slots hold e4m3 codes and their scales (four pools, about a
+    quarter of float32's bytes per copy here), and decode equals the all-resident FP8 model's exactly, on demand and
+    with prefetch; a device memory budget counts the FP8 bytes of a slot; the CUDA build compiles."""
+    import json
+
+    model = arts[0]
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (6, 12)]
+    want = _run(moec.compile(model, tmp_path / "r8", target="llvm", expert_weights="fp8"), prompts, 4)[1]
+    art = moec.compile(model, tmp_path / "s8", target="llvm", expert_weights="fp8", expert_slots=8)
+    for prefetch in (None, 0):
+        e, got = _run(art, prompts, 4, expert_prefetch=prefetch)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+        slot = 3 * 64 * 32 + 4 * (2 * 32 + 64)  # codes of W1 and W2, float32 scales per output channel
+        assert e.experts.copies > 8 and e.experts.copy_bytes == e.experts.copies * slot
+        assert (e.experts.cache.stats.prefetched > 0) == (prefetch == 0)
+    doc = e.manifest["options"]["grouped_experts"]["offload"]
+    assert [(p["shape"], p["dtype"]) for p in doc["pools"]] == [([8, 64, 64], "uint8"), ([8, 64], "float32"),
+                                                                ([8, 64, 32], "uint8"), ([8, 64], "float32")]
+    assert doc["weights"] == "fp8" and doc["slot_bytes"] == slot and all(len(names) == 4 for names in doc["layers"])
+    # a budget: the resident weights as imported, then slots of FP8 bytes
+    from moec.compiler.importers import import_model
+
+    total = sum(int(w.nbytes) for w in import_model(model).weights)
+    resident = total - 2 * 8 * 3 * 64 * 32 * 4
+    b = moec.compile(model, tmp_path / "b8", target="llvm", expert_weights="fp8", gpu_memory_budget=resident + 11 * slot + 5)
+    assert b.name == "b8" and moec.load(b).manifest["options"]["grouped_experts"]["offload"]["slots"] == 11
+    cuda = moec.compile(model, tmp_path / "c8", target="cuda", expert_weights="fp8", expert_slots=8)  # builds for sm_90
+    assert json.loads((cuda / "manifest.json").read_text())["options"]["grouped_experts"]["offload"]["weights"] == "fp8"
+
+
+def test_malformed_offloaded_arrays_are_refused(arts, tmp_path):
+    """An artifact whose offloaded arrays do not fit the manifest's pools is refused, naming the weights file."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from moec.compiler.artifact import OFFLOADED_PREFIX, write_manifest
+    from moec.compiler.errors import ArtifactError
+
+    art = moec.compile(arts[0], tmp_path / "s", target="llvm", expert_slots=8)
+    w = load_file(str(art / "weights.safetensors"))
+    name = json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"]["offload"]["layers"][0][0]
+    w[OFFLOADED_PREFIX + name] = w[OFFLOADED_PREFIX + name][:, :, :5].copy()
+    save_file(w, str(art / "weights.safetensors"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    write_manifest(art, {k: v for k, v in manifest.items() if k not in ("files", "format")})  # consistent hashes
+    with pytest.raises(ArtifactError, match="weights.safetensors: .*for pool experts.pool.w1"):
+        moec.load(art)
 
 
 def test_tiered_cache_and_cuda_build(arts, tmp_path):
