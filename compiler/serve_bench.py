@@ -20,6 +20,8 @@ first such system's at the point (``tokens_vs``: offloaded experts must agree fu
                                                     moec with that KV cache (artifacts kept in --work)
   moec-<cache>-graph                                the same with ``--cuda-graph`` (bounds: the grid's largest
                                                     streams and context): decode steps replay CUDA graphs
+  moec-<cache>-fp8experts                           the routed experts' weights in FP8 e4m3 with per-channel
+                                                    scales (``--expert-weights fp8``); its floor counts those bytes
   moec-<cache>-offload[-fp8]                        experts offloaded into ``--expert-slots`` device slots,
   moec-<cache>-prefetch[-fp8]                       loaded on demand, or also prefetched; -fp8: stored and
                                                     copied as FP8 codes and scales (``--expert-weights fp8``)
@@ -77,7 +79,10 @@ _PAGE = 16  # the engine's KV page: each stream holds whole pages
 OFFLOAD_SUFFIXES = ("-offload", "-prefetch", "-offload-fp8", "-prefetch-fp8")
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
            "moec-tiered-graph", "moec-tiered-fields", "hf-eager", "hf-compile") + tuple(
-    f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8"))
+    f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
+    f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered"))
+# moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
+# not the headline's bf16 weights: a step then reads half the expert bytes, and its floor counts them so)
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
 # chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; -offload-fp8 / -prefetch-fp8:
 # the same with the experts stored and copied as FP8 (--expert-weights fp8: half the bytes); moec-tiered-fields: the
@@ -174,9 +179,11 @@ def weight_bytes(model) -> tuple[int, int, int]:
     return other, expert // (layers * num_experts), num_experts
 
 
-def floor_ms(model, streams: int, context: int, kv_bytes_per_token: float, bandwidth: float) -> float:
+def floor_ms(model, streams: int, context: int, kv_bytes_per_token: float, bandwidth: float, fp8_experts: bool = False) -> float:
     cfg = model.config
     other, one_expert, e = weight_bytes(model)
+    if fp8_experts:  # e4m3 codes of W1 and W2, and a float32 scale per output channel (2 I + D)
+        one_expert = 3 * cfg.hidden_size * cfg.intermediate_size + 4 * (2 * cfg.intermediate_size + cfg.hidden_size)
     k = cfg.num_experts_per_tok
     active = e * (1 - (1 - k / e) ** streams)
     step = other + cfg.num_hidden_layers * active * one_expert + streams * context * kv_bytes_per_token
@@ -246,7 +253,9 @@ class _Moec:
         offload = kind.endswith(OFFLOAD_SUFFIXES)  # (run_bench refuses them without expert_slots)
         fp8_experts = offload and kind.endswith("-fp8")
         fields = kind.endswith("-fields")
-        tag = "-graph" if graph else f"-slots{expert_slots}" + ("-fp8" if fp8_experts else "") if offload else "-fields" if fields else ""
+        fp8_resident = kind.endswith("-fp8experts")
+        tag = ("-graph" if graph else f"-slots{expert_slots}" + ("-fp8" if fp8_experts else "") if offload else "-fields" if fields
+               else "-fp8experts" if fp8_resident else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -256,7 +265,7 @@ class _Moec:
                 tiered = TieredOptions(mode=cache, decode_kernel="split-fields")
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
-                         expert_weights="fp8" if fp8_experts else None,
+                         expert_weights="fp8" if fp8_experts or fp8_resident else None,
                          tiered_options=tiered)
             if not offload:
                 _share_weights(art, work)
@@ -519,7 +528,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     "step_ms": [round(float(x), 4) for x in ms],
                     "memory_bytes": _memory(device), "memory_bytes_before": before,
                     "kv_bytes_per_token": r["kv_bytes_per_token"],
-                    "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw),
+                    "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw, name.endswith(("-fp8experts", "-offload-fp8",
+                                                                                                  "-prefetch-fp8"))),
                 })
                 if r.get("profile"):
                     point["profile"] = r["profile"]

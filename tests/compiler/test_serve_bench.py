@@ -221,3 +221,17 @@ def test_bench_merge_joins_runs_and_refuses_mismatches(tmp_path, capsys):
             bad.write_text(json.dumps({"benchmark": "tiered_decode"}))
         assert main(["bench-merge", str(a), str(bad), "--json", str(tmp_path / "n.json")]) == 2
         assert why in capsys.readouterr().err and not (tmp_path / "n.json").exists()
+
+
+def test_bench_fp8_experts(tmp_path):
+    """moec-<cache>-fp8experts: the experts stored as FP8 (``--expert-weights fp8``); the point's floor counts their
+    bytes (codes and scales), below the bf16 model's at the same point."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "3", "--dtype",
+                 "bfloat16", "--work", str(tmp_path / "work"), "--json", str(out),
+                 "--systems", "moec-bf16,moec-bf16-fp8experts"]) == 0
+    doc = json.loads(out.read_text())
+    bf, f8 = (doc["systems"][s]["points"][0] for s in ("moec-bf16", "moec-bf16-fp8experts"))
+    assert "error" not in f8 and f8["floor_ms"] < bf["floor_ms"]
+    art = tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-fp8experts-cpu"
+    assert json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"]["expert_weights"] == "fp8"
