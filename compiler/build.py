@@ -191,7 +191,7 @@ def compile(  # noqa: A001 - the public name users call
     if grouped_experts:
         from ..passes.grouped_experts import check_offload_options
 
-        check_offload_options(expert_slots, gpu_memory_budget, expert_weights)
+        check_offload_options(expert_slots, gpu_memory_budget)
     if expert_slots is not None and not grouped_experts:
         raise MoecError("offloaded experts (expert slots) need the grouped experts (drop --no-grouped-experts)")
     if expert_slots is not None and graph_bounds is not None:

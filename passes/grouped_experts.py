@@ -510,7 +510,7 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
         self.set_var_remap(binding.var, out)
 
 
-def check_offload_options(expert_slots, memory_budget, expert_weights) -> None:
+def check_offload_options(expert_slots, memory_budget) -> None:
     """Refuse offloaded-expert options that cannot go together (before any model is read)."""
     if expert_slots is not None and (not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots < 1):
         raise MoecError(f"expert slots must be a positive integer, got {expert_slots!r}")
@@ -550,7 +550,7 @@ class InsertGroupedExperts:
                  weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
-        check_offload_options(expert_slots, memory_budget, expert_weights)
+        check_offload_options(expert_slots, memory_budget)
         if expert_weights not in (None, "bf16", "fp8"):
             raise MoecError(f"expert weights must be bf16 or fp8 (or None: the model's dtype), got {expert_weights!r}")
         if expert_weights is not None and weights is None:

@@ -259,11 +259,13 @@ class OffloadedExperts:
         # per layer its stored arrays, one per pool (W1, W2; with FP8 experts W1 codes, scales, W2 codes, scales)
         if any(len(names) != len(doc["pools"]) for names in doc["layers"]):
             raise ValueError(f"offloaded experts: each layer needs one array per pool ({len(doc['pools'])})")
+        for names in doc["layers"]:  # every expert of every layer must fit its pool's slot: the copies are raw bytes
+            for p, n in zip(doc["pools"], names):
+                a = host[n]
+                if tuple(a.shape) != (int(doc["experts"]), *p["shape"][1:]) or str(a.dtype) != p["dtype"]:
+                    raise ValueError(f"offloaded experts: {n} is {list(a.shape)} {a.dtype}, but pool {p['name']} takes "
+                                     f"{doc['experts']} experts of {p['shape'][1:]} {p['dtype']}")
         first = [host[n] for n in doc["layers"][0]]
-        for p, a in zip(doc["pools"], first):
-            if tuple(a.shape[1:]) != tuple(p["shape"][1:]) or str(a.dtype) != p["dtype"]:
-                raise ValueError(f"offloaded experts: an array of {list(a.shape)} {a.dtype} for pool {p['name']} "
-                                 f"({p['shape']} {p['dtype']})")
         self._slot_bytes = [int(np.prod(p["shape"][1:])) * first[i].itemsize for i, p in enumerate(doc["pools"])]
         self.layers = [tuple(copier.stage(host[n]) for n in names) for names in doc["layers"]]
         self.experts = int(doc["experts"])
