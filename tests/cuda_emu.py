@@ -32,6 +32,7 @@ _PRELUDE = r"""
 #include <vector>
 #include <stdexcept>
 #include <algorithm>
+#include <string>
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
@@ -113,7 +114,7 @@ static inline float __fdividef(float a, float b) { return a / b; }
 static inline int __popc(uint v) { return __builtin_popcount(v); }
 
 // ------------------------------------------------------------------ fibers and barriers
-struct Fiber { ucontext_t ctx; int tid; int wait; bool done; std::vector<char> stack; dim3_ idx; };
+struct Fiber { ucontext_t ctx; int tid; int wait; bool done; std::vector<char> stack; dim3_ idx; int site; };
 static ucontext_t sched_ctx;
 static std::vector<Fiber> fibers;
 static int cur = -1;
@@ -121,65 +122,79 @@ static int cur = -1;
 static int block_threads = 0;
 enum { RUN = 0, AT_BLOCK = 1, AT_WARP = 2 };
 static void yield_() { swapcontext(&fibers[cur].ctx, &sched_ctx); }
-static void __syncthreads() { fibers[cur].wait = AT_BLOCK; yield_(); }
-static void warp_sync_() { fibers[cur].wait = AT_WARP; yield_(); }
+static void syncthreads_(int site) { fibers[cur].wait = AT_BLOCK; fibers[cur].site = site; yield_(); }
+#define __syncthreads() syncthreads_(__LINE__)
+// a warp collective's barrier, tagged with its source line: lanes of one warp meeting at different collectives
+// (a shuffle or mma reached in divergent code) are an error, not silently paired
+static void warp_sync_(int site) { fibers[cur].wait = AT_WARP; fibers[cur].site = site; yield_(); }
 static inline int lane_() { return threadIdx.x % 32; }
 static inline int warp_() { return threadIdx.x / 32; }
 
 struct WarpBuf { uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t v[32]; };
 static std::vector<WarpBuf> warp_bufs;
 
-template <typename T> static T shfl_xor_(T v, int m) {
+template <typename T> static T shfl_xor_(T v, int m, int site) {
   WarpBuf &w = warp_bufs[warp_()];
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
   w.v[lane_()] = bits;
-  warp_sync_();
+  warp_sync_(site);
   uint64_t o = w.v[lane_() ^ m];
-  warp_sync_();
+  warp_sync_(site);
   T r; std::memcpy(&r, &o, sizeof(T)); return r;
 }
-template <typename T> static T shfl_idx_(T v, int src) {
+template <typename T> static T shfl_idx_(T v, int src, int site) {
   WarpBuf &w = warp_bufs[warp_()];
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
   w.v[lane_()] = bits;
-  warp_sync_();
+  warp_sync_(site);
   uint64_t o = w.v[src & 31];
-  warp_sync_();
+  warp_sync_(site);
   T r; std::memcpy(&r, &o, sizeof(T)); return r;
 }
-template <typename T> static T shfl_down_(T v, int d) {
-  int l = lane_() + d; return shfl_idx_(v, l < 32 ? l : lane_());
+template <typename T> static T shfl_down_(T v, int d, int site) {
+  int l = lane_() + d; return shfl_idx_(v, l < 32 ? l : lane_(), site);
 }
-template <typename T> static T shfl_up_(T v, int d) {
-  int l = lane_() - d; return shfl_idx_(v, l >= 0 ? l : lane_());
+template <typename T> static T shfl_up_(T v, int d, int site) {
+  int l = lane_() - d; return shfl_idx_(v, l >= 0 ? l : lane_(), site);
 }
-#define __shfl_xor_sync(mask, v, m, width) shfl_xor_(v, m)
-#define __shfl_sync(mask, v, src, width) shfl_idx_(v, src)
-#define __shfl_down_sync(mask, v, d, width) shfl_down_(v, d)
-#define __shfl_up_sync(mask, v, d, width) shfl_up_(v, d)
-static uint __ballot_sync(uint mask, int pred) {
+#define __shfl_xor_sync(mask, v, m, width) shfl_xor_(v, m, __LINE__)
+#define __shfl_sync(mask, v, src, width) shfl_idx_(v, src, __LINE__)
+#define __shfl_down_sync(mask, v, d, width) shfl_down_(v, d, __LINE__)
+#define __shfl_up_sync(mask, v, d, width) shfl_up_(v, d, __LINE__)
+static uint ballot_(int pred, int site) {
   uint r = 0;
-  for (int i = 0; i < 32; i++) r |= 0;
   WarpBuf &w = warp_bufs[warp_()];
   w.v[lane_()] = pred ? 1 : 0;
-  warp_sync_();
+  warp_sync_(site);
   for (int i = 0; i < 32; i++) r |= (uint)(w.v[i] ? 1u << i : 0u);
-  warp_sync_();
+  warp_sync_(site);
   return r;
 }
-static void __syncwarp(uint mask = 0xffffffffu) { warp_sync_(); }
+#define __ballot_sync(mask, pred) ballot_(pred, __LINE__)
+#define __syncwarp(...) warp_sync_(__LINE__)
+template <typename T> static uint match_any_(T v, int site) {
+  WarpBuf &w = warp_bufs[warp_()];
+  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
+  w.v[lane_()] = bits;
+  warp_sync_(site);
+  uint r = 0;
+  for (int i = 0; i < 32; i++) r |= (uint)(w.v[i] == bits ? 1u << i : 0u);
+  warp_sync_(site);
+  return r;
+}
+#define __match_any_sync(mask, v) match_any_(v, __LINE__)
 
 static inline float half_bits_(uint32_t h, bool bf16) {
   if (bf16) { nv_bfloat16 b; b.x = (uint16_t)h; return (float)b; }
   half f; f.x = (uint16_t)h; return (float)f;
 }
 // mma.sync m16n8k16 row.col, f32 accumulators (PTX ISA fragment layouts: lane = 4 g + q)
-static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *c, float *d, bool bf16) {
+static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *c, float *d, bool bf16, int site) {
   WarpBuf &w = warp_bufs[warp_()];
   int l = lane_();
   for (int i = 0; i < 4; i++) { w.a[l][i] = a[i]; w.c[l][i] = c[i]; }
   for (int i = 0; i < 2; i++) w.b[l][i] = b[i];
-  warp_sync_();
+  warp_sync_(site);
   int g = l / 4, q = l % 4;
   for (int i = 0; i < 4; i++) {
     int row = g + 8 * (i / 2), col = 2 * q + (i % 2);
@@ -193,7 +208,7 @@ static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *
     }
     d[i] = acc;
   }
-  warp_sync_();
+  warp_sync_(site);
 }
 
 // cp.async: copied at once (a valid schedule of an asynchronous copy); the group commits and waits do nothing
@@ -241,13 +256,27 @@ static void run_block(int nthreads) {
         some = true; all &= fibers[i].wait == AT_WARP;
       }
       if (some && all) {
+        int site = -1;
+        for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); i++) {
+          if (fibers[i].done) continue;
+          if (site >= 0 && fibers[i].site != site)
+            throw std::runtime_error("divergent warp collective: lanes of warp " + std::to_string(w) + " wait at lines " +
+                                     std::to_string(site) + " and " + std::to_string(fibers[i].site));
+          site = fibers[i].site;
+        }
         for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); i++) fibers[i].wait = RUN;
         released = true;
       }
     }
     if (released) continue;
     bool all_block = true;
-    for (auto &f : fibers) if (!f.done) all_block &= f.wait == AT_BLOCK;
+    int site = -1;
+    for (auto &f : fibers) {
+      if (f.done) continue;
+      all_block &= f.wait == AT_BLOCK;
+      if (site >= 0 && f.site != site) all_block = false;
+      site = f.site;
+    }
     if (!all_block) throw std::runtime_error("barrier mismatch: threads wait at different barriers");
     for (auto &f : fibers) if (!f.done) f.wait = RUN;
   }
@@ -294,7 +323,7 @@ def _replace_mma(m: re.Match) -> str:
         raise ValueError(f"unexpected mma operands: {len(outs)} outputs, {len(ins)} inputs")
     a, b, c = ins[:4], ins[4:6], ins[6:]
     body = (f"uint32_t _a[4] = {{{', '.join(a)}}}; uint32_t _b[2] = {{{', '.join(b)}}}; float _c[4] = {{{', '.join(c)}}}; "
-            f"float _d[4]; emu_mma_m16n8k16(_a, _b, _c, _d, {'true' if bf16 else 'false'}); ")
+            f"float _d[4]; emu_mma_m16n8k16(_a, _b, _c, _d, {'true' if bf16 else 'false'}, __LINE__); ")
     body += " ".join(f"{o} = _d[{i}];" for i, o in enumerate(outs))
     return "{ " + body + " }"
 

@@ -27,10 +27,15 @@ expert id is outside [0, E) (after the numpy/ONNX wrap of negative ids) belong t
 
 Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
 
-  * route_prep: one block of 32 warps. Warp w owns experts w, w + 32, ...; for each, it scans the S slots
-    32 at a time, ``__ballot_sync`` of ``ids == e`` and ``__popc`` give the count and, in a second scan
-    after the offsets (exclusive prefix of the counts, through shared memory), each slot's place: the
-    same stable order as the llvm form, no atomics.
+  * route_prep: one block of 32 warps (fewer for experts past 320, ``prep_warps``). Warp w owns a contiguous
+    chunk of the S slots and reads it 32 at a time; a ``__ballot_sync`` per expert counts its lanes, kept in
+    a register of the expert's lane (lane l owns experts l, l + 32, ...). Then a thread per expert totals
+    the warps' counts (through shared memory) and the offsets are the exclusive prefix of the totals; an
+    expert's lane starts each warp at the offset plus the earlier warps' counts. A second read of the chunk
+    places each slot at its expert's next place (shuffled from the expert's lane) plus the lanes below it
+    with the same expert
+    (``__match_any_sync``). The same stable order as the llvm form; no atomics; every warp busy at once
+    (before, a warp per expert scanned all S slots twice, a chain of dependent loads).
   * gate_up / down: a grid of (output tiles, E) blocks of NW warps; the block of (tile, e) reads
     ``offsets[e], offsets[e + 1]`` and exits at once if the expert has no token (its weights are never
     read). Warp w owns one output column (gate and up rows j and I + j; or a row d of W2). Its tokens go
@@ -63,6 +68,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 ID_DTYPES = ("int32", "int64")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PREP_WARPS = 32
+PREP_SHARED = 40960  # bytes of the per-warp expert histograms of route_prep's CUDA form
+
+
+def prep_warps(experts: int) -> int:
+    """Warps of route_prep's CUDA form: 32, fewer where their [warps, E] int32 histograms would not fit PREP_SHARED."""
+    return max(1, min(PREP_WARPS, PREP_SHARED // (4 * experts)))
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ def launch_config(spec: GroupedExpertsSpec) -> dict:
     cvec = _vec(spec.hidden, "float32", spec.out_dtype)
     cthreads = min(256, max(32, 32 * -(-(spec.hidden // cvec) // 32)))
     return {
-        "route_prep": {"blocks": (1, 1), "threads": 32 * PREP_WARPS},
+        "route_prep": {"blocks": (1, 1), "threads": 32 * prep_warps(spec.experts)},
         "gate_up": _mma_launch(spec, "gate_up") if mma_eligible(spec, "gate_up") else {
             "form": "warp per row", "blocks": (-(-spec.inter // nw), spec.experts), "threads": 32 * nw, "vec": vec_gu,
             "iters": -(-spec.hidden // (32 * vec_gu)), "token_tile": spec.token_tile},
@@ -255,14 +266,23 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
 
         return moe_route_prep
 
-    NWP = PREP_WARPS
-    EPW = -(-E // NWP)  # experts per warp
+    NWP = prep_warps(E)
+    EPW = -(-E // 32)  # experts each lane counts for its warp: lane l owns experts l, l + 32, ...
 
     def ballot(pred):
         return T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF), pred)
 
+    def match(v):
+        return T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), v)
+
     def popc(m):
         return T.call_extern("int32", "__popc", m)
+
+    def below(lane):  # the lanes under ``lane``
+        return (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)
+
+    def shfl(v, src):
+        return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
 
     @T.prim_func(s_tir=True)
     def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
@@ -276,39 +296,73 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                 with T.sblock("route_prep"):
                     T.reads()
                     T.writes()
-                    cnt = T.sblock_alloc_buffer((EPW * NWP,), "int32", scope="shared")
+                    hist = T.sblock_alloc_buffer((NWP * E,), "int32", scope="shared")  # [warp][expert]
+                    tot = T.sblock_alloc_buffer((E,), "int32", scope="shared")  # slots of each expert
+                    first = T.sblock_alloc_buffer((E,), "int32", scope="shared")  # the expert's first place
+                    run = T.sblock_alloc_buffer((EPW,), "int32", scope="local")  # counts, then places, of this lane's experts
                     loc = T.sblock_alloc_buffer((4,), "int32", scope="local")
                     lane: T.let[T.int32] = tx % 32
                     warp: T.let[T.int32] = tx // 32
                     S: T.let[T.int32] = T.Cast("int32", N * K)
-                    # ---- counts: warp w owns experts w, w + NWP, ...
-                    for j in T.serial(EPW):
-                        loc[0] = 0
-                        for c in T.serial((S + 31) // 32):
-                            s = c * 32 + lane
-                            hit = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E) == j * NWP + warp, False)
-                            loc[0] = loc[0] + popc(ballot(hit))
-                        if lane == 0:
-                            cnt[j * NWP + warp] = loc[0]
+                    CH: T.let[T.int32] = ((S + NWP - 1) // NWP + 31) // 32 * 32  # slots per warp: a contiguous chunk
+                    # ---- counts per warp: 32 slots at a time, a ballot per expert, counted by the expert's lane
+                    for j in T.unroll(EPW):
+                        run[j] = 0
+                    for c in T.serial(CH // 32):
+                        s = warp * CH + c * 32 + lane
+                        loc[0] = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E), -1)
+                        for x in T.unroll(E):
+                            loc[1] = popc(ballot(loc[0] == x))
+                            if lane == x % 32:
+                                run[x // 32] = run[x // 32] + loc[1]
+                    for j in T.unroll(EPW):
+                        if j * 32 + lane < E:
+                            hist[warp * E + j * 32 + lane] = run[j]
                     T.tvm_storage_sync("shared")
-                    # ---- offsets (each warp sums the counts before its experts) and the stable order
-                    for j in T.serial(EPW):
-                        e: T.let[T.int32] = j * NWP + warp
+                    # ---- offsets: a thread per expert totals its warps' counts, then sums the totals before it; each
+                    # warp's count becomes where its slots of that expert start (stable: warps hold ascending slots)
+                    for i in T.serial((E + 32 * NWP - 1) // (32 * NWP)):
+                        e: T.let[T.int32] = i * 32 * NWP + tx
                         if e < E:
-                            loc[1] = 0
-                            for q in T.serial(e):
-                                loc[1] = loc[1] + cnt[q]
-                            if lane == 0:
-                                offsets[e] = loc[1]
-                                if e == E - 1:
-                                    offsets[E] = loc[1] + cnt[e]
-                            for c in T.serial((S + 31) // 32):
-                                s2 = c * 32 + lane
-                                hit2 = T.if_then_else(s2 < S, _norm_id(ids[T.min(s2, S - 1) // K, T.min(s2, S - 1) % K], E) == e, False)
-                                loc[2] = T.Cast("int32", ballot(hit2))
-                                if hit2:
-                                    order[loc[1] + popc(T.Cast("uint32", loc[2]) & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)))] = s2
-                                loc[1] = loc[1] + popc(T.Cast("uint32", loc[2]))
+                            loc[2] = 0
+                            for w in T.serial(NWP):
+                                loc[2] = loc[2] + hist[w * E + e]
+                            tot[e] = loc[2]
+                    T.tvm_storage_sync("shared")
+                    for i in T.serial((E + 32 * NWP - 1) // (32 * NWP)):
+                        e2: T.let[T.int32] = i * 32 * NWP + tx
+                        if e2 < E:
+                            loc[2] = 0
+                            for q in T.serial(e2):
+                                loc[2] = loc[2] + tot[q]
+                            first[e2] = loc[2]
+                            offsets[e2] = loc[2]
+                            if e2 == E - 1:
+                                offsets[E] = loc[2] + tot[e2]
+                    T.tvm_storage_sync("shared")
+                    # ---- the order: a slot goes to its expert's next place in the warp (kept by the expert's lane:
+                    # the expert's first place plus the earlier warps' counts) plus the lanes below it with the expert
+                    for j in T.unroll(EPW):
+                        run[j] = 0
+                        if j * 32 + lane < E:
+                            run[j] = first[j * 32 + lane]
+                            for w in T.serial(warp):
+                                run[j] = run[j] + hist[w * E + j * 32 + lane]
+                    for c in T.serial(CH // 32):
+                        s2 = warp * CH + c * 32 + lane
+                        loc[0] = T.if_then_else(s2 < S, _norm_id(ids[T.min(s2, S - 1) // K, T.min(s2, S - 1) % K], E), -1)
+                        loc[2] = 0
+                        for j in T.unroll(EPW):
+                            loc[3] = shfl(run[j], T.max(loc[0], 0) % 32)
+                            if T.max(loc[0], 0) // 32 == j:
+                                loc[2] = loc[3]
+                        loc[1] = T.Cast("int32", match(loc[0]))  # (every lane: a warp collective outside the branch)
+                        if _in_range(loc[0], E):
+                            order[loc[2] + popc(T.Cast("uint32", loc[1]) & below(lane))] = s2
+                        for x in T.unroll(E):
+                            loc[1] = popc(ballot(loc[0] == x))
+                            if lane == x % 32:
+                                run[x // 32] = run[x // 32] + loc[1]
 
     return moe_route_prep
 

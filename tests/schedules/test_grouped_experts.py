@@ -541,3 +541,29 @@ def test_mma_forms_emulated(t, launch):
     k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=w2, offsets=offsets, order=order, rw=rw, y=y, **extra)
     k["combine"](grid(cfg["combine"]), cfg["combine"]["threads"], y=y, ids=ids, out=out, N=t)
     _check(spec, (offsets, order, h.astype(np.float32), out), x, w1, w2, ids, rw, tol=3e-2)
+
+
+@pytest.mark.parametrize("experts,k,t,ids_dtype", [(8, 2, 1, "int64"), (64, 8, 37, "int64"), (100, 3, 700, "int32"),
+                                                  (512, 4, 50, "int64")])
+def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
+    """route_prep's CUDA form on the emulator against the stable counting sort: warps owning contiguous chunks of
+    slots, a ballot per expert, a partial last chunk, experts not a multiple of 32 and more than 320 (fewer
+    warps: ``prep_warps``), negative ids that wrap and ids that belong to no expert."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels.grouped_experts import prep_warps
+
+    spec = GroupedExpertsSpec(hidden=64, inter=64, experts=experts, top_k=k, ids_dtype=ids_dtype)
+    src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    kern = EmulatedKernel(src, "moe_route_prep_kernel")
+    rng = np.random.default_rng(experts + t)
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(ids_dtype)
+    ids.reshape(-1)[rng.choice(t * k, max(1, t * k // 10), replace=False)] = rng.choice([-1, -experts, experts, 3 * experts + 1])
+    offsets, order = np.full(experts + 1, -7, np.int32), np.full(t * k, -7, np.int32)
+    scalar = {p: t * k for _, p in kern.params if p.startswith("cse_v")}  # the slot count, hoisted by TVM
+    kern((1, 1, 1), 32 * prep_warps(experts), ids=ids, offsets=offsets, order=order, N=t, **scalar)
+    want_off, want_order = reference_route(ids, experts)
+    np.testing.assert_array_equal(offsets, want_off)
+    np.testing.assert_array_equal(order[: want_off[-1]], want_order)
+    assert prep_warps(experts) == (32 if experts <= 320 else 40960 // (4 * experts))
