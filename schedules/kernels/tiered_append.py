@@ -32,9 +32,11 @@ def _e4m3_byte(x):
 
 
 def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
-    """The append PrimFunc (``target``: "llvm" serial, or "cuda": one block per token, a thread per head)."""
+    """The append PrimFunc (``target``: "llvm" serial, or "cuda": ``_append_cuda``)."""
     HKV, D, PS1 = num_kv_heads, head_dim, t1_page
     gpu = target == "cuda"
+    if gpu:
+        return _append_cuda(HKV, D, PS1)
 
     @T.prim_func(s_tir=True)
     def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
@@ -74,5 +76,75 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
                     t1_vs[layer, page, h, slot] = sc[1]
                     t1_pos[layer, page, h, slot] = pos[n]
                     t1_mass[layer, page, h, slot] = T.float32(0)
+
+    return tiered_append
+
+
+def _shfl(v, o):
+    return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+
+def _append_cuda(HKV: int, D: int, PS1: int):
+    """CUDA form: a block per token, a warp per KV head (up to 32 warps; more heads loop). Lane l holds channels
+    VPL l .. VPL l + VPL - 1 (VPL = ceil(Dh / 32): one 16-byte load of 4 floats at Dh 128), the row's max is
+    reduced by xor shuffles, and the lane writes its channels' codes. Before, a thread per head walked its row
+    alone: 16 threads a token, each row read with a 512-byte stride between the threads."""
+    VPL = -(-D // 32)
+    W = min(HKV, 32)  # warps per block
+    HL = -(-HKV // W)  # heads each warp takes
+
+    @T.prim_func(s_tir=True)
+    def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
+                      t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle, mass_h: T.handle, layer: T.int32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_append"})
+        NL, N, P1 = T.int64(), T.int32(), T.int64()
+        k_new = T.match_buffer(k_h, (N, HKV, D), "float32")
+        v_new = T.match_buffer(v_h, (N, HKV, D), "float32")
+        slot_of = T.match_buffer(slot_h, (N,), "int32")
+        pos = T.match_buffer(pos_h, (N,), "int32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+        t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+        for n in T.thread_binding(N, thread="blockIdx.x"):
+            for tx in T.thread_binding(32 * W, thread="threadIdx.x"):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    kx = T.sblock_alloc_buffer((VPL,), "float32", scope="local")
+                    vx = T.sblock_alloc_buffer((VPL,), "float32", scope="local")
+                    amax = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    sc = T.sblock_alloc_buffer((2,), "float16", scope="local")
+                    lane: T.let[T.int32] = tx % 32
+                    page: T.let[T.int32] = slot_of[n] // PS1
+                    slot: T.let[T.int32] = slot_of[n] % PS1
+                    for hl in T.serial(HL):
+                        h: T.let[T.int32] = hl * W + tx // 32
+                        if h < HKV:  # (warp-uniform)
+                            for i in T.vectorized(VPL) if D % (32 * VPL) == 0 and VPL in (2, 4) else T.unroll(VPL):
+                                kx[i] = T.if_then_else(lane * VPL + i < D, k_new[n, h, T.min(lane * VPL + i, D - 1)], T.float32(0))
+                            for i in T.vectorized(VPL) if D % (32 * VPL) == 0 and VPL in (2, 4) else T.unroll(VPL):
+                                vx[i] = T.if_then_else(lane * VPL + i < D, v_new[n, h, T.min(lane * VPL + i, D - 1)], T.float32(0))
+                            amax[0] = T.float32(0)
+                            amax[1] = T.float32(0)
+                            for i in T.unroll(VPL):
+                                amax[0] = T.max(amax[0], T.abs(kx[i]))
+                                amax[1] = T.max(amax[1], T.abs(vx[i]))
+                            for r in T.unroll(5):
+                                amax[0] = T.max(amax[0], _shfl(amax[0], T.shift_left(1, r)))
+                                amax[1] = T.max(amax[1], _shfl(amax[1], T.shift_left(1, r)))
+                            sc[0] = T.Cast("float16", T.max(amax[0] / T.float32(448.0), T.float32(2.0**-24)))
+                            sc[1] = T.Cast("float16", T.max(amax[1] / T.float32(448.0), T.float32(2.0**-24)))
+                            for i in T.unroll(VPL):
+                                if lane * VPL + i < D:
+                                    t1_k[layer, page, h, slot, lane * VPL + i] = _e4m3_byte(kx[i] / T.Cast("float32", sc[0]))
+                                    t1_v[layer, page, h, slot, lane * VPL + i] = _e4m3_byte(vx[i] / T.Cast("float32", sc[1]))
+                            if lane == 0:
+                                t1_ks[layer, page, h, slot] = sc[0]
+                                t1_vs[layer, page, h, slot] = sc[1]
+                                t1_pos[layer, page, h, slot] = pos[n]
+                                t1_mass[layer, page, h, slot] = T.float32(0)
 
     return tiered_append

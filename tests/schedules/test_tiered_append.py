@@ -80,3 +80,37 @@ def test_e4m3_rounding_on_every_boundary(kernel):
 def test_cuda_form_compiles():
     mod = tvm.compile(tvm.IRModule({"tiered_append": make_tiered_append(16, 128, 16, target="cuda")}), target=make_target("cuda"))
     assert "tiered_append" in mod.mod.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("hkv,d", [(2, 32), (16, 128), (3, 96), (40, 64)])
+def test_cuda_form_emulated(hkv, d):
+    """The CUDA form (a warp per token and KV head, the row's max by shuffles; 40 heads: warps take two) on the
+    CPU emulation of its generated code (tests/cuda_emu.py): the reference format's bytes, an all-zero row's too."""
+    from cuda_emu import EmulatedKernel
+
+    src = tvm.compile(tvm.IRModule({"tiered_append": make_tiered_append(hkv, d, PS1, target="cuda")}),
+                      target=make_target("cuda")).mod.imports[0].inspect_source()
+    kern = EmulatedKernel(src, "tiered_append_kernel")
+    rng = np.random.default_rng(d + hkv)
+    n = 21
+    k = (rng.standard_normal((n, hkv, d)) * rng.uniform(1e-3, 100, (n, hkv, 1))).astype(np.float32)
+    v = (rng.standard_normal((n, hkv, d)) * rng.uniform(1e-3, 100, (n, hkv, 1))).astype(np.float32)
+    k[2] = 0.0
+    slots = rng.permutation(P1 * PS1)[:n].astype(np.int32)
+    pos = np.arange(7, 7 + n, dtype=np.int32)
+    bufs = {"t1_k": np.zeros((P1, hkv, PS1, d), np.uint8), "t1_v": np.zeros((P1, hkv, PS1, d), np.uint8),
+            "t1_ks": np.zeros((P1, hkv, PS1), np.float16), "t1_vs": np.zeros((P1, hkv, PS1), np.float16),
+            "t1_pos": np.full((P1, hkv, PS1), -1, np.int32), "t1_mass": np.full((P1, hkv, PS1), 7.0, np.float32)}
+    bufs = {name: np.ascontiguousarray(ref.layered(b)) for name, b in bufs.items()}
+    before = {name: b.copy() for name, b in bufs.items()}
+    kern((n, 1, 1), 32 * min(hkv, 32), k_new=k, v_new=v, slot_of=slots, pos=pos, **bufs, N=n, P1=P1, layer=ref.LAYER)
+    page, slot = slots // PS1, slots % PS1
+    got = {name: b[ref.LAYER] for name, b in bufs.items()}
+    for src_, codes, scales in ((k, "t1_k", "t1_ks"), (v, "t1_v", "t1_vs")):
+        want_codes, want_scale = q.fp8_quantize(src_)
+        np.testing.assert_array_equal(got[scales][page, :, slot], want_scale)
+        np.testing.assert_array_equal(got[codes][page, :, slot], want_codes)
+    np.testing.assert_array_equal(got["t1_pos"][page, :, slot], np.repeat(pos[:, None], hkv, 1))
+    assert (got["t1_mass"][page, :, slot] == 0).all()
+    for name, b in bufs.items():
+        np.testing.assert_array_equal(b[0], before[name][0])  # another layer untouched
