@@ -239,24 +239,32 @@ def test_hf_exports_compile_with_the_tiered_cache(zoo, tmp_path, name):
 
 def test_prefill_kernel_choice(zoo, tmp_path):
     """``prefill_kernel``: a bfloat16 model's CUDA build takes the tensor-core prefill kernels (auto), ``tiled`` the
-    float32 ones; tensor cores are refused, naming the reason, where they cannot serve (llvm, float32 models)."""
-    import json
-
+    float32 ones (phase 1 of the pipeline: the kernels the pass adds); tensor cores are refused, naming the reason,
+    where they cannot serve (llvm, float32 models), before anything is written."""
     import moec
     from moec.compiler.errors import MoecError
     from moec.compiler.serve_bench import build_hf
+    from moec.compiler.targets import make_target
     from moec.models.export import save_pt2
+    from moec.passes.pipeline import moec_pipeline
+    from moec.passes.tiered_kv_attention import prefill_mma_dtype
 
-    model = build_hf("tiny-mixtral", "bfloat16", "cpu", 0, 2)  # 4 query heads over 2 KV heads, head dim 32
+    model = build_hf("tiny-mixtral", "bfloat16", "cpu", 0, 1)  # 4 query heads over 2 KV heads, head dim 32
     src = tmp_path / "m.pt2"
     save_pt2(model, model.config.vocab_size, src, max_seq=64)
+    imported = import_model(src)
+    target = make_target("cuda", "sm_90")
     opts = TieredOptions(t2_page=64)
-    forms = {}
+    mma = {}
     for kernel in ("auto", "tiled"):
-        art = moec.compile(src, tmp_path / kernel, target="cuda", kv_cache="tiered",
-                           tiered_options=replace(opts, prefill_kernel=kernel))
-        forms[kernel] = json.loads((art / "manifest.json").read_text())["options"]["tiered"]["prefill_form"]
-    assert forms == {"auto": "tensor cores (bfloat16 operands)", "tiled": "tiled float32"}
+        pipeline, insert = moec_pipeline(imported.num_inputs, target, "m", tiered=replace(opts, prefill_kernel=kernel), phases=1)
+        with target:
+            mod = pipeline(imported.mod)
+        mma[kernel] = "mma" in mod["tiered_attention"].script() + mod["tiered_mass"].script()
+        assert prefill_mma_dtype(insert.structure, replace(opts, prefill_kernel=kernel), "cuda") == (
+            "bfloat16" if kernel == "auto" else None)
+    assert mma == {"auto": True, "tiled": False}
+    assert prefill_mma_dtype(insert.structure, opts, "llvm") is None  # auto on llvm: the serial forms
     with pytest.raises(MoecError, match="tensor-cores cannot serve this model: the target is not CUDA"):
         moec.compile(src, tmp_path / "llvm", kv_cache="tiered", tiered_options=replace(opts, prefill_kernel="tensor-cores"))
     with pytest.raises(MoecError, match="operand dtype float32"):

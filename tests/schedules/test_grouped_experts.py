@@ -222,6 +222,20 @@ def test_cuda_pipe_form_builds_for_sm90():
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 
 
+def test_fp8_slot_forms_build_for_sm90():
+    """FP8 weights read from a pool of expert slots (offloaded FP8 experts): the bf16 model's tensor-core form
+    (codes widened in registers) and a float32 model's warp form compile for sm_90."""
+    from dataclasses import replace
+
+    from moec.compiler.build import _cuda_modules
+
+    for spec in (replace(OLMOE, w_format="fp8", slots=96), GroupedExpertsSpec(256, 128, 16, 4, w_format="fp8", slots=20)):
+        src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+        body = _kernel_bodies(src)["moe_gate_up_kernel"]
+        assert ("mma.sync" in body) == (spec.x_dtype == "bfloat16"), spec
+        assert "offsets_ptr[" in body and "s_ptr[" in body  # the residency table and the scales
+
+
 def test_pipe_refusals():
     from dataclasses import replace
 
