@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
-                        "same with FP8 experts), moec-tiered-fields (--decode-kernel "
+                        "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident), "
+                        "moec-tiered-fields (--decode-kernel "
                         "split-fields), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
