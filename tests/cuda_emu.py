@@ -30,6 +30,7 @@ _PRELUDE = r"""
 #include <cmath>
 #include <ucontext.h>
 #include <vector>
+#include <memory>
 #include <stdexcept>
 #include <algorithm>
 #include <string>
@@ -114,7 +115,9 @@ static inline float __fdividef(float a, float b) { return a / b; }
 static inline int __popc(uint v) { return __builtin_popcount(v); }
 
 // ------------------------------------------------------------------ fibers and barriers
-struct Fiber { ucontext_t ctx; int tid; int wait; bool done; std::vector<char> stack; dim3_ idx; int site; };
+struct Fiber { ucontext_t ctx; int tid; int wait; bool done; dim3_ idx; int site; };
+static const size_t STACK = 1 << 17;  // per thread; the stacks are kept for the next block (not zeroed)
+static std::vector<std::unique_ptr<char[]>> stacks;
 static ucontext_t sched_ctx;
 static std::vector<Fiber> fibers;
 static int cur = -1;
@@ -230,9 +233,10 @@ static void run_block(int nthreads) {
   warp_bufs.assign((nthreads + 31) / 32, WarpBuf());
   for (int i = 0; i < nthreads; i++) {
     Fiber &f = fibers[i];
-    f.tid = i; f.idx = {i, 0, 0}; f.wait = RUN; f.done = false; f.stack.resize(1 << 18);
+    f.tid = i; f.idx = {i, 0, 0}; f.wait = RUN; f.done = false;
+    if ((size_t)i >= stacks.size()) stacks.emplace_back(new char[STACK]);
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data(); f.ctx.uc_stack.ss_size = f.stack.size(); f.ctx.uc_link = &sched_ctx;
+    f.ctx.uc_stack.ss_sp = stacks[i].get(); f.ctx.uc_stack.ss_size = STACK; f.ctx.uc_link = &sched_ctx;
     makecontext(&f.ctx, (void (*)())fiber_trampoline, 2, (unsigned)i, 0u);
   }
   for (;;) {

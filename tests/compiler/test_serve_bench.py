@@ -150,34 +150,35 @@ def test_bench_synthetic_kv(zoo, tmp_path):
 def test_bench_offloaded_experts(tmp_path):
     """moec-<cache>-offload and -prefetch: one artifact with --expert-slots, loaded on demand and with prefetch; the
     points record what the experts' copies did, and their greedy tokens equal the all-resident model's. bfloat16
-    weights, as on the GPU (whose export's norms once went unrecognised, leaving the prefetch without predictors)."""
+    weights, as on the GPU (whose export's norms once went unrecognised, leaving the prefetch without predictors).
+    -offload-fp8 / -prefetch-fp8 and -fp8experts: FP8 experts offloaded (codes and float32 scales copied) and all
+    resident give the same tokens, and the FP8 systems' floor counts FP8 expert bytes."""
     out = tmp_path / "bench.json"
     base = ["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "4", "--dtype", "bfloat16",
             "--work", str(tmp_path / "work"), "--json", str(out)]
     assert main(base + ["--systems", "moec-bf16-offload"]) == 2 and not out.exists()  # no --expert-slots
-    assert main(base + ["--systems", "moec-bf16,moec-bf16-offload,moec-bf16-prefetch", "--expert-slots", "12"]) == 0
+    systems = ["moec-bf16", "moec-bf16-offload", "moec-bf16-prefetch", "moec-bf16-fp8experts", "moec-bf16-offload-fp8",
+               "moec-bf16-prefetch-fp8"]
+    assert main(base + ["--systems", ",".join(systems), "--expert-slots", "12"]) == 0
     doc = json.loads(out.read_text())
     assert doc["expert_slots"] == 12 and doc["complete"]
-    on, pre = (doc["systems"][s]["points"][0] for s in ("moec-bf16-offload", "moec-bf16-prefetch"))
-    for p in (on, pre):
-        assert "error" not in p and p["experts"]["slots"] == 12 and p["experts"]["copies"] > 0
-        cfg = doc["config"]  # bfloat16 weights: W1 (2I x D) and W2 (D x I) per copy
-        assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 2
-        assert p["tokens_vs"] == {"system": "moec-bf16", "agree": 1.0}
-        assert p["tokens_sha256"] == doc["systems"]["moec-bf16"]["points"][0]["tokens_sha256"]
-    assert on["experts"]["prefetched"] == 0 and pre["experts"]["prefetched"] > 0
-    assert (tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-slots12-cpu" / "manifest.json").exists()
-    # -fp8: one artifact with FP8 experts (codes and float32 scales per output channel copied), the same tokens
-    # on demand and with prefetch
-    out.unlink()
-    assert main(base + ["--systems", "moec-bf16-offload-fp8,moec-bf16-prefetch-fp8", "--expert-slots", "12"]) == 0
-    doc = json.loads(out.read_text())
-    on8, pre8 = (doc["systems"][s]["points"][0] for s in ("moec-bf16-offload-fp8", "moec-bf16-prefetch-fp8"))
+    pt = {s: doc["systems"][s]["points"][0] for s in systems}
     d, i = doc["config"]["hidden_size"], doc["config"]["intermediate_size"]
-    for p in (on8, pre8):
-        assert "error" not in p and p["experts"]["copy_bytes"] == p["experts"]["copies"] * (3 * d * i + 4 * (2 * i + d))
-    assert pre8["tokens_vs"] == {"system": "moec-bf16-offload-fp8", "agree": 1.0} and pre8["experts"]["prefetched"] > 0
-    assert (tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-slots12-fp8-cpu" / "manifest.json").exists()
+    for s in systems[1:3] + systems[4:]:
+        p = pt[s]
+        fp8 = s.endswith("-fp8")
+        assert "error" not in p and p["experts"]["slots"] == 12 and p["experts"]["copies"] > 0
+        # per copy: W1 (2I x D) and W2 (D x I) in bfloat16, or their FP8 codes and float32 scales per output channel
+        assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * (3 * d * i + 4 * (2 * i + d) if fp8 else 3 * d * i * 2)
+        assert p["tokens_sha256"] == pt["moec-bf16-fp8experts" if fp8 else "moec-bf16"]["tokens_sha256"], s
+        assert p["experts"]["prefetched"] > 0 if "-prefetch" in s else p["experts"]["prefetched"] == 0
+    assert pt["moec-bf16-offload"]["tokens_vs"] == {"system": "moec-bf16", "agree": 1.0}
+    assert pt["moec-bf16-fp8experts"]["floor_ms"] < pt["moec-bf16"]["floor_ms"]
+    assert pt["moec-bf16-offload-fp8"]["floor_ms"] == pytest.approx(pt["moec-bf16-fp8experts"]["floor_ms"])
+    work = tmp_path / "work" / "tiny-olmoe-bfloat16"
+    assert (work / "art-bf16-slots12-cpu" / "manifest.json").exists() and (work / "art-bf16-slots12-fp8-cpu").is_dir()
+    manifest = json.loads((work / "art-bf16-fp8experts-cpu" / "manifest.json").read_text())
+    assert manifest["options"]["grouped_experts"]["expert_weights"] == "fp8"
 
 
 def _result(systems, streams, contexts, **over):
@@ -221,17 +222,3 @@ def test_bench_merge_joins_runs_and_refuses_mismatches(tmp_path, capsys):
             bad.write_text(json.dumps({"benchmark": "tiered_decode"}))
         assert main(["bench-merge", str(a), str(bad), "--json", str(tmp_path / "n.json")]) == 2
         assert why in capsys.readouterr().err and not (tmp_path / "n.json").exists()
-
-
-def test_bench_fp8_experts(tmp_path):
-    """moec-<cache>-fp8experts: the experts stored as FP8 (``--expert-weights fp8``); the point's floor counts their
-    bytes (codes and scales), below the bf16 model's at the same point."""
-    out = tmp_path / "bench.json"
-    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "2", "--contexts", "24", "--steps", "3", "--dtype",
-                 "bfloat16", "--work", str(tmp_path / "work"), "--json", str(out),
-                 "--systems", "moec-bf16,moec-bf16-fp8experts"]) == 0
-    doc = json.loads(out.read_text())
-    bf, f8 = (doc["systems"][s]["points"][0] for s in ("moec-bf16", "moec-bf16-fp8experts"))
-    assert "error" not in f8 and f8["floor_ms"] < bf["floor_ms"]
-    art = tmp_path / "work" / "tiny-olmoe-bfloat16" / "art-bf16-fp8experts-cpu"
-    assert json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"]["expert_weights"] == "fp8"
