@@ -7,7 +7,7 @@ page tables give it); the token's position goes to ``t1_pos`` and its importance
 at 0. The e4m3 encoding is integer arithmetic on the float's bits (TVM's llvm fp8 cast is wrong), so
 the llvm and CUDA builds produce the same bytes as ``ml_dtypes.float8_e4m3fn``.
 
-Buffers: k_new, v_new float32 [N, Hkv, Dh]; slot_of, pos int32 [N]; t1_k, t1_v uint8 [P1, Hkv, PS1, Dh];
+CUDA: a block per token, a warp per KV head (``_append_cuda``). Buffers: k_new, v_new float32 [N, Hkv, Dh]; slot_of, pos int32 [N]; t1_k, t1_v uint8 [P1, Hkv, PS1, Dh];
 t1_ks, t1_vs float16 [P1, Hkv, PS1]; t1_pos int32 [P1, Hkv, PS1]; t1_mass float32 [P1, Hkv, PS1].
 """
 
@@ -31,12 +31,9 @@ def _e4m3_byte(x):
     return T.Cast("uint8", mag | ((T.reinterpret("uint32", x) >> T.uint32(24)) & T.uint32(128)))  # sign bit (-0 too)
 
 
-def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
-    """The append PrimFunc (``target``: "llvm" serial, or "cuda": ``_append_cuda``)."""
-    HKV, D, PS1 = num_kv_heads, head_dim, t1_page
-    gpu = target == "cuda"
-    if gpu:
-        return _append_cuda(HKV, D, PS1)
+def _signature(HKV: int, D: int, PS1: int, body):
+    """``tiered_append(k_new, v_new, slot_of, pos, t1_k, t1_v, t1_ks, t1_vs, t1_pos, t1_mass, layer)`` around a form's
+    ``body`` macro (the buffers in that order, then the layer)."""
 
     @T.prim_func(s_tir=True)
     def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
@@ -53,8 +50,21 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
         t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
         t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
-        for n in T.thread_binding(N, thread="blockIdx.x") if gpu else T.serial(N):
-            for h in T.thread_binding(HKV, thread="threadIdx.x") if gpu else T.serial(HKV):
+        body(k_new, v_new, slot_of, pos, t1_k, t1_v, t1_ks, t1_vs, t1_pos, t1_mass, layer)
+
+    return tiered_append
+
+
+def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
+    """The append PrimFunc (``target``: "llvm" serial, or "cuda": ``_append_cuda``)."""
+    HKV, D, PS1 = num_kv_heads, head_dim, t1_page
+    if target == "cuda":
+        return _append_cuda(HKV, D, PS1)
+
+    @T.macro
+    def body(k_new, v_new, slot_of, pos, t1_k, t1_v, t1_ks, t1_vs, t1_pos, t1_mass, layer):
+        for n in T.serial(k_new.shape[0]):
+            for h in T.serial(HKV):
                 with T.sblock("append"):
                     T.reads()
                     T.writes()
@@ -77,7 +87,7 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
                     t1_pos[layer, page, h, slot] = pos[n]
                     t1_mass[layer, page, h, slot] = T.float32(0)
 
-    return tiered_append
+    return _signature(HKV, D, PS1, body)
 
 
 def _shfl(v, o):
@@ -92,23 +102,11 @@ def _append_cuda(HKV: int, D: int, PS1: int):
     VPL = -(-D // 32)
     W = min(HKV, 32)  # warps per block
     HL = -(-HKV // W)  # heads each warp takes
+    vec = D % (32 * VPL) == 0 and VPL in (2, 4)  # whole vector loads per lane
 
-    @T.prim_func(s_tir=True)
-    def tiered_append(k_h: T.handle, v_h: T.handle, slot_h: T.handle, pos_h: T.handle, t1k_h: T.handle,
-                      t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle, mass_h: T.handle, layer: T.int32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_append"})
-        NL, N, P1 = T.int64(), T.int32(), T.int64()
-        k_new = T.match_buffer(k_h, (N, HKV, D), "float32")
-        v_new = T.match_buffer(v_h, (N, HKV, D), "float32")
-        slot_of = T.match_buffer(slot_h, (N,), "int32")
-        pos = T.match_buffer(pos_h, (N,), "int32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
-        t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
-        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
-        for n in T.thread_binding(N, thread="blockIdx.x"):
+    @T.macro
+    def body(k_new, v_new, slot_of, pos, t1_k, t1_v, t1_ks, t1_vs, t1_pos, t1_mass, layer):
+        for n in T.thread_binding(k_new.shape[0], thread="blockIdx.x"):
             for tx in T.thread_binding(32 * W, thread="threadIdx.x"):
                 with T.sblock("append"):
                     T.reads()
@@ -123,9 +121,9 @@ def _append_cuda(HKV: int, D: int, PS1: int):
                     for hl in T.serial(HL):
                         h: T.let[T.int32] = hl * W + tx // 32
                         if h < HKV:  # (warp-uniform)
-                            for i in T.vectorized(VPL) if D % (32 * VPL) == 0 and VPL in (2, 4) else T.unroll(VPL):
+                            for i in T.vectorized(VPL) if vec else T.unroll(VPL):
                                 kx[i] = T.if_then_else(lane * VPL + i < D, k_new[n, h, T.min(lane * VPL + i, D - 1)], T.float32(0))
-                            for i in T.vectorized(VPL) if D % (32 * VPL) == 0 and VPL in (2, 4) else T.unroll(VPL):
+                            for i in T.vectorized(VPL) if vec else T.unroll(VPL):
                                 vx[i] = T.if_then_else(lane * VPL + i < D, v_new[n, h, T.min(lane * VPL + i, D - 1)], T.float32(0))
                             amax[0] = T.float32(0)
                             amax[1] = T.float32(0)
@@ -147,4 +145,4 @@ def _append_cuda(HKV: int, D: int, PS1: int):
                                 t1_pos[layer, page, h, slot] = pos[n]
                                 t1_mass[layer, page, h, slot] = T.float32(0)
 
-    return tiered_append
+    return _signature(HKV, D, PS1, body)

@@ -88,6 +88,15 @@ def _lloyd(stat, acc, n, values):
             stat[1] = T.Cast("float32", T.Cast("float16", sg))
 
 
+@T.macro
+def _moments(stat, acc, n):
+    """``stat`` = (mean, standard deviation) of ``n`` values from their sum ``acc[0]`` and sum of squares ``acc[1]``,
+    each rounded to float16 (as stored), the deviation at least 2^-24."""
+    stat[0] = T.Cast("float32", T.Cast("float16", acc[0] / T.float32(n)))
+    stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+        acc[1] / T.float32(n) - (acc[0] / T.float32(n)) * (acc[0] / T.float32(n)), T.float32(0))), T.float32(2.0**-24))))
+
+
 def _hash_score(p, layer, h):
     """A pseudo-random score in [0, 1) from (position, layer, head): the "random" importance baseline."""
     x = T.Cast("uint32", p) * T.uint32(2654435761) + T.Cast("uint32", layer) * T.uint32(40503) + T.Cast("uint32", h) * T.uint32(9973)
@@ -283,10 +292,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                 x: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r]
                                                 acc[0] += x
                                                 acc[1] += x * x
-                                            mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                                            stat[0] = T.Cast("float32", T.Cast("float16", mu))
-                                            stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                                acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
+                                            _moments(stat, acc, PS2)
                                             if lloyd:
                                                 _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r])
                                             t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
@@ -317,10 +323,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                     y: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r]
                                                     acc[0] += y
                                                     acc[1] += y * y
-                                                vmu: T.let[T.float32] = acc[0] / T.float32(D)
-                                                stat[0] = T.Cast("float32", T.Cast("float16", vmu))
-                                                stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                                    acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                                _moments(stat, acc, D)
                                                 if lloyd:
                                                     _lloyd(stat, acc, D, lambda d: _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r])
                                                 t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
@@ -347,10 +350,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                         T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
                                     acc[0] += x
                                     acc[1] += x * x
-                                mu: T.let[T.float32] = acc[0] / T.float32(PS2)
-                                stat[0] = T.Cast("float32", T.Cast("float16", mu))
-                                stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                    acc[1] / T.float32(PS2) - mu * mu, T.float32(0))), T.float32(2.0**-24))))
+                                _moments(stat, acc, PS2)
                                 if lloyd:
                                     _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
                                         t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
@@ -384,10 +384,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                         row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
                                         acc[0] += row[d]
                                         acc[1] += row[d] * row[d]
-                                    vmu: T.let[T.float32] = acc[0] / T.float32(D)
-                                    stat[0] = T.Cast("float32", T.Cast("float16", vmu))
-                                    stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                        acc[1] / T.float32(D) - vmu * vmu, T.float32(0))), T.float32(2.0**-24))))
+                                    _moments(stat, acc, D)
                                     if lloyd:
                                         _lloyd(stat, acc, D, lambda d: row[d])
                                     t2_vmu[layer, page2, h, r] = T.Cast("float16", stat[0])
