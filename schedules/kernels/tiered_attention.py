@@ -36,18 +36,11 @@ from .tiered_decode import LOG2E, _fp8_to_f32, _q2_level
 MASS_CHUNK = 128
 
 
-def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                          target: str = "llvm", mma_dtype: str | None = None):
-    """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda". ``mma_dtype``
-    ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``)."""
-    if target == "cuda":
-        if mma_dtype is not None:
-            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype)
-        return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
-    if mma_dtype is not None:
-        raise ValueError("tiered attention: the tensor-core form is CUDA only")
-    H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
-    G, D4 = H // HKV, head_dim // 4
+def _attention_signature(H: int, HKV: int, D: int, PS1: int, PS2: int, body):
+    """``tiered_attention(q, <the ten pools read>, t1_table, t2_table, t2_np, q_row, q_t1, q_indptr, out, stats, layer,
+    sm_scale)`` around a form's ``body`` macro, which takes the buffers in that order, then ``layer``, ``sm_scale``
+    and the sizes N (queries), B (table rows), M1 and M2 (table widths)."""
+    D4 = D // 4
 
     @T.prim_func(s_tir=True)
     def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
@@ -73,9 +66,53 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
         q_row = T.match_buffer(qrow_h, (N,), "int32")
         q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        T.match_buffer(indptr_h, (B + 1,), "int32")  # the CUDA form's query tiles; the serial loop needs no tiling
+        q_indptr = T.match_buffer(indptr_h, (B + 1,), "int32")
         out = T.match_buffer(out_h, (N, H, D), "float32")
         stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+        body(q, t1_k, t1_v, t1_ks, t1_vs, t2_k, t2_v, t2_kmu, t2_ksig, t2_vmu, t2_vsig, t1_table, t2_table, t2_np, q_row, q_t1,
+             q_indptr, out, stats, layer, sm_scale, N, B, M1, M2)
+
+    return tiered_attention
+
+
+def _mass_signature(H: int, HKV: int, D: int, PS1: int, body):
+    """``tiered_mass(q, t1_k, t1_ks, t1_table, q_t1, q_indptr, stats, t1_mass, layer, sm_scale)`` around a form's
+    ``body`` macro, which takes them in that order, then the sizes N (queries), B1 (rows + 1) and M1."""
+
+    @T.prim_func(s_tir=True)
+    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
+                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
+        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
+        q = T.match_buffer(q_h, (N, H, D), "float32")
+        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
+        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
+        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+        body(q, t1_k, t1_ks, t1_table, q_t1, q_indptr, stats, t1_mass, layer, sm_scale, N, B1, M1)
+
+    return tiered_mass
+
+
+def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
+                          target: str = "llvm", mma_dtype: str | None = None):
+    """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda". ``mma_dtype``
+    ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``)."""
+    if target == "cuda":
+        if mma_dtype is not None:
+            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype)
+        return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
+    if mma_dtype is not None:
+        raise ValueError("tiered attention: the tensor-core form is CUDA only")
+    H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
+    G, D4 = H // HKV, head_dim // 4
+
+    @T.macro
+    def body(q, t1_k, t1_v, t1_ks, t1_vs, t2_k, t2_v, t2_kmu, t2_ksig, t2_vmu, t2_vsig, t1_table, t2_table, t2_np, q_row, q_t1,
+             q_indptr, out, stats, layer, sm_scale, N, B, M1, M2):
 
         for n in T.serial(N):
             for h in T.serial(H):
@@ -127,7 +164,7 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
                     stats[n, h, 0] = ml[0]
                     stats[n, h, 1] = ml[1]
 
-    return tiered_attention
+    return _attention_signature(H, HKV, D, PS1, PS2, body)
 
 
 def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm",
@@ -142,19 +179,8 @@ def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: 
     H, HKV, D, PS1, C = num_heads, num_kv_heads, head_dim, t1_page, MASS_CHUNK
     G = H // HKV
 
-    @T.prim_func(s_tir=True)
-    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
-                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
-        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
-        q = T.match_buffer(q_h, (N, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
-        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
-        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+    @T.macro
+    def body(q, t1_k, t1_ks, t1_table, q_t1, q_indptr, stats, t1_mass, layer, sm_scale, N, B1, M1):
 
         for b in T.serial(B1 - 1):
             for hk in T.serial(HKV):
@@ -179,7 +205,7 @@ def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: 
                             if (q_indptr[b + 1] > q_indptr[b]) & (i < q_t1[T.max(q_indptr[b + 1] - 1, 0)]):
                                 t1_mass[layer, page, hk, slot] += acc[0]
 
-    return tiered_mass
+    return _mass_signature(H, HKV, D, PS1, body)
 
 
 # ---------------------------------------------------------------------------- CUDA: tiled forms
@@ -229,33 +255,9 @@ def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: i
     T2T = -(-PS2 // KT)  # key tiles per tier-2 page
     RED = (DG - 1).bit_length()
 
-    @T.prim_func(s_tir=True)
-    def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
-                         t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
-                         t2vsig_h: T.handle, t1tab_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle, qrow_h: T.handle,
-                         qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
-                         sm_scale: T.float32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
-        NL, N, B, P1, P2, M1, M2 = T.int64(), T.int32(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (N, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
-        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
-        t2_np = T.match_buffer(t2np_h, (B,), "int32")
-        T.match_buffer(qrow_h, (N,), "int32")  # rows come from q_indptr here
-        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        q_indptr = T.match_buffer(indptr_h, (B + 1,), "int32")
-        out = T.match_buffer(out_h, (N, H, D), "float32")
-        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+    @T.macro
+    def body(q, t1_k, t1_v, t1_ks, t1_vs, t2_k, t2_v, t2_kmu, t2_ksig, t2_vmu, t2_vsig, t1_table, t2_table, t2_np, q_row, q_t1,
+             q_indptr, out, stats, layer, sm_scale, N, B, M1, M2):
 
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for qt in T.thread_binding(T.ceildiv(N, QT), thread="blockIdx.y"):
@@ -357,7 +359,7 @@ def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: i
                                         stats[n, h, 0] = ml[0]
                                         stats[n, h, 1] = ml[1]
 
-    return tiered_attention
+    return _attention_signature(H, HKV, D, PS1, PS2, body)
 
 
 def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
@@ -370,19 +372,8 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
     LQ = QT * D // NT  # query elements each thread loads per tile
     RED = (DG - 1).bit_length()
 
-    @T.prim_func(s_tir=True)
-    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
-                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
-        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
-        q = T.match_buffer(q_h, (N, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
-        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
-        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+    @T.macro
+    def body(q, t1_k, t1_ks, t1_table, q_t1, q_indptr, stats, t1_mass, layer, sm_scale, N, B1, M1):
 
         for b in T.thread_binding(B1 - 1, thread="blockIdx.x"):
             for c in T.thread_binding(T.ceildiv(M1 * PS1, KT), thread="blockIdx.y"):
@@ -440,7 +431,7 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
                                 if dg == 0 and i < ext:
                                     t1_mass[layer, page, hk, slot] += acc[0]
 
-    return tiered_mass
+    return _mass_signature(H, HKV, D, PS1, body)
 
 
 # ---------------------------------------------------------------------------- CUDA: tensor-core forms
@@ -510,33 +501,9 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
     LG = -(-KTM * D4 // NT)  # 4-element groups of a K (and of a V) tile each thread dequantizes
     T2T = -(-PS2 // KTM)  # key tiles per tier-2 page
 
-    @T.prim_func(s_tir=True)
-    def tiered_attention(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
-                         t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
-                         t2vsig_h: T.handle, t1tab_h: T.handle, t2tab_h: T.handle, t2np_h: T.handle, qrow_h: T.handle,
-                         qt1_h: T.handle, indptr_h: T.handle, out_h: T.handle, stats_h: T.handle, layer: T.int32,
-                         sm_scale: T.float32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_attention"})
-        NL, N, B, P1, P2, M1, M2 = T.int64(), T.int32(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (N, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
-        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
-        t2_np = T.match_buffer(t2np_h, (B,), "int32")
-        T.match_buffer(qrow_h, (N,), "int32")  # rows come from q_indptr here
-        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        q_indptr = T.match_buffer(indptr_h, (B + 1,), "int32")
-        out = T.match_buffer(out_h, (N, H, D), "float32")
-        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
+    @T.macro
+    def body(q, t1_k, t1_v, t1_ks, t1_vs, t2_k, t2_v, t2_kmu, t2_ksig, t2_vmu, t2_vsig, t1_table, t2_table, t2_np, q_row, q_t1,
+             q_indptr, out, stats, layer, sm_scale, N, B, M1, M2):
 
         for b in T.thread_binding(B, thread="blockIdx.x"):
             for qt in T.thread_binding(T.ceildiv(N, QB), thread="blockIdx.y"):
@@ -684,7 +651,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                             stats[q0 + (w * 16 + g + 8 * hh) // G, hk * G + (w * 16 + g + 8 * hh) % G, 0] = ml[hh]
                                             stats[q0 + (w * 16 + g + 8 * hh) // G, hk * G + (w * 16 + g + 8 * hh) % G, 1] = ml[2 + hh]
 
-    return tiered_attention
+    return _attention_signature(H, HKV, D, PS1, PS2, body)
 
 
 def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dtype: str):
@@ -696,19 +663,8 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
     KS, NS = D // 16, R // 8  # k-steps, n-tiles of rows
     LQ = -(-R * D // NT)  # query elements each thread stages per tile
 
-    @T.prim_func(s_tir=True)
-    def tiered_mass(q_h: T.handle, t1k_h: T.handle, t1ks_h: T.handle, t1tab_h: T.handle, qt1_h: T.handle,
-                    indptr_h: T.handle, stats_h: T.handle, mass_h: T.handle, layer: T.int32, sm_scale: T.float32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_mass"})
-        NL, N, B, B1, P1, M1 = T.int64(), T.int32(), T.int32(), T.int32(), T.int64(), T.int32()
-        q = T.match_buffer(q_h, (N, H, D), "float32")
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        q_t1 = T.match_buffer(qt1_h, (N,), "int32")
-        q_indptr = T.match_buffer(indptr_h, (B1,), "int32")
-        stats = T.match_buffer(stats_h, (N, H, 2), "float32")
-        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+    @T.macro
+    def body(q, t1_k, t1_ks, t1_table, q_t1, q_indptr, stats, t1_mass, layer, sm_scale, N, B1, M1):
 
         for b in T.thread_binding(B1 - 1, thread="blockIdx.x"):
             for c in T.thread_binding(T.ceildiv(M1 * PS1, KTM), thread="blockIdx.y"):
@@ -782,4 +738,4 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                                     if (qq == 0) & (i0 + g + 8 * hh < last):
                                         t1_mass[layer, t1_table[b, (i0 + g + 8 * hh) // PS1], hk, (i0 + g + 8 * hh) % PS1] += acc[hh]
 
-    return tiered_mass
+    return _mass_signature(H, HKV, D, PS1, body)
