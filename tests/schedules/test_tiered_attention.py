@@ -205,3 +205,25 @@ def test_cuda_forms_compile():
     assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("128", "tiered_attention"), ("128", "tiered_mass")}
     assert "__shared__ alignas(64) float ks_s" in src and "__shared__ alignas(64) float qs_s" in src
     assert "__shfl_xor_sync" in src and "atomicAdd" not in src
+
+
+def test_prefill_bench_inputs_and_calls_on_cpu(monkeypatch):
+    """bench/tiered_prefill.py's inputs and kernel calls (argument order, workspaces) with the llvm forms on a small
+    shape: finite outputs, softmax sums of at least one, and every query's whole probability on its tier-1 tokens
+    in a case without tier 2 (the importance sums add up to queries x heads)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tiered_prefill.py"
+    spec = importlib.util.spec_from_file_location("moec_bench_tiered_prefill", path)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    monkeypatch.setattr(tp, "SHAPES", {"small": (H, HKV, D)})
+    monkeypatch.setattr(tp, "CASES", {"first": (0, 0, 40), "second": (20, 2, 30)})
+    mod = tvm.compile(tvm.IRModule({"tiered_attention": make_tiered_attention(H, HKV, D, tp.PS1, tp.PS2),
+                                    "tiered_mass": make_tiered_mass(H, HKV, D, tp.PS1)}), target="llvm")
+    for case, (_, pages2, new) in tp.CASES.items():
+        res, ms = tp._run_form(mod, tvm.cpu(), tp._inputs("small", case, np.random.default_rng(0)), "small", 1)
+        assert np.isfinite(res["out"]).all() and (res["stats"][..., 1] >= 1 - 1e-6).all() and set(ms) == {"tiered_attention", "tiered_mass"}
+        total = res["mass"].sum()
+        assert total == pytest.approx(new * H, rel=1e-4) if pages2 == 0 else 0 < total < new * H
