@@ -77,6 +77,19 @@ SHAPES = {
 }
 _PAGE = 16  # the engine's KV page: each stream holds whole pages
 OFFLOAD_SUFFIXES = ("-offload", "-prefetch", "-offload-fp8", "-prefetch-fp8")
+
+
+def _offloaded(name: str) -> bool:
+    return name.endswith(OFFLOAD_SUFFIXES)
+
+
+def _prefetched(name: str) -> bool:
+    return name.endswith(("-prefetch", "-prefetch-fp8"))
+
+
+def _fp8_experts(name: str) -> bool:
+    """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
+    return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
            "moec-tiered-graph", "moec-tiered-fields", "hf-eager", "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
@@ -250,12 +263,11 @@ class _Moec:
             from ..passes.cuda_graph import GraphBounds
 
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
-        offload = kind.endswith(OFFLOAD_SUFFIXES)  # (run_bench refuses them without expert_slots)
-        fp8_experts = offload and kind.endswith("-fp8")
+        offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
+        fp8_experts = _fp8_experts(kind)
         fields = kind.endswith("-fields")
-        fp8_resident = kind.endswith("-fp8experts")
-        tag = ("-graph" if graph else f"-slots{expert_slots}" + ("-fp8" if fp8_experts else "") if offload else "-fields" if fields
-               else "-fp8experts" if fp8_resident else "")
+        tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else "-fields" if fields else "") + (
+            ("-fp8" if offload else "-fp8experts") if fp8_experts else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -265,11 +277,11 @@ class _Moec:
                 tiered = TieredOptions(mode=cache, decode_kernel="split-fields")
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
-                         expert_weights="fp8" if fp8_experts or fp8_resident else None,
+                         expert_weights="fp8" if fp8_experts else None,
                          tiered_options=tiered)
             if not offload:
                 _share_weights(art, work)
-        extra = {"expert_prefetch": 0 if kind.endswith(("-prefetch", "-prefetch-fp8")) else None} if offload else {}
+        extra = {"expert_prefetch": 0 if _prefetched(kind) else None} if offload else {}
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens, **extra)
         self.cfg = model.config
         self.cache = cache
@@ -446,7 +458,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     for s in systems:
         if s not in SYSTEMS:
             raise MoecError(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
-        if s.endswith(OFFLOAD_SUFFIXES) and expert_slots is None:
+        if _offloaded(s) and expert_slots is None:
             raise MoecError(f"{s}: give --expert-slots (the device slots of the offloaded experts)")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoecError("--device cuda: no CUDA device is visible to torch")
@@ -528,8 +540,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     "step_ms": [round(float(x), 4) for x in ms],
                     "memory_bytes": _memory(device), "memory_bytes_before": before,
                     "kv_bytes_per_token": r["kv_bytes_per_token"],
-                    "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw, name.endswith(("-fp8experts", "-offload-fp8",
-                                                                                                  "-prefetch-fp8"))),
+                    "floor_ms": floor_ms(model, s, c, r["kv_bytes_per_token"], bw, _fp8_experts(name)),
                 })
                 if r.get("profile"):
                     point["profile"] = r["profile"]

@@ -370,7 +370,6 @@ class EmulatedKernel:
             if re.search({"asm": r"\b__asm__\b|\basm\b", "atomic": r"\batomic\w*\(", "tvm_builtin_ptx": r"\btvm_builtin_ptx\w*"}[bad], body):
                 raise ValueError(f"kernel {name}: the emulation does not support {bad} in the generated code")
         body = re.sub(r"__shared__\s+(alignas\(\d+\)\s+)?", lambda m: (m.group(1) or "") + "static ", body).replace("exp2f(", "exp2f_(")
-        body = re.sub(r"\(\(int\)threadIdx\.x\)", "threadIdx.x", body)
         decl = ", ".join(f"{t} {n}" for t, n in self.params)
         unpack = ", ".join(f"*({t}*)args[{i}]" for i, (t, _) in enumerate(self.params))
         code = (_PRELUDE + f"\nstatic void {name}({decl})\n" + body + "\n" +

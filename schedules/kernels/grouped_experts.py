@@ -33,9 +33,8 @@ Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
     the warps' counts (through shared memory) and the offsets are the exclusive prefix of the totals; an
     expert's lane starts each warp at the offset plus the earlier warps' counts. A second read of the chunk
     places each slot at its expert's next place (shuffled from the expert's lane) plus the lanes below it
-    with the same expert
-    (``__match_any_sync``). The same stable order as the llvm form; no atomics; every warp busy at once
-    (before, a warp per expert scanned all S slots twice, a chain of dependent loads).
+    with the same expert (``__match_any_sync``). The same stable order as the llvm form; no atomics; every
+    warp busy at once (before, a warp per expert scanned all S slots twice, a chain of dependent loads).
   * gate_up / down: a grid of (output tiles, E) blocks of NW warps; the block of (tile, e) reads
     ``offsets[e], offsets[e + 1]`` and exits at once if the expert has no token (its weights are never
     read). Warp w owns one output column (gate and up rows j and I + j; or a row d of W2). Its tokens go
@@ -284,6 +283,14 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
     def shfl(v, src):
         return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
 
+    @T.macro
+    def count(run, loc, lane):
+        """Add the warp's lanes holding each expert x (``loc[0]``) to ``run[x // 32]`` of x's lane."""
+        for x in T.unroll(E):
+            loc[1] = popc(ballot(loc[0] == x))
+            if lane == x % 32:
+                run[x // 32] = run[x // 32] + loc[1]
+
     @T.prim_func(s_tir=True)
     def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
         T.func_attr(attrs)
@@ -311,10 +318,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                     for c in T.serial(CH // 32):
                         s = warp * CH + c * 32 + lane
                         loc[0] = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E), -1)
-                        for x in T.unroll(E):
-                            loc[1] = popc(ballot(loc[0] == x))
-                            if lane == x % 32:
-                                run[x // 32] = run[x // 32] + loc[1]
+                        count(run, loc, lane)
                     for j in T.unroll(EPW):
                         if j * 32 + lane < E:
                             hist[warp * E + j * 32 + lane] = run[j]
@@ -359,10 +363,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                         loc[1] = T.Cast("int32", match(loc[0]))  # (every lane: a warp collective outside the branch)
                         if _in_range(loc[0], E):
                             order[loc[2] + popc(T.Cast("uint32", loc[1]) & below(lane))] = s2
-                        for x in T.unroll(E):
-                            loc[1] = popc(ballot(loc[0] == x))
-                            if lane == x % 32:
-                                run[x // 32] = run[x // 32] + loc[1]
+                        count(run, loc, lane)
 
     return moe_route_prep
 

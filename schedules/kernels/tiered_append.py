@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .grouped_experts import _shfl
+
 
 def _e4m3_byte(x):
     """e4m3 byte of a float32 already scaled into [-448, 448] (round to nearest even)."""
@@ -88,10 +90,6 @@ def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, targ
                     t1_mass[layer, page, h, slot] = T.float32(0)
 
     return _signature(HKV, D, PS1, body)
-
-
-def _shfl(v, o):
-    return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
 
 
 def _append_cuda(HKV: int, D: int, PS1: int):

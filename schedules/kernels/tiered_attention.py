@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .grouped_experts import _MMA_TYPE, _mma, _shfl
 from .tiered_decode import LOG2E, _fp8_to_f32, _q2_level
 
 MASS_CHUNK = 128
@@ -238,10 +239,6 @@ def _check_cuda(num_heads, num_kv_heads, head_dim):
     why = cuda_supported(num_heads, num_kv_heads, head_dim)
     if why is not None:
         raise ValueError(f"tiered attention (CUDA): {why}")
-
-
-def _shfl(v, o):
-    return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
 
 
 def _attention_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int):
@@ -464,12 +461,11 @@ MMA_WARPS = 4
 MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block
 MMA_KT = 64  # keys per shared-memory tile
 MMA_PAD = 8  # 16-bit elements of padding per shared row: the fragment loads hit 32 distinct banks
-_MMA_AB = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str) -> str | None:
     """Why the tensor-core forms cannot take these heads and operand dtype, or None."""
-    if dtype not in _MMA_AB:
+    if dtype not in _MMA_TYPE:
         return f"operand dtype {dtype} is not bfloat16 or float16"
     if head_dim % 16:
         return f"head dim {head_dim} is not a multiple of 16"
@@ -486,15 +482,10 @@ def _check_mma(num_heads, num_kv_heads, head_dim, dtype):
         raise ValueError(f"tiered attention (tensor cores): {why}")
 
 
-def _mma16(a, a_off, b, b_off, c, c_off, ab: str):
-    return T.ptx_legacy.mma("m16n8k16", "row", "col", ab, ab, "fp32", a.data, a_off, b.data, b_off, c.data, c_off, False,
-                            dtype="float32")
-
-
 def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str):
     _check_mma(num_heads, num_kv_heads, head_dim, dtype)
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
-    G, D4, ab = H // HKV, head_dim // 4, _MMA_AB[dtype]
+    G, D4, ab = H // HKV, head_dim // 4, _MMA_TYPE[dtype]
     NT, KTM, RS = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD
     QB = MMA_ROWS // G  # queries per block
     KS, NS, PK, ND = D // 16, KTM // 8, KTM // 16, D // 8  # QK k-steps, score n-tiles, PV k-steps, output n-tiles
@@ -604,7 +595,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                         for ks in T.unroll(KS):
                                             for a in T.unroll(4):  # dim 16 ks + 2 qq + 8 (a // 2) + a % 2 of key nt * 8 + g
                                                 kb[a] = k_s[(nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * (a // 2) + a % 2]
-                                            T.evaluate(_mma16(qa, ks * 8, kb, 0, sacc, nt * 4, ab))
+                                            T.evaluate(_mma(qa, ks * 8, kb, 0, sacc, nt * 4, ab))
                                     ml[4] = T.float32(-3e38)
                                     ml[5] = T.float32(-3e38)
                                     for nt in T.unroll(NS):
@@ -636,7 +627,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                         for dn in T.unroll(ND):
                                             for a in T.unroll(4):  # key 16 s2 + 2 qq + 8 (a // 2) + a % 2, dim 8 dn + g
                                                 vb[a] = v_s[(s2 * 16 + 2 * qq + 8 * (a // 2) + a % 2) * RS + dn * 8 + g]
-                                            T.evaluate(_mma16(pa, 0, vb, 0, oacc, dn * 4, ab))
+                                            T.evaluate(_mma(pa, 0, vb, 0, oacc, dn * 4, ab))
                                 for rr in T.unroll(2):
                                     for hh in T.unroll(2):
                                         ml[2 + hh] = ml[2 + hh] + _shfl(ml[2 + hh], T.shift_left(1, rr))
@@ -657,7 +648,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
 def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dtype: str):
     _check_mma(num_heads, num_kv_heads, head_dim, dtype)
     H, HKV, D, PS1 = num_heads, num_kv_heads, head_dim, t1_page
-    G, ab = H // HKV, _MMA_AB[dtype]
+    G, ab = H // HKV, _MMA_TYPE[dtype]
     NT, KTM, RS, R = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD, MMA_ROWS
     QB = R // G  # queries per tile of rows
     KS, NS = D // 16, R // 8  # k-steps, n-tiles of rows
@@ -723,7 +714,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                                             for ks in T.unroll(KS):
                                                 for a in T.unroll(4):
                                                     qb[a] = q_s[(nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * (a // 2) + a % 2]
-                                                T.evaluate(_mma16(ka, ks * 8, qb, 0, sacc, nt * 4, ab))
+                                                T.evaluate(_mma(ka, ks * 8, qb, 0, sacc, nt * 4, ab))
                                         for nt in T.unroll(NS):
                                             for cc in T.unroll(4):
                                                 acc[cc // 2] = acc[cc // 2] + T.if_then_else(

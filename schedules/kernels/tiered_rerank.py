@@ -265,11 +265,12 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                     r: T.let[T.int32] = rr * NT + tx
                                     if r < PS2:
                                         src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                        loc_s[r] = t1_table[b, src // PS1]
+                                        pg: T.let[T.int32] = t1_table[b, src // PS1]
+                                        loc_s[r] = pg
                                         loc_s[PS2 + r] = src % PS1
-                                        sc_s[r] = T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
-                                        sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, t1_table[b, src // PS1], h, src % PS1])
-                                        t2_pos[layer, page, h, r] = t1_pos[layer, t1_table[b, src // PS1], h, src % PS1]
+                                        sc_s[r] = T.Cast("float32", t1_ks[layer, pg, h, src % PS1])
+                                        sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, pg, h, src % PS1])
+                                        t2_pos[layer, page, h, r] = t1_pos[layer, pg, h, src % PS1]
                             for kv in T.serial(2):  # 0: keys (statistics per channel), 1: values (per token)
                                 if gpu:
                                     T.tvm_storage_sync("shared")
