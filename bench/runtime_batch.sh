@@ -10,23 +10,27 @@
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
 # Then there (carry .devcarry/base and those six): bash bench/runtime_batch.sh SHA
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
+# The logs come back as one archive, $OUT/logs.tgz (the device tool returns at most 8 files).
 set -u
 SHA=${1:?usage: bench/runtime_batch.sh COMMIT}
 source bench/device_env.sh >/dev/null 2>&1 || { echo "device_env.sh failed" >&2; exit 2; }
 failed=0
+LOGS=$(mktemp -d)/logs
+mkdir -p "$LOGS"
 run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log kept next to its JSON
   local name=$1 limit=$2
   shift 2
   echo "== $name" >&2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
-  tail -n 3 "$OUT/$name.log" >&2
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
+  tail -n 3 "$LOGS/$name.log" >&2
 }
-run tiered_prefill_h200 120 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
-run tiered_rerank_staged_h200 90 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit "$SHA"
-run tiered_rerank_gather_h200 90 python3 bench/tiered_rerank.py run .devcarry/rr_gather --json "$OUT/tiered_rerank_gather_h200.json" --commit "$SHA"
-run grouped_experts_prefill_h200 150 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
+run tiered_prefill_h200 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
+run tiered_rerank_staged_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit "$SHA"
+run tiered_rerank_gather_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr_gather --json "$OUT/tiered_rerank_gather_h200.json" --commit "$SHA"
+run grouped_experts_prefill_h200 120 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
     --json "$OUT/grouped_experts_prefill_h200.json" --commit "$SHA"
-run pipelined_decode_h200 90 python3 bench/pipelined_decode.py run .devcarry/pd --json "$OUT/pipelined_decode_h200.json" --commit "$SHA"
+run pipelined_decode_h200 60 python3 bench/pipelined_decode.py run .devcarry/pd --json "$OUT/pipelined_decode_h200.json" --commit "$SHA"
 run e2e_cuda_h200 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_h200.json" --commit "$SHA"
+tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs
 echo "$failed run(s) failed" >&2
 exit "$failed"
