@@ -456,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-steps", action="store_true",
                    help="moec systems: each decode step ends with its tokens on the host before the next starts (default: "
                         "pipelined, the next step enqueued before the previous step's tokens are read back)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="moec systems: prompt tokens per prefill call (default 2048); prompts are packed into calls of "
+                        "that many tokens, so a larger chunk prefills several streams per call")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

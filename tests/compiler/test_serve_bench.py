@@ -11,9 +11,11 @@ from moec.compiler.serve_bench import SHAPES, _kv_elements, build_hf, floor_ms
 def test_bench_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--shape", "tiny-olmoe", "--streams", "1,2", "--contexts", "24,40", "--steps", "3",
-               "--systems", "moec-paged,hf-eager,moec-bf16", "--work", str(tmp_path / "work"), "--json", str(out), "--plot", str(png)])
+               "--systems", "moec-paged,hf-eager,moec-bf16", "--prefill-chunk", "32", "--work", str(tmp_path / "work"),
+               "--json", str(out), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text())
+    assert doc["prefill_chunk"] == 32  # the prompts (21 and 37 tokens) packed into calls of 32 tokens
     assert doc["benchmark"] == "serve" and doc["command"].startswith("moec bench") and doc["git_commit"] and doc["complete"]
     # the two cache kinds share the model's weights file on disk (one hard-linked to the other)
     work = tmp_path / "work" / "tiny-olmoe-float32"
@@ -58,6 +60,8 @@ def test_bench_refusals(tmp_path, capsys):
     assert "--steps must be at least 2" in capsys.readouterr().err
     assert main(base[:steps] + ["2"] + base[steps + 1:] + ["--systems", "moec-paged", "--profile"]) == 2
     assert "--steps must be at least 3" in capsys.readouterr().err
+    assert main(base + ["--systems", "moec-paged", "--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk must be positive" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
