@@ -29,25 +29,18 @@ SHAPES = {  # name: heads, kv heads, head dim, tier-1 page, tier-2 page
     "mixtral": (32, 8, 128, 16, 128),
 }
 STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
-# checked and timed too (earlier variant sets: the commits of bench/results/tiered_decode_h200_*.json):
-# the compiled models' forms before the uniform grid (a4843a9), and the fields forms (one LOP3 and one FFMA
-# a 2-bit code; ``make_tiered_decode_cuda(fields=True)``) with and without cp.async stages
-VARIANTS = {"olmoe-regs-split-pipe4": ("olmoe", {"reg_bases": True, "split_values": True, "stages": 4}),
-            "mixtral-regs": ("mixtral", {"reg_bases": True}),
-            "olmoe-fields": ("olmoe", {"reg_bases": True, "fields": True}),
-            "olmoe-fields-pipe4": ("olmoe", {"reg_bases": True, "fields": True, "stages": 4}),
-            "olmoe-fields-kstep4-pipe4": ("olmoe", {"reg_bases": True, "fields": True, "kstep": 4, "stages": 4}),
-            "mixtral-fields": ("mixtral", {"reg_bases": True, "fields": True}),
-            "mixtral-fields-pipe4": ("mixtral", {"reg_bases": True, "fields": True, "stages": 4}),
-            "check-fields": ("check", {"reg_bases": True, "fields": True}),  # checked only: G = 2, Dh 32
-            "check-fields-pipe3": ("check", {"reg_bases": True, "fields": True, "stages": 3}),
-            # pairs of codes as float16 halves, one fma.rn.f16x2 per pair (``half2=True``): keys and a tile's
-            # value sums in float16, so checked to 5e-3 (output) and 1e-3 (mass) rather than float32's 1e-4 / 1e-5
-            "olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
-            "olmoe-half2": ("olmoe", {"half2": True}),
+# checked and timed too (earlier variant sets, the per-bit, register-base and fields forms: the commits of
+# bench/results/tiered_decode_h200_*.json): the compiled models' form (half2: pairs of codes as float16 halves, one
+# fma.rn.f16x2 per pair; keys and a tile's value sums in float16, so checked to 5e-3 / 1e-3 rather than float32's
+# 1e-4 / 1e-5) and the tensor-core tier 2 (``t2_mma``: mma.sync over the codes as float16 1024 + c 2^p, float32
+# sums; tier 1 and tier 2 in splits of their own, so it gets ``decode_splits(..., t2_mma=True)`` workspaces)
+VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
+            "olmoe-mma": ("olmoe", {"t2_mma": True}),
             "mixtral-half2-pipe4": ("mixtral", {"half2": True, "stages": 4}),
+            "mixtral-mma": ("mixtral", {"t2_mma": True}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
+MMA_SPLITS = (2, 3, 5)  # the tensor-core variants are also timed at these splits (tier 1 takes S // 4, at least 1)
 HALF2_TOL = (5e-3, 1e-3)  # output, importance mass (absolute): float16 sums of the tier-2 codes
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
@@ -145,7 +138,11 @@ def _case(name: str, batch: int, t1: int, t2_pages: int, seed: int):
     return qv, pools, tables, deq, slots
 
 
-def _args(tvm, dev, qv, pools, tables, mass0, splits=None):
+def _mma(name: str) -> bool:
+    return name in VARIANTS and bool(VARIANTS[name][1].get("t2_mma"))
+
+
+def _args(tvm, dev, qv, pools, tables, mass0, splits=None, t2_mma=False):
     """Kernel arguments: pools and mass as given (layer axis first), then ``decode_workspaces``."""
     from moec.schedules.kernels import reference as ref
     from moec.schedules.kernels.tiered_decode import decode_workspaces
@@ -155,7 +152,7 @@ def _args(tvm, dev, qv, pools, tables, mass0, splits=None):
     ps1, hkv, ps2 = pools["t1_k"].shape[-2], pools["t1_k"].shape[-3], pools["t2_k"].shape[-2]
     host = [qv] + [pools[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
     host += [np.zeros((b, h, d), np.float32), mass0]
-    host += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits)]
+    host += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma)]
     return [tvm.runtime.tensor(a, dev) for a in host]
 
 
@@ -170,7 +167,7 @@ def check(root: Path, device: str) -> list[dict]:
     if device == "cuda":
         cases += [(var, 2, 640 if base == "olmoe" else 100, 3) for var, (base, _) in VARIANTS.items()]
         # staged forms: no tier-2 pages (a partial tier-1 tile, most splits without tier-1 tiles); no tier-1 tokens
-        cases += [c for var, (_, kw) in VARIANTS.items() if kw.get("stages") for c in ((var, 3, 37, 0), (var, 2, 0, 5))]
+        cases += [c for var, (_, kw) in VARIANTS.items() if kw.get("stages") or kw.get("t2_mma") for c in ((var, 3, 37, 0), (var, 2, 0, 5))]
     for name, batch, t1, t2 in cases:
         shape = VARIANTS[name][0] if name in VARIANTS else name
         qv, pools, tables, deq, slots = _case(shape, batch, t1, t2, seed=len(results))
@@ -181,14 +178,14 @@ def check(root: Path, device: str) -> list[dict]:
         lmass = ref.layered(mass0, layers=LAYERS, layer=LAYER)
         mod = _load(root, name, device)
         for splits in (None, 3):
-            args = _args(tvm, dev, qv, lpools, tables, lmass, splits)
+            args = _args(tvm, dev, qv, lpools, tables, lmass, splits, _mma(name))
             mod["tiered_decode"](*args, LAYER, scale)
             out, mass = args[15].numpy(), args[16].numpy()
             want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(batch)])
             want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
             err, merr = float(np.abs(out - want).max()), float(np.abs(mass[LAYER] - want_mass).max())
             untouched = bool((mass[:LAYER] == lmass[:LAYER]).all())
-            tol = HALF2_TOL if name in VARIANTS and VARIANTS[name][1].get("half2") else (1e-4, 1e-5)
+            tol = HALF2_TOL if name in VARIANTS and (VARIANTS[name][1].get("half2") or _mma(name)) else (1e-4, 1e-5)
             results.append({"shape": name, "batch": batch, "tier1_tokens": t1, "tier2_pages": t2,
                             "splits": int(args[18].shape[2]), "max_abs_out_error": err, "max_abs_mass_error": merr,
                             "tolerance": list(tol), "other_layers_untouched": untouched,
@@ -250,7 +247,14 @@ def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[in
         sweep_ms[str(sp)] = _time(fn, wargs, (LAYER, d**-0.5), dev)
     variant_ms = {}
     for var in variants:
-        variant_ms[var] = _time(_load(root, var, "cuda")["tiered_decode"], args, (LAYER, d**-0.5), dev)
+        vfn = _load(root, var, "cuda")["tiered_decode"]
+        if _mma(var):  # workspaces of its own split count (default, then MMA_SPLITS)
+            for sp in (None,) + MMA_SPLITS:
+                wargs = args[:17] + [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in decode_workspaces(
+                    b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp, t2_mma=True)]
+                variant_ms[var if sp is None else f"{var}@{sp}"] = _time(vfn, wargs, (LAYER, d**-0.5), dev)
+        else:
+            variant_ms[var] = _time(vfn, args, (LAYER, d**-0.5), dev)
     t1_bytes = b * hkv * T1_TOKENS * (2 * d + 2 * 2 + 4 + 4 * 2)  # K, V bytes; 2 scales; table; mass read+write
     t2_bytes = b * hkv * t2p * (2 * ps2 * d // 4 + 2 * 2 * d + 2 * 2 * ps2)  # codes; key mu/sigma; value mu/sigma
     q_out = b * h * d * 4 * 2 + b * h * T1_TOKENS * 4 * 2  # q, out, scores written and read

@@ -231,12 +231,13 @@ def compile(  # noqa: A001 - the public name users call
     structure = analyze(bound_main, imported.num_inputs, imported.source_name)
     tiered_doc = None
     if tiered is not None:
-        from ..passes.tiered_kv_attention import check_supported, prefill_mma_dtype
+        from ..passes.tiered_kv_attention import check_supported, decode_form, prefill_mma_dtype
 
         check_supported(structure, tiered)
-        mma = prefill_mma_dtype(structure, tiered, "cuda" if tgt.kind.name == "cuda" else "llvm")
+        kind = "cuda" if tgt.kind.name == "cuda" else "llvm"
+        mma = prefill_mma_dtype(structure, tiered, kind)
         tiered_doc = {**tiered.to_dict(), "prefill_form": f"tensor cores ({mma} operands)" if mma else
-                      "tiled float32" if tgt.kind.name == "cuda" else "llvm"}
+                      "tiled float32" if tgt.kind.name == "cuda" else "llvm", "decode_form": decode_form(structure, tiered, kind)}
     cascade = calib = None
     if calibration is not None:
         from .calibrate import load_calibration

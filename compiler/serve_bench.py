@@ -91,7 +91,7 @@ def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
     return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "moec-tiered-fields", "hf-eager", "hf-compile") + tuple(
+           "moec-tiered-graph", "moec-tiered-fields", "moec-tiered-mma", "hf-eager", "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered"))
 # moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
@@ -99,7 +99,8 @@ SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-gra
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
 # chosen; -prefetch: the same artifact with the next layer's predicted experts loaded ahead; -offload-fp8 / -prefetch-fp8:
 # the same with the experts stored and copied as FP8 (--expert-weights fp8: half the bytes); moec-tiered-fields: the
-# tiered cache with the decode kernel's 2-bit sums in float32 (--decode-kernel split-fields, the form before the half2 one)
+# tiered cache with the decode kernel's 2-bit sums in float32 (--decode-kernel split-fields, the form before the half2 one);
+# moec-tiered-mma: the decode kernel's tier 2 on tensor cores (--decode-kernel split-mma)
 
 
 def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None,
@@ -265,16 +266,16 @@ class _Moec:
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
         fp8_experts = _fp8_experts(kind)
-        fields = kind.endswith("-fields")
-        tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else "-fields" if fields else "") + (
+        decode_kernel = {"fields": "split-fields", "mma": "split-mma"}.get(kind.rsplit("-", 1)[-1])
+        tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
             ("-fp8" if offload else "-fp8experts") if fp8_experts else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
-            if fields:
+            if decode_kernel:
                 from ..passes.tiered_kv_attention import TieredOptions
 
-                tiered = TieredOptions(mode=cache, decode_kernel="split-fields")
+                tiered = TieredOptions(mode=cache, decode_kernel=decode_kernel)
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          expert_weights="fp8" if fp8_experts else None,

@@ -113,6 +113,41 @@ static inline float exp2f_(float x) { return std::exp2(x); }
 #define __expf(x) std::exp((float)(x))
 static inline float __fdividef(float a, float b) { return a / b; }
 static inline int __popc(uint v) { return __builtin_popcount(v); }
+// FP8 e4m3 (bias 7, no infinities, S.1111.111 NaN) and the 4-byte vector the generated code widens to half4
+struct __nv_fp8_e4m3 { uint8_t __x; };
+struct __nv_fp8x4_e4m3 { uint32_t __x; };
+static inline float e4m3_to_float_(uint8_t b) {
+  int e = (b >> 3) & 15, m = b & 7;
+  float v = (e == 15 && m == 7) ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+struct half4 {
+  half x, y, z, w;
+  half4() {}
+  explicit half4(const __nv_fp8x4_e4m3 &v)
+      : x(e4m3_to_float_(v.__x & 0xff)), y(e4m3_to_float_((v.__x >> 8) & 0xff)), z(e4m3_to_float_((v.__x >> 16) & 0xff)),
+        w(e4m3_to_float_(v.__x >> 24)) {}
+};
+static inline uint __byte_perm(uint x, uint y, uint s) {  // result byte i = byte (s >> 4 i) & 7 of {y, x}
+  uint64_t v = ((uint64_t)y << 32) | x;
+  uint r = 0;
+  for (int i = 0; i < 4; ++i) r |= (uint)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+// moec's float16-pair helpers (schedules/cuda_prelude.py; PTX there): fma.rn.f16x2, cvt.rn.f16x2.f32, cvt.f32.f16
+static inline half h_bits_(uint16_t b) { half h; h.x = b; return h; }
+static inline uint moec_pack_h2(float lo, float hi) { return (uint)half(lo).x | ((uint)half(hi).x << 16); }
+static inline float moec_h2_lo(uint a) { return (float)h_bits_((uint16_t)(a & 0xffff)); }
+static inline float moec_h2_hi(uint a) { return (float)h_bits_((uint16_t)(a >> 16)); }
+static inline uint moec_hfma2(uint a, uint b, uint c) {  // each half: a * b + c rounded once (exact in double)
+  uint r = 0;
+  for (int i = 0; i < 2; ++i) {
+    double v = (double)(float)h_bits_((uint16_t)(a >> (16 * i))) * (double)(float)h_bits_((uint16_t)(b >> (16 * i))) +
+               (double)(float)h_bits_((uint16_t)(c >> (16 * i)));
+    r |= (uint)half((float)v).x << (16 * i);  // (double -> float -> half: a second rounding only in rare ties)
+  }
+  return r;
+}
 
 // ------------------------------------------------------------------ fibers and barriers
 struct Fiber { ucontext_t ctx; int tid; int wait; bool done; dim3_ idx; int site; };

@@ -155,8 +155,22 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
 
 
 
+def t2_mma_unsupported(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int) -> str | None:
+    """Why the tensor-core tier 2 (``make_tiered_decode_cuda(t2_mma=True)``) cannot serve these heads, or None."""
+    g = num_heads // num_kv_heads
+    if head_dim != 128:
+        return f"head_dim {head_dim} (it needs 128)"
+    if g > 8:
+        return f"{g} query heads per KV head (it takes at most 8)"
+    if t2_page % 64:
+        return f"tier-2 pages of {t2_page} tokens (it needs a multiple of 64)"
+    if uniform_grid() is None:
+        return "2-bit levels that are not evenly spaced"
+    return None
+
+
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
-                                  t2_page: int = 128, fields: bool = False):
+                                  t2_page: int = 128, fields: bool = False, t2_mma: bool = False):
     """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
     against NumPy there; bench/results/tiered_decode_h200_fields.json): 2-bit fields (one LOP3 and one
     FFMA a code), bases in registers, tier-2 tiles staged in 4 cp.async stages. OLMoE (one query head
@@ -166,7 +180,11 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
     Since 449cc97 the default is the half2 form (``make_tiered_decode_cuda(half2=True)``, 4 stages): the tier-2
     codes in pairs of float16 halves, checked against NumPy on the H200 (output error at most 4.5e-4) and faster:
     OLMoE 0.320 ms a layer, Mixtral 0.447 (bench/results/tiered_decode_h200_half2.json). ``fields`` (the
-    ``split-fields`` decode kernel) keeps the float32 fields form above."""
+    ``split-fields`` decode kernel) keeps the float32 fields form above. ``t2_mma`` (the ``split-mma`` decode
+    kernel) takes tier 2 on tensor cores (``make_tiered_decode_cuda(t2_mma=True)``; tier 1 as the half2 form's),
+    which needs ``decode_splits(..., t2_mma=True)`` splits."""
+    if t2_mma:
+        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True)
     if not fields:
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True)
     return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, reg_bases=True,
@@ -279,6 +297,29 @@ def _half2_consts() -> list[tuple[int, int, int]]:
     return out
 
 
+# Tensor-core tier 2 (``t2_mma``, the uniform grid): the pair (j, j + 8) of a word is masked, as for ``half2``, but
+# into the mantissa of the float16 1024.0 (0x6400), so each half is the normal number 1024 + c 2^p for its code c
+# at mantissa bit p (tensor cores get no subnormal operands). p is kept at 4 .. 8, where the offset 1024 is at most
+# 64 times the code's weight: pairs 0 .. 2 come from w << 4, 3 .. 4 from w itself, 5 .. 7 from w >> 6 (two shifts a
+# word, then one LOP3 a pair). The offsets are subtracted in float32 (keys: the same mma on an all-1024 operand
+# gives them; values: 1024 times the sum of the probabilities fed to the mma).
+MMA_MAGIC = 0x64006400
+MMA_SRC = (0, 0, 0, 1, 1, 2, 2, 2)  # pair j's copy of the word: w << 4, w, w >> 6
+MMA_POS = (4, 6, 8, 6, 8, 4, 6, 8)  # pair j's mantissa bit p in that copy
+MMA_VALUE_MAX = 2.0**10  # values: p' = p sigma VS with VS = MMA_VALUE_MAX / (the page's largest sigma)
+
+
+def mma_pair_np(w, j):
+    """NumPy model of ``t2_mma``'s pair j of uint32 words ``w``: (low half, high half) as float16 values."""
+    import numpy as np
+
+    w = np.asarray(w, np.uint32)
+    x = {0: w << np.uint32(4), 1: w, 2: w >> np.uint32(6)}[MMA_SRC[j]]
+    p = MMA_POS[j]
+    u = (x & np.uint32((3 << p) | (3 << (p + 16)))) | np.uint32(MMA_MAGIC)
+    return (u & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16), (u >> np.uint32(16)).astype(np.uint16).view(np.float16)
+
+
 def _tab(i, values, dtype):
     """values[i] for an unrolled loop index i (a chain the simplifier folds once i is a constant)."""
     mk = {"uint32": T.uint32, "int32": T.int32, "float32": T.float32}[dtype]
@@ -293,21 +334,22 @@ def _tab(i, values, dtype):
 SPLIT_WARPS = 1024
 
 
-def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int) -> int:
-    """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form."""
+def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_mma: bool = False) -> int:
+    """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form; with ``t2_mma``
+    one more, since tier 1 and tier 2 then never share a split."""
     units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles: more splits idle
-    return max(1, min(8, -(-SPLIT_WARPS // max(1, batch * num_kv_heads)), units))
+    return max(1, min(8, -(-SPLIT_WARPS // max(1, batch * num_kv_heads)), units)) + int(t2_mma)
 
 
 def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
-                      head_dim: int = 128, splits: int | None = None) -> list[tuple[tuple[int, ...], str]]:
+                      head_dim: int = 128, splits: int | None = None, t2_mma: bool = False) -> list[tuple[tuple[int, ...], str]]:
     """Shapes and dtypes of the workspaces ``tiered_decode`` takes after ``t1_mass``, in argument order.
 
     ``scores`` [B, H, M1 * PS1] (tier-1 scores kept for the importance pass), ``part_acc``
     [B, H, S, Dh] and ``part_ml`` [B, H, S, 2] (the CUDA form's per-split unnormalised output and its
     running max and sum; S splits of the sequence, from ``decode_splits`` unless given).
     """
-    s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2)
+    s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2, t2_mma)
     return [((batch, num_heads, m1 * t1_page), "float32"), ((batch, num_heads, s, head_dim), "float32"),
             ((batch, num_heads, s, 2), "float32")]
 
@@ -315,7 +357,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
-                            half2: bool = False):
+                            half2: bool = False, t2_mma: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -369,9 +411,16 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     TILE = TPS * KSTEP
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
-    REG, VSPLIT, FIELDS, HALF2 = bool(reg_bases), bool(split_values), bool(fields), bool(half2)
-    if FIELDS + VSPLIT + HALF2 > 1:
-        raise ValueError("CUDA tiered decode: fields, split_values and half2 are forms of the tier-2 sums; pick one")
+    REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
+    if FIELDS + VSPLIT + HALF2 + MMA > 1:
+        raise ValueError("CUDA tiered decode: fields, split_values, half2 and t2_mma are forms of the tier-2 sums; pick one")
+    if MMA:
+        if D != 128 or G > 8 or PS2 % 64 or uniform_grid() is None:
+            raise ValueError(f"the tensor-core tier 2 of the tiered decode needs head_dim 128 (got {D}), at most 8 query "
+                             f"heads per KV head (got {G}), tier-2 pages of a multiple of 64 tokens (got {PS2}) and "
+                             "evenly spaced 2-bit levels")
+        if stages:
+            raise ValueError("CUDA tiered decode: the tensor-core tier 2 loads its codes straight into registers (stages 0)")
     NEG = -1e30
     consts = _code_consts()
     SRC = [c[0] for c in consts]
@@ -685,6 +734,189 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         for i in T.unroll(16):
                             acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
 
+    def t1_splits(S):  # with t2_mma, a quarter of the splits (at least one) take tier 1 and the rest tier 2
+        return T.max(1, S // 4) if MMA else S
+
+    if MMA:
+        from ..cuda_prelude import H2_HI as _H2H, H2_LO as _H2L, PACK_H2 as _PK, register as _register
+        from .grouped_experts import _mma
+
+        _register()
+        MLO, MSTEP = uniform_grid()
+        MMASK = [(3 << p_) | (3 << (p_ + 16)) for p_ in MMA_POS]
+        MKMUL = [MSTEP * 2.0 ** -p_ for p_ in MMA_POS]  # keys: w = u step / 2^p (u = q sigma / max |q sigma|)
+        MVDIV = [2.0 ** -p_ for p_ in MMA_POS]  # values: m-tile mt's sums carry 2^p of its codes
+        NTT = PS2 // 16  # 16-token tiles of a page
+        NVS = PS2 // 64  # uint32 pairs of sigma each lane reads for the page's largest
+
+        def mpair(w, j):  # pair j of word w as two float16 1024 + c 2^p
+            src = _tab(j, MMA_SRC, "int32")
+            x = T.if_then_else(src == 0, w << T.uint32(4), T.if_then_else(src == 1, w, w >> T.uint32(6)))
+            return (x & _tab(j, MMASK, "uint32")) | T.uint32(MMA_MAGIC)
+
+        def mlo(a):
+            return T.call_pure_extern("float32", _H2L, a)
+
+        def mhi(a):
+            return T.call_pure_extern("float32", _H2H, a)
+
+        def mpack(lo, hi):
+            return T.call_pure_extern("uint32", _PK, lo, hi)
+
+        def shfl_idx(v, src):
+            return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
+
+        @T.macro
+        def t2_mma_split(b, hk, sp, sp2, S2n, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32, t2_vsig32,
+                         t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv):
+            # lane (gi, ti): keys' A rows gi / gi + 8 are the tile's tokens 2 gi / 2 gi + 1, their k the channels of
+            # words 2 ti, 2 ti + 1; the scores' columns (and the values' D columns) are query heads 2 ti, 2 ti + 1.
+            gi: T.let[T.int32] = lane // 4
+            ti: T.let[T.int32] = lane % 4
+            for i in T.unroll(32):
+                dacc[i] = T.float32(0)
+            for e in T.unroll(2):
+                st[e] = T.if_then_else(2 * ti + e < G, T.float32(NEG), T.float32(0))  # running max (log2)
+                st[2 + e] = T.float32(0)  # sum of p
+                st[4 + e] = T.float32(0)  # sum of p value-mu
+                st[6 + e] = T.float32(0)  # sum of p' as fed to the values' mma
+            st[14] = T.float32(0)  # VS, the values' scale (0: no page yet)
+            np2: T.let[T.int32] = (n2 - sp2 + S2n - 1) // S2n
+            for ip in T.serial(np2):
+                pbase: T.let[T.int64] = T.Cast("int64", (layer * P2 + t2_table[b, sp2 + ip * S2n]) * HKV + hk)
+                # ---- the values' scale: VS = MMA_VALUE_MAX / (the page's largest sigma), rescaled only when needed
+                tf[0] = T.float32(0)
+                for j in T.unroll(NVS):
+                    vv[0] = t2_vsig32[(pbase * PS2 + NVS * 2 * lane + 2 * j) // 2]
+                    tf[0] = T.max(tf[0], T.max(mlo(vv[0]), mhi(vv[0])))
+                for r in T.unroll(5):
+                    tf[0] = T.max(tf[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[0], T.shift_left(1, r), 32, 32))
+                tf[1] = T.if_then_else(tf[0] > T.float32(0), T.float32(MMA_VALUE_MAX) / tf[0], T.float32(1))
+                if st[14] == T.float32(0):
+                    st[14] = tf[1]
+                elif tf[0] * st[14] > T.float32(16 * MMA_VALUE_MAX):  # (warp-uniform) a new scale: rescale the sums
+                    tf[2] = tf[1] / st[14]
+                    for i in T.unroll(32):
+                        dacc[i] = dacc[i] * tf[2]
+                    for e in T.unroll(2):
+                        st[6 + e] = st[6 + e] * tf[2]
+                    st[14] = tf[1]
+                # ---- keys: w = q' sigma step / (M 2^p) per channel (head gi, channels 32 ti ..), M = max |q' sigma|
+                for j in T.unroll(4):
+                    kh[T.ramp(j * 8, 1, 8)] = t2_ksig1[T.ramp(pbase * D + 32 * ti + j * 8, 1, 8)]
+                    kh[T.ramp(32 + j * 8, 1, 8)] = t2_kmu1[T.ramp(pbase * D + 32 * ti + j * 8, 1, 8)]
+                tf[3] = T.float32(0)  # q' . mu + lo sum(q' sigma)
+                tf[4] = T.float32(0)  # max |q' sigma|
+                for x in T.unroll(32):
+                    uu[x] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * T.float32(LOG2E)
+                    tf[3] = tf[3] + uu[x] * T.Cast("float32", kh[32 + x])
+                    uu[x] = uu[x] * T.Cast("float32", kh[x])
+                    tf[3] = tf[3] + T.float32(MLO) * uu[x]
+                    tf[4] = T.max(tf[4], T.abs(uu[x]))
+                for r in T.unroll(2):
+                    tf[3] = tf[3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[3], T.shift_left(1, r), 32, 32)
+                    tf[4] = T.max(tf[4], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[4], T.shift_left(1, r), 32, 32))
+                tf[5] = T.if_then_else(tf[4] > T.float32(0), T.float32(1) / tf[4], T.float32(0))
+                for m in T.unroll(8):  # k-step m: channels 32 ti + m, + 8 (b0, b1) and 32 ti + 16 + m, + 8 (b2, b3)
+                    wb[2 * m] = mpack(uu[m] * tf[5] * _tab(m, MKMUL, "float32"), uu[m + 8] * tf[5] * _tab(m, MKMUL, "float32"))
+                    wb[2 * m + 1] = mpack(uu[16 + m] * tf[5] * _tab(m, MKMUL, "float32"), uu[24 + m] * tf[5] * _tab(m, MKMUL, "float32"))
+                # the offsets' share, sum(w) 1024 per head, from the same products: the mma on an all-1024 operand
+                for i in T.unroll(4):
+                    af[i] = T.uint32(MMA_MAGIC)
+                    sc[i] = T.float32(0)
+                for m in T.unroll(8):
+                    bf[0] = wb[2 * m]
+                    bf[1] = wb[2 * m + 1]
+                    T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
+                for e in T.unroll(2):  # heads 2 ti + e: offsets' share, constant part and scale of the scores
+                    st[12 + e] = sc[e]
+                    st[8 + e] = shfl_idx(tf[3], 4 * (2 * ti + e))
+                    st[10 + e] = shfl_idx(tf[4], 4 * (2 * ti + e))
+                for tt in T.serial(NTT):
+                    # ---- scores: A = codes of tokens 2 gi, 2 gi + 1 (rows gi, gi + 8), B = w, C starts at -offsets
+                    rk: T.let[T.int64] = (pbase * PS2 + tt * 16 + 2 * gi) * W2 + 2 * ti
+                    kw[T.ramp(0, 1, 2)] = t2_k32[T.ramp(rk, 1, 2)]
+                    kw[T.ramp(2, 1, 2)] = t2_k32[T.ramp(rk + W2, 1, 2)]
+                    for r in T.unroll(4):  # values: word gi of tokens 2 ti, 2 ti + 1, 2 ti + 8, 2 ti + 9
+                        vw[r] = t2_v32[(pbase * PS2 + tt * 16 + 2 * ti + r % 2 + 8 * (r // 2)) * W2 + gi]
+                    vv[0] = t2_vmu32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
+                    vv[1] = t2_vsig32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
+                    for i in T.unroll(4):
+                        sc[i] = -st[12 + i % 2]
+                    for m in T.unroll(8):
+                        af[0] = mpair(kw[0], m)
+                        af[1] = mpair(kw[2], m)
+                        af[2] = mpair(kw[1], m)
+                        af[3] = mpair(kw[3], m)
+                        bf[0] = wb[2 * m]
+                        bf[1] = wb[2 * m + 1]
+                        T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
+                    # sc[r * 2 + e]: token 2 gi + r, head 2 ti + e (log2 domain)
+                    for i in T.unroll(4):
+                        sc[i] = T.if_then_else(2 * ti + i % 2 < G, st[8 + i % 2] + st[10 + i % 2] * sc[i], T.float32(NEG))
+                    # ---- online softmax per head over the tile (rows: xor over gi)
+                    for e in T.unroll(2):
+                        tf[e] = T.max(sc[e], sc[2 + e])
+                        for r in T.unroll(3):
+                            tf[e] = T.max(tf[e], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[e], T.shift_left(4, r), 32, 32))
+                        tf[e] = T.max(tf[e], st[e])
+                    if T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF),
+                                     (tf[0] > st[0]) or (tf[1] > st[1])) != T.uint32(0):
+                        for e in T.unroll(2):
+                            tf[2 + e] = T.exp2(st[e] - tf[e])
+                            st[e] = tf[e]
+                            st[2 + e] = st[2 + e] * tf[2 + e]
+                            st[4 + e] = st[4 + e] * tf[2 + e]
+                            st[6 + e] = st[6 + e] * tf[2 + e]
+                        for i in T.unroll(32):
+                            dacc[i] = dacc[i] * tf[2 + i % 2]
+                    for i in T.unroll(4):
+                        sc[i] = T.exp2(sc[i] - st[i % 2])
+                        st[2 + i % 2] = st[2 + i % 2] + sc[i]
+                    for e in T.unroll(2):  # value mu and sigma of tokens 2 gi, 2 gi + 1; p' = p sigma VS as halves
+                        st[4 + e] = st[4 + e] + sc[e] * mlo(vv[0]) + sc[2 + e] * mhi(vv[0])
+                        xv[e] = mpack(sc[e] * mlo(vv[1]) * st[14], sc[2 + e] * mhi(vv[1]) * st[14])
+                        st[6 + e] = st[6 + e] + mlo(xv[e]) + mhi(xv[e])
+                    # ---- values: B = p' of tokens 2 ti, 2 ti + 1 (b0, b1), 2 ti + 8, 2 ti + 9 (b2, b3) for head gi, from
+                    # lanes (ti, gi / 2) and (ti + 4, gi / 2), which hold them as (token 2 g', 2 g' + 1) of head 2 t' + e
+                    if G == 1:
+                        bf[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
+                        bf[1] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
+                    else:
+                        pv[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
+                        pv[1] = shfl_idx(xv[1], 4 * ti + gi // 2)
+                        pv[2] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
+                        pv[3] = shfl_idx(xv[1], 4 * ti + 16 + gi // 2)
+                        bf[0] = T.if_then_else(gi % 2 == 0, pv[0], pv[1])
+                        bf[1] = T.if_then_else(gi % 2 == 0, pv[2], pv[3])
+                    # A = codes^T: m-tile mt's rows gi / gi + 8 are channels 16 gi + mt / + 8 (word gi's pair mt)
+                    pv[0] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x5410))
+                    pv[1] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x7632))
+                    pv[2] = T.call_pure_extern("uint32", "__byte_perm", vw[2], vw[3], T.uint32(0x5410))
+                    pv[3] = T.call_pure_extern("uint32", "__byte_perm", vw[2], vw[3], T.uint32(0x7632))
+                    for mt in T.unroll(8):
+                        for r in T.unroll(4):
+                            af[r] = mpair(pv[r], mt)
+                        T.evaluate(_mma(afh, 0, bfh, 0, dacc, mt * 4, "fp16"))
+            # ---- this split's partial result: sums over the rows (xor over gi), then per channel and head
+            for e in T.unroll(2):
+                for k in T.unroll(3):
+                    for r in T.unroll(3):
+                        st[2 + 2 * k + e] = st[2 + 2 * k + e] + T.tvm_warp_shuffle_xor(
+                            T.uint32(0xFFFFFFFF), st[2 + 2 * k + e], T.shift_left(4, r), 32, 32)
+            tf[6] = T.if_then_else(st[14] > T.float32(0), T.float32(1) / st[14], T.float32(0))
+            for mt in T.unroll(8):
+                for i in T.unroll(4):  # channel 16 gi + mt + 8 (i // 2), head 2 ti + i % 2
+                    if 2 * ti + i % 2 < G:
+                        part_acc[b, hk * G + 2 * ti + i % 2, sp, 16 * gi + mt + 8 * (i // 2)] = st[4 + i % 2] + tf[6] * (
+                            T.float32(MLO) * st[6 + i % 2] + T.float32(MSTEP) * _tab(mt, MVDIV, "float32") * (
+                                dacc[mt * 4 + i] - T.float32(1024) * st[6 + i % 2]))
+            for e in T.unroll(2):
+                if gi == 0 and 2 * ti + e < G:
+                    part_ml[b, hk * G + 2 * ti + e, sp, 0] = st[e]
+                    part_ml[b, hk * G + 2 * ti + e, sp, 1] = st[2 + e]
+
+
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
@@ -723,6 +955,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         t2_vsig1 = T.decl_buffer((NL * P2 * HKV * PS2,), "float16", data=t2_vsig.data)
         t2_ksig1 = T.decl_buffer((NL * P2 * HKV * D,), "float16", data=t2_ksig.data)
         t2_kmu1 = T.decl_buffer((NL * P2 * HKV * D,), "float16", data=t2_kmu.data)
+        t2_vmu32 = T.decl_buffer((NL * P2 * HKV * PS2 // 2,), "uint32", data=t2_vmu.data)
+        t2_vsig32 = T.decl_buffer((NL * P2 * HKV * PS2 // 2,), "uint32", data=t2_vsig.data)
+        if MMA:
+            assert S >= 2, "tiered_decode (tensor-core tier 2) needs at least 2 splits: decode_splits(..., t2_mma=True)"
 
         for bs in T.thread_binding(B * S, thread="blockIdx.x"):
             for hk in T.thread_binding(HKV, thread="blockIdx.y"):
@@ -760,6 +996,23 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         vr = T.sblock_alloc_buffer((2 * G,), "float32", scope="local")
                         vacc = T.sblock_alloc_buffer((G * 8,), "uint32", scope="local")
                         hxb = T.sblock_alloc_buffer((9,), "uint32", scope="local")
+                        if MMA:
+                            mwb = T.sblock_alloc_buffer((16,), "uint32", scope="local")  # B fragments of the keys' w
+                            maf = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                            mafh = T.decl_buffer((8,), "float16", data=maf.data, scope="local")
+                            mbf = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            mbfh = T.decl_buffer((4,), "float16", data=mbf.data, scope="local")
+                            msc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            mdacc = T.sblock_alloc_buffer((32,), "float32", scope="local")
+                            mst = T.sblock_alloc_buffer((16,), "float32", scope="local")
+                            mtf = T.sblock_alloc_buffer((8,), "float32", scope="local")
+                            muu = T.sblock_alloc_buffer((32,), "float32", scope="local")
+                            mkh = T.sblock_alloc_buffer((64,), "float16", scope="local")
+                            mkw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                            mvw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                            mvv = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            mpv = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                            mxv = T.sblock_alloc_buffer((2,), "uint32", scope="local")
                         if S1 + S2 > 0:
                             pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
@@ -767,6 +1020,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             sh8 = T.decl_buffer((SHB,), "float8_e4m3fn", data=sh.data, scope="shared")
                         b: T.let[T.int32] = bs // S
                         sp: T.let[T.int32] = bs % S
+                        ST1: T.let[T.int32] = t1_splits(S)  # splits on tier 1 (all of them but with t2_mma)
                         tg: T.let[T.int32] = lane // LPT
                         cw: T.let[T.int32] = lane % LPT
                         n1: T.let[T.int32] = t1_len[b]
@@ -789,14 +1043,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 bk[j] = _tab(j, BASES, "uint32") | (T.Cast("uint32", layer) >> T.uint32(31))
 
                         # ---- tier 1: tiles of TILE FP8 tokens, every S-th
-                        nt1: T.let[T.int32] = (T.ceildiv(n1, TILE) - sp + S - 1) // S
+                        nt1: T.let[T.int32] = T.if_then_else(sp < ST1, (T.ceildiv(n1, TILE) - sp + ST1 - 1) // ST1, 0)
                         if S1 > 0:
                             for s0 in T.unroll(S1 - 1):  # prologue: tiles 0 .. S1 - 2 in flight (empty groups past the end)
                                 if s0 < nt1:
-                                    issue1(s0, s0, b, sp, S, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                    issue1(s0, s0, b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
                                 T.evaluate(T.ptx["cp.async.commit_group"]())
                         for it in T.serial(nt1):
-                            tok0: T.let[T.int32] = (sp + it * S) * TILE + tg * KSTEP
+                            tok0: T.let[T.int32] = (sp + it * ST1) * TILE + tg * KSTEP
                             if S1 > 0:
                                 # tile it's group has landed (S1 - 2 younger ones may be pending); after the warp
                                 # barrier every lane has read tile it - 1, whose slot tile it + S1 - 1 refills
@@ -804,7 +1058,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 sync_warp()
                                 if it + S1 - 1 < nt1:
                                     issue1(it + S1 - 1, (it + S1 - 1) % S1,
-                                           b, sp, S, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                           b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
                                 T.evaluate(T.ptx["cp.async.commit_group"]())
                                 for k in T.unroll(KSTEP):
                                     k8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(it % S1 * STG1 + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
@@ -828,56 +1082,57 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             for g in T.unroll(G):
                                 for i in T.unroll(16):
                                     acc[g * 16 + i] = acc[g * 16 + i] * _tab(i, [1.0 / c for c in FC1], "float32")
-                        # ---- tier 2: 2-bit pages, every S-th
-                        np2: T.let[T.int32] = (n2 - sp + S - 1) // S
-                        if S2 > 0:
-                            sync_warp()  # every lane is past the tier-1 ring's reads: the buffer may be refilled
-                            for s0 in T.unroll(S2 - 1):  # prologue: tiles 0 .. S2 - 2 in flight (empty groups past the end)
-                                if s0 < np2 * NSUB:
-                                    issue2(s0, s0, b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1,
-                                           t2_vsig1, t2_ksig1, t2_kmu1)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                            for ip in T.serial(np2):
-                                for st in T.serial(NSUB):
-                                    # as tier 1: tile ip NSUB + st has landed, tile ip NSUB + st - 1 is read by all
-                                    T.evaluate(T.ptx["cp.async.wait_group"](max(S2 - 2, 0)))
-                                    sync_warp()
-                                    if ip * NSUB + st + S2 - 1 < np2 * NSUB:
-                                        issue2(ip * NSUB + st + S2 - 1, (ip * NSUB + st + S2 - 1) % S2,
-                                               b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1,
-                                               t2_ksig1, t2_kmu1)
+                        if not MMA:
+                            # ---- tier 2: 2-bit pages, every S-th
+                            np2: T.let[T.int32] = (n2 - sp + S - 1) // S
+                            if S2 > 0:
+                                sync_warp()  # every lane is past the tier-1 ring's reads: the buffer may be refilled
+                                for s0 in T.unroll(S2 - 1):  # prologue: tiles 0 .. S2 - 2 in flight (empty groups past the end)
+                                    if s0 < np2 * NSUB:
+                                        issue2(s0, s0, b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1,
+                                               t2_vsig1, t2_ksig1, t2_kmu1)
                                     T.evaluate(T.ptx["cp.async.commit_group"]())
-                                    if st == 0:  # the page's key sigma / mu came with its first tile
-                                        for j in T.unroll(2):
-                                            h16[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
-                                                ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG) // 2 + cw * 16 + j * 8, 1, 8)]
-                                            h16b[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
-                                                ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG + 2 * D) // 2 + cw * 16 + j * 8, 1, 8)]
-                                        t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
-                                    for k in T.unroll(KSTEP):
-                                        kw[k] = sh[((ip * NSUB + st) % S2 * STG2 + tg * GS2) // 4 + k * W2 + cw]
-                                        vw[k] = sh[((ip * NSUB + st) % S2 * STG2 + OFF_V2 + tg * GS2) // 4 + k * W2 + cw]
-                                    sc16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
-                                        ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
-                                    vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
-                                        ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
-                        else:
-                            for ip in T.serial(np2):
-                                page2: T.let[T.int32] = t2_table[b, sp + ip * S]
-                                for j in T.unroll(2):
-                                    h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
-                                    h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
-                                t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
-                                for st in T.serial(NSUB):
-                                    r0: T.let[T.int32] = st * TILE + tg * KSTEP
-                                    wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
-                                    for k in T.unroll(KSTEP):
-                                        kw[k] = t2_k32[wrow + k * W2]
-                                        vw[k] = t2_v32[wrow + k * W2]
-                                    sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                    vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                    t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
+                                for ip in T.serial(np2):
+                                    for st in T.serial(NSUB):
+                                        # as tier 1: tile ip NSUB + st has landed, tile ip NSUB + st - 1 is read by all
+                                        T.evaluate(T.ptx["cp.async.wait_group"](max(S2 - 2, 0)))
+                                        sync_warp()
+                                        if ip * NSUB + st + S2 - 1 < np2 * NSUB:
+                                            issue2(ip * NSUB + st + S2 - 1, (ip * NSUB + st + S2 - 1) % S2,
+                                                   b, sp, S, hk, lane, layer, P2, pg2, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1,
+                                                   t2_ksig1, t2_kmu1)
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                        if st == 0:  # the page's key sigma / mu came with its first tile
+                                            for j in T.unroll(2):
+                                                h16[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
+                                                    ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG) // 2 + cw * 16 + j * 8, 1, 8)]
+                                                h16b[T.ramp(j * 8, 1, 8)] = sh16[T.ramp(
+                                                    ((ip * NSUB + st) % S2 * STG2 + OFF_KSIG + 2 * D) // 2 + cw * 16 + j * 8, 1, 8)]
+                                            t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
+                                        for k in T.unroll(KSTEP):
+                                            kw[k] = sh[((ip * NSUB + st) % S2 * STG2 + tg * GS2) // 4 + k * W2 + cw]
+                                            vw[k] = sh[((ip * NSUB + st) % S2 * STG2 + OFF_V2 + tg * GS2) // 4 + k * W2 + cw]
+                                        sc16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
+                                            ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
+                                        vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
+                                            ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
+                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
+                            else:
+                                for ip in T.serial(np2):
+                                    page2: T.let[T.int32] = t2_table[b, sp + ip * S]
+                                    for j in T.unroll(2):
+                                        h16[T.ramp(j * 8, 1, 8)] = t2_ksig[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                                        h16b[T.ramp(j * 8, 1, 8)] = t2_kmu[layer, page2, hk, T.ramp(cw * 16 + j * 8, 1, 8)]
+                                    t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc)
+                                    for st in T.serial(NSUB):
+                                        r0: T.let[T.int32] = st * TILE + tg * KSTEP
+                                        wrow: T.let[T.int64] = (((layer * P2 + page2) * HKV + hk) * PS2 + r0) * W2 + cw
+                                        for k in T.unroll(KSTEP):
+                                            kw[k] = t2_k32[wrow + k * W2]
+                                            vw[k] = t2_v32[wrow + k * W2]
+                                        sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                        vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
+                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
 
                         if HALF2:  # the levels' offset, once: acc += lo sum(p) over the tier-2 tokens
                             for g in T.unroll(G):
@@ -892,19 +1147,25 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 for i in T.unroll(16):
                                     acc[g * 16 + i] = acc[g * 16 + i] + _tab(i, CC, "float32") * ps[g] + \
                                         _tab(i, C0, "float32") * a0[g * 16 + i] + _tab(i, C1, "float32") * a1[g * 16 + i]
-                        # ---- sum the token groups, write this split's partial result
-                        for g in T.unroll(G):
-                            for r in T.unroll(TPS.bit_length() - 1):
-                                l_l[g] = l_l[g] + shfl(l_l[g], T.shift_left(LPT, r))
-                                pmu[g] = pmu[g] + shfl(pmu[g], T.shift_left(LPT, r))
-                                for i in T.unroll(16):
-                                    acc[g * 16 + i] = acc[g * 16 + i] + shfl(acc[g * 16 + i], T.shift_left(LPT, r))
-                            if tg == 0:
-                                for i in T.unroll(16):
-                                    part_acc[b, hk * G + g, sp, cw * 16 + i] = acc[g * 16 + i] + pmu[g]
-                            if lane == 0:
-                                part_ml[b, hk * G + g, sp, 0] = m_l[g]
-                                part_ml[b, hk * G + g, sp, 1] = l_l[g]
+                        if sp < ST1:  # (every split but the tensor-core tier-2 ones)
+                            # ---- sum the token groups, write this split's partial result
+                            for g in T.unroll(G):
+                                for r in T.unroll(TPS.bit_length() - 1):
+                                    l_l[g] = l_l[g] + shfl(l_l[g], T.shift_left(LPT, r))
+                                    pmu[g] = pmu[g] + shfl(pmu[g], T.shift_left(LPT, r))
+                                    for i in T.unroll(16):
+                                        acc[g * 16 + i] = acc[g * 16 + i] + shfl(acc[g * 16 + i], T.shift_left(LPT, r))
+                                if tg == 0:
+                                    for i in T.unroll(16):
+                                        part_acc[b, hk * G + g, sp, cw * 16 + i] = acc[g * 16 + i] + pmu[g]
+                                if lane == 0:
+                                    part_ml[b, hk * G + g, sp, 0] = m_l[g]
+                                    part_ml[b, hk * G + g, sp, 1] = l_l[g]
+                        if MMA:
+                            if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
+                                t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
+                                             t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
+                                             muu, mkh, mkw, mvw, mvv, mpv, mxv)
 
         # ---- merge the splits; importance of the tier-1 tokens
         for b in T.thread_binding(B, thread="blockIdx.x"):

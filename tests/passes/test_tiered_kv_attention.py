@@ -1,5 +1,7 @@
 """InsertTieredKVAttention: IR before/after, and the compiled model against the PyTorch tiered-KV reference."""
 
+import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -273,3 +275,45 @@ def test_prefill_kernel_choice(zoo, tmp_path):
     assert not (tmp_path / "llvm").exists() and not (tmp_path / "f32").exists()
     with pytest.raises(MoecError, match="unknown prefill kernel"):
         TieredOptions(prefill_kernel="wmma")
+
+
+def test_tensor_core_decode_kernel_choice(zoo, tmp_path):
+    """``decode_kernel="split-mma"``: the CUDA build's decode kernel takes tier 2 on tensor cores (a float32 model: no
+    other kernel uses mma.sync) and gets one more split of workspace than "split"; a model whose heads it cannot take
+    (head dim 16) is refused, naming the reason, before anything is written; the manifest records the form."""
+    import torch
+    import transformers as tf
+
+    import moec
+    from moec.compiler.build import _cuda_modules
+    from moec.compiler.errors import MoecError
+    from moec.compiler.targets import make_target
+    from moec.models.export import save_pt2
+    from moec.passes.pipeline import moec_pipeline
+
+    cfg = tf.OlmoeConfig(vocab_size=128, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                         experts_implementation="batched_mm", attn_implementation="sdpa", pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    torch.manual_seed(0)
+    src = tmp_path / "d128.pt2"
+    save_pt2(tf.OlmoeForCausalLM(cfg).eval(), cfg.vocab_size, src, max_seq=64)  # head dim 256 / 2 = 128
+    imported = import_model(src)
+    target = make_target("cuda", "sm_90")
+    pipeline, _ = moec_pipeline(imported.num_inputs, target, "d128", tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))
+    ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipeline)
+    code = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
+    # (float32 weights: the prefill kernels and the GEMMs are not on tensor cores) the decode kernel's 24 mma.sync
+    assert code.count("mma.sync.aligned.m16n8k16") == 24
+    with target:
+        mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1,
+                            tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))[0](imported.mod)
+    # the decode workspaces: one more split than decode_splits' count, two at least
+    assert re.search(r"R\.zeros\(R\.shape\(\[\w+, 2, T\.max\(1, T\.min\(8, [^\]]*\)\) \+ 1, 128\]\)", mod.script())
+    with pytest.raises(MoecError, match="split-mma: the tensor-core tier 2 cannot serve this model: head_dim 16"):
+        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "tiny", target="cuda", kv_cache="tiered",
+                     tiered_options=TieredOptions(t2_page=128, decode_kernel="split-mma"))
+    assert not (tmp_path / "tiny").exists()
+    # on llvm the three split kernels are one: split-mma builds and decodes like split
+    art = moec.compile(src, tmp_path / "llvm", kv_cache="tiered", tiered_options=TieredOptions(t2_page=128, decode_kernel="split-mma"))
+    assert json.loads((art / "manifest.json").read_text())["options"]["tiered"]["decode_form"] == "split (llvm)"

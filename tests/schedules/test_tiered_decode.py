@@ -110,6 +110,9 @@ def test_workspaces_and_splits():
     assert s > 1  # few sequences: the sequence is split over several blocks
     assert decode_splits(128, 16, 40, 16, 27) == 1
     assert decode_splits(1, 2, 1, 16, 0) == 1  # never more splits than tiles of work
+    # the tensor-core tier 2 keeps tier 1 and tier 2 in splits of their own: one more, two at least
+    assert decode_splits(128, 16, 40, 16, 27, t2_mma=True) == 2 and decode_splits(3, 16, 40, 16, 27, t2_mma=True) == s + 1
+    assert decode_workspaces(3, 16, 16, 40, 16, 27, 128, t2_mma=True)[1] == ((3, 16, s + 1, 128), "float32")
 
 
 @pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
@@ -336,7 +339,8 @@ def test_cuda_prelude_only_where_called():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form,tol", [({"half2": True}, (5e-3, 1e-3)), ({"half2": True, "stages": 4}, (5e-3, 1e-3)),
-                                      ({"fields": True, "reg_bases": True, "stages": 4}, (2e-4, 1e-5))])
+                                      ({"fields": True, "reg_bases": True, "stages": 4}, (2e-4, 1e-5)),
+                                      ({"t2_mma": True}, (3e-3, 1e-3))])
 @pytest.mark.parametrize("shape,t1_lens,t2_pages", [((4, 2, 32, 16, 32), [37, 5, 16], [2, 1, 0]),
                                                     ((16, 16, 128, 16, 128), [70, 0], [3, 2]),
                                                     ((32, 8, 128, 16, 128), [33, 16], [2, 3])])
@@ -350,6 +354,8 @@ def test_cuda_tier2_forms_match_numpy_on_gpu(form, tol, shape, t1_lens, t2_pages
 
     require_cuda()
     h, hkv, d, ps1, ps2 = shape
+    if form.get("t2_mma") and d != 128:
+        pytest.skip("the tensor-core tier 2 needs head_dim 128")
     rng = np.random.default_rng(sum(t1_lens))
     kv = [(rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32) * 2,
            rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32)) for n1, n2 in zip(t1_lens, t2_pages)]
@@ -366,10 +372,102 @@ def test_cuda_tier2_forms_match_numpy_on_gpu(form, tol, shape, t1_lens, t2_pages
     for splits in (None, 3):
         host = [qv] + [ref.layered(pools[k]) for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
         host += [np.zeros((len(t1_lens), h, d), np.float32), ref.layered(mass0)]
-        host += [np.zeros(s_, dt) for s_, dt in decode_workspaces(len(t1_lens), h, hkv, m1, ps1, m2, ps2, d, splits)]
+        host += [np.zeros(s_, dt) for s_, dt in decode_workspaces(len(t1_lens), h, hkv, m1, ps1, m2, ps2, d, splits,
+                                                                   bool(form.get("t2_mma")))]
         tv = [tvm.runtime.tensor(a, dev) for a in host]
         f["tiered_decode"](*tv, ref.LAYER, scale)
         out, mass = tv[15].numpy(), tv[16].numpy()
         np.testing.assert_array_equal(mass[0], ref.layered(mass0)[0])
         assert np.abs(out - want).max() < tol[0], (splits, np.abs(out - want).max())
         assert np.abs(mass[ref.LAYER] - want_mass).max() < tol[1], (splits, np.abs(mass[ref.LAYER] - want_mass).max())
+
+
+def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscale=1.0):
+    """One decode step of the CUDA form ``form`` run on the CPU emulation of its generated code (tests/cuda_emu.py)
+    against NumPy over the same dequantized values: (max output error, max importance-mass error)."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    h, hkv, d, ps1, ps2 = shape
+    rng = np.random.default_rng(sum(t1_lens))
+    kv = [(rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32) * 2,
+           rng.standard_normal((hkv, n1 + n2 * ps2, d)).astype(np.float32)) for n1, n2 in zip(t1_lens, t2_pages)]
+    pools, tables, deq, slots = ref.fill_pools(kv, t1_lens, sum(-(-n // ps1) for n in t1_lens) + 3, sum(t2_pages) + 3,
+                                               ps1, ps2, rng)
+    qv = (rng.standard_normal((len(t1_lens), h, d)) * qscale).astype(np.float32)
+    scale = d**-0.5
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):  # (no host-computed kernel parameters)
+        src = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape, **form)}),
+                          target=make_target("cuda")).mod.imports[0].inspect_source()
+    split_k, merge_k = EmulatedKernel(src, "tiered_decode_kernel"), EmulatedKernel(src, "tiered_decode_kernel_1")
+    b, (m1, m2) = len(t1_lens), (tables["t1_table"].shape[1], tables["t2_table"].shape[1])
+    lp = {k: np.ascontiguousarray(ref.layered(pools[k])) for k in ref.POOL_ORDER}
+    mass0 = rng.random(pools["t1_k"].shape[:3]).astype(np.float32)
+    out, mass = np.zeros((b, h, d), np.float32), np.ascontiguousarray(ref.layered(mass0))
+    ws = [np.zeros(s_, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma)]
+    args = dict(q=qv, t1_k8=lp["t1_k"], t1_v8=lp["t1_v"], t1_ks1=lp["t1_ks"], t1_vs1=lp["t1_vs"], t2_k32=lp["t2_k"].view(np.uint32),
+                t2_v32=lp["t2_v"].view(np.uint32), t2_kmu1=lp["t2_kmu"], t2_ksig1=lp["t2_ksig"], t2_vmu1=lp["t2_vmu"],
+                t2_vsig1=lp["t2_vsig"], t2_vmu32=lp["t2_vmu"].view(np.uint32), t2_vsig32=lp["t2_vsig"].view(np.uint32),
+                scores=ws[0], part_acc=ws[1], part_ml=ws[2], out=out, t1_mass=mass, B=b, M1=m1, M2=m2, P1=lp["t1_k"].shape[1],
+                P2=lp["t2_k"].shape[1], S=ws[1].shape[2], layer=ref.LAYER, sm_scale=scale, **tables)
+    pick = lambda k: {n.removesuffix("_ptr"): args[n.removesuffix("_ptr")] for _, n in k.params}  # noqa: E731
+    split_k((b * ws[1].shape[2], hkv, 1), 32, **pick(split_k))
+    merge_k((b, hkv, 1), min(d, 128), **pick(merge_k))
+    np.testing.assert_array_equal(mass[0], ref.layered(mass0)[0])  # other layers untouched
+    want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(b)])
+    return float(np.abs(out - want).max()), float(np.abs(mass[ref.LAYER] - ref.expected_mass(mass0, qv, deq, slots, scale)).max())
+
+
+def test_half2_form_emulated():
+    """The compiled models' form (half2, 4 stages; matched NumPy on the H200 within 5e-3 / 1e-3) on the emulator: a
+    check of the emulation of its FP8 tier-1 loads, float16-pair helpers and cp.async ring."""
+    err, merr = _emulated_decode({"half2": True, "stages": 4}, (32, 8, 128, 16, 128), [33, 16], [2, 3], None)
+    assert err < 5e-3 and merr < 1e-3, (err, merr)
+
+
+@pytest.mark.parametrize("shape,t1_lens,t2_pages,splits,qscale", [
+    ((16, 16, 128, 16, 128), [70, 0], [3, 2], None, 1.0),  # OLMoE's heads; a sequence with tier 2 only
+    ((32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
+    ((16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0)])  # no tier-2 page: the tier-2 splits write empty partials
+def test_tensor_core_tier2_emulated(shape, t1_lens, t2_pages, splits, qscale):
+    """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
+    float16 1024 + c 2^p), tier 1 in splits of its own, on the emulator against NumPy. Its sums are float32, so it
+    is closer than the half2 form, whose tolerance (5e-3 output, 1e-3 mass) it is held to (peakier queries, qscale 2,
+    give the half2 form 6e-3 on these inputs, this one 2e-3)."""
+    err, merr = _emulated_decode({"t2_mma": True}, shape, t1_lens, t2_pages, splits, t2_mma=True, qscale=qscale)
+    assert err < 3e-3 and merr < 1e-3, (err, merr)
+
+
+def test_tensor_core_tier2_operands():
+    # each pair of a word as two float16 1024 + c 2^p with p in 4 .. 8, one AND-OR of the word or a shifted copy
+    from moec.schedules.kernels.tiered_decode import MMA_POS, mma_pair_np
+
+    w = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    for j in range(8):
+        lo, hi = mma_pair_np(w, j)
+        assert 4 <= MMA_POS[j] <= 8
+        np.testing.assert_array_equal(lo.astype(np.float64), 1024 + ((w >> np.uint32(2 * j)) & 3) * 2.0 ** MMA_POS[j])
+        np.testing.assert_array_equal(hi.astype(np.float64), 1024 + ((w >> np.uint32(2 * j + 16)) & 3) * 2.0 ** MMA_POS[j])
+
+
+def test_tensor_core_tier2_compiles_and_refuses():
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda, make_tiered_decode_for_models, t2_mma_unsupported
+
+    fn = make_tiered_decode_for_models(32, 8, 128, 16, 128, t2_mma=True)
+    src = tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+    # per page 8 mma for the keys' offsets, per 16-token tile 8 for the scores and 8 for the values; no half2 sums
+    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
+    assert src.count("moec_hfma2(") == 1 and src.count("moec_pack_h2(") > 1  # (the prelude's definition): no half2 sums
+    assert "__byte_perm" in src and "__ballot_sync" in src
+    assert "tensor-core tier 2" in fn.script()  # the host's check of the split count
+    assert t2_mma_unsupported(16, 16, 128, 128) is None
+    assert "head_dim 64" in t2_mma_unsupported(16, 16, 64, 128) and "16 query heads" in t2_mma_unsupported(32, 2, 128, 128)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        make_tiered_decode_cuda(4, 2, 32, 16, 32, t2_mma=True)
+    with pytest.raises(ValueError, match="pick one"):
+        make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
+    with pytest.raises(ValueError, match="stages 0"):
+        make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
