@@ -357,7 +357,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
-                            half2: bool = False, t2_mma: bool = False):
+                            half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -412,6 +412,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
+    PF = bool(t2_prefetch)
+    if PF and not MMA:
+        raise ValueError("CUDA tiered decode: t2_prefetch is an option of the tensor-core tier 2 (t2_mma)")
     if FIELDS + VSPLIT + HALF2 + MMA > 1:
         raise ValueError("CUDA tiered decode: fields, split_values, half2 and t2_mma are forms of the tier-2 sums; pick one")
     if MMA:
@@ -767,8 +770,21 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
 
         @T.macro
+        def mma_load(kw, vw, vv, pbase, tt, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32):
+            # tile tt's words: keys' words 2 ti, 2 ti + 1 of tokens 2 gi, 2 gi + 1 (8-byte loads); values' word gi of
+            # tokens 2 ti, 2 ti + 1, 2 ti + 8, 2 ti + 9; value mu and sigma of tokens 2 gi, 2 gi + 1 (as half pairs)
+            rk: T.let[T.int64] = (pbase * PS2 + tt * 16 + 2 * gi) * W2 + 2 * ti
+            kw[T.ramp(0, 1, 2)] = t2_k32[T.ramp(rk, 1, 2)]
+            kw[T.ramp(2, 1, 2)] = t2_k32[T.ramp(rk + W2, 1, 2)]
+            for r in T.unroll(4):
+                vw[r] = t2_v32[(pbase * PS2 + tt * 16 + 2 * ti + r % 2 + 8 * (r // 2)) * W2 + gi]
+            vv[0] = t2_vmu32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
+            vv[1] = t2_vsig32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
+
+        @T.macro
         def t2_mma_split(b, hk, sp, sp2, S2n, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32, t2_vsig32,
-                         t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv):
+                         t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv,
+                         kwn, vwn, vvn):
             # lane (gi, ti): keys' A rows gi / gi + 8 are the tile's tokens 2 gi / 2 gi + 1, their k the channels of
             # words 2 ti, 2 ti + 1; the scores' columns (and the values' D columns) are query heads 2 ti, 2 ti + 1.
             gi: T.let[T.int32] = lane // 4
@@ -832,15 +848,20 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     st[12 + e] = sc[e]
                     st[8 + e] = shfl_idx(tf[3], 4 * (2 * ti + e))
                     st[10 + e] = shfl_idx(tf[4], 4 * (2 * ti + e))
+                if PF:
+                    mma_load(kwn, vwn, vvn, pbase, 0, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
                 for tt in T.serial(NTT):
+                    if PF:  # this tile's words were loaded during the last; the next tile's are loaded now
+                        for i in T.unroll(4):
+                            kw[i] = kwn[i]
+                            vw[i] = vwn[i]
+                        for i in T.unroll(2):
+                            vv[i] = vvn[i]
+                        if tt + 1 < NTT:
+                            mma_load(kwn, vwn, vvn, pbase, tt + 1, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
+                    else:
+                        mma_load(kw, vw, vv, pbase, tt, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
                     # ---- scores: A = codes of tokens 2 gi, 2 gi + 1 (rows gi, gi + 8), B = w, C starts at -offsets
-                    rk: T.let[T.int64] = (pbase * PS2 + tt * 16 + 2 * gi) * W2 + 2 * ti
-                    kw[T.ramp(0, 1, 2)] = t2_k32[T.ramp(rk, 1, 2)]
-                    kw[T.ramp(2, 1, 2)] = t2_k32[T.ramp(rk + W2, 1, 2)]
-                    for r in T.unroll(4):  # values: word gi of tokens 2 ti, 2 ti + 1, 2 ti + 8, 2 ti + 9
-                        vw[r] = t2_v32[(pbase * PS2 + tt * 16 + 2 * ti + r % 2 + 8 * (r // 2)) * W2 + gi]
-                    vv[0] = t2_vmu32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
-                    vv[1] = t2_vsig32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
                     for i in T.unroll(4):
                         sc[i] = -st[12 + i % 2]
                     for m in T.unroll(8):
@@ -1013,6 +1034,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             mvv = T.sblock_alloc_buffer((2,), "uint32", scope="local")
                             mpv = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                             mxv = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            mkwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")  # the next tile's words (t2_prefetch)
+                            mvwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")
+                            mvvn = T.sblock_alloc_buffer((2,), "uint32", scope="local")
                         if S1 + S2 > 0:
                             pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
@@ -1165,7 +1189,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
                                 t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
                                              t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
-                                             muu, mkh, mkw, mvw, mvv, mpv, mxv)
+                                             muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn)
 
         # ---- merge the splits; importance of the tier-1 tokens
         for b in T.thread_binding(B, thread="blockIdx.x"):

@@ -430,13 +430,15 @@ def test_half2_form_emulated():
 @pytest.mark.parametrize("shape,t1_lens,t2_pages,splits,qscale", [
     ((16, 16, 128, 16, 128), [70, 0], [3, 2], None, 1.0),  # OLMoE's heads; a sequence with tier 2 only
     ((32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
+    ((32, 8, 128, 16, 128), [0, 16], [2, 3], None, 1.0),  # the same, each tile's words loaded during the last
     ((16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0)])  # no tier-2 page: the tier-2 splits write empty partials
 def test_tensor_core_tier2_emulated(shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
     float16 1024 + c 2^p), tier 1 in splits of its own, on the emulator against NumPy. Its sums are float32, so it
     is closer than the half2 form, whose tolerance (5e-3 output, 1e-3 mass) it is held to (peakier queries, qscale 2,
     give the half2 form 6e-3 on these inputs, this one 2e-3)."""
-    err, merr = _emulated_decode({"t2_mma": True}, shape, t1_lens, t2_pages, splits, t2_mma=True, qscale=qscale)
+    form = {"t2_mma": True, "t2_prefetch": t1_lens[0] == 0}
+    err, merr = _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=True, qscale=qscale)
     assert err < 3e-3 and merr < 1e-3, (err, merr)
 
 
@@ -471,3 +473,5 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
     with pytest.raises(ValueError, match="stages 0"):
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
+    with pytest.raises(ValueError, match="t2_prefetch is an option"):
+        make_tiered_decode_cuda(16, 16, 128, half2=True, t2_prefetch=True)
