@@ -74,7 +74,11 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             "pipe_w1": {"stages": 8, "warps": 1, "row_tiles": 1, "l2_prefetch": 0},
             "pipe_w2_pf": {"stages": 4, "warps": 2, "row_tiles": 1, "l2_prefetch": 256},
             # the prefill entry's forms (prefill_spec): 64 tokens per weight pass, and a block per pass; run --batches 2048
-            "nt8": {"n_tiles": 8}, "nt8_pb": {"n_tiles": 8, "pass_blocks": True}}
+            "nt8": {"n_tiles": 8}, "nt8_pb": {"n_tiles": 8, "pass_blocks": True},
+            # two 16-row tiles a warp (the token operand reused twice): with 4 warps in registers (two stages of gate_up
+            # would need 80 KB), with 2 warps staged
+            "nt8_rt2_regs": {"n_tiles": 8, "row_tiles": 2, "stages": 0},
+            "nt8_pb_w2_rt2": {"n_tiles": 8, "pass_blocks": True, "row_tiles": 2, "warps": 2}}
 
 
 def build_module(shape, kind: str):
