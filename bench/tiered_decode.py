@@ -44,6 +44,7 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
 MMA_SPLITS = (2, 3, 5)  # the tensor-core variants are also timed at these splits (tier 1 takes S // 4, at least 1)
+OTHER_SPLITS = (2, 4)  # and the others at these
 HALF2_TOL = (5e-3, 1e-3)  # output, importance mass (absolute): float16 sums of the tier-2 codes
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
 
@@ -251,13 +252,12 @@ def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[in
     variant_ms = {}
     for var in variants:
         vfn = _load(root, var, "cuda")["tiered_decode"]
-        if _mma(var):  # workspaces of its own split count (default, then MMA_SPLITS)
-            for sp in (None,) + MMA_SPLITS:
-                wargs = args[:17] + [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in decode_workspaces(
-                    b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp, t2_mma=True)]
-                variant_ms[var if sp is None else f"{var}@{sp}"] = _time(vfn, wargs, (LAYER, d**-0.5), dev)
-        else:
-            variant_ms[var] = _time(vfn, args, (LAYER, d**-0.5), dev)
+        # the default split count (the tensor-core variants: one more, their own workspaces), then other counts: a
+        # sequence in S splits is S warps, whose waves over the SMs differ
+        for sp in (None,) + (MMA_SPLITS if _mma(var) else OTHER_SPLITS):
+            wargs = args[:17] + [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in decode_workspaces(
+                b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp, t2_mma=_mma(var))]
+            variant_ms[var if sp is None else f"{var}@{sp}"] = _time(vfn, wargs, (LAYER, d**-0.5), dev)
     t1_bytes = b * hkv * T1_TOKENS * (2 * d + 2 * 2 + 4 + 4 * 2)  # K, V bytes; 2 scales; table; mass read+write
     t2_bytes = b * hkv * t2p * (2 * ps2 * d // 4 + 2 * 2 * d + 2 * 2 * ps2)  # codes; key mu/sigma; value mu/sigma
     q_out = b * h * d * 4 * 2 + b * h * T1_TOKENS * 4 * 2  # q, out, scores written and read
