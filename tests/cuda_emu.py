@@ -139,6 +139,8 @@ static inline half h_bits_(uint16_t b) { half h; h.x = b; return h; }
 static inline uint moec_pack_h2(float lo, float hi) { return (uint)half(lo).x | ((uint)half(hi).x << 16); }
 static inline float moec_h2_lo(uint a) { return (float)h_bits_((uint16_t)(a & 0xffff)); }
 static inline float moec_h2_hi(uint a) { return (float)h_bits_((uint16_t)(a >> 16)); }
+static inline uint moec_e4m3x2_lo(uint a) { return (uint)half(e4m3_to_float_(a & 0xff)).x | ((uint)half(e4m3_to_float_((a >> 8) & 0xff)).x << 16); }
+static inline uint moec_e4m3x2_hi(uint a) { return moec_e4m3x2_lo(a >> 16); }
 static inline uint moec_hfma2(uint a, uint b, uint c) {  // each half: a * b + c rounded once (exact in double)
   uint r = 0;
   for (int i = 0; i < 2; ++i) {

@@ -181,10 +181,11 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
     codes in pairs of float16 halves, checked against NumPy on the H200 (output error at most 4.5e-4) and faster:
     OLMoE 0.320 ms a layer, Mixtral 0.447 (bench/results/tiered_decode_h200_half2.json). ``fields`` (the
     ``split-fields`` decode kernel) keeps the float32 fields form above. ``t2_mma`` (the ``split-mma`` decode
-    kernel) takes tier 2 on tensor cores (``make_tiered_decode_cuda(t2_mma=True)``; tier 1 as the half2 form's),
-    which needs ``decode_splits(..., t2_mma=True)`` splits."""
-    if t2_mma:
-        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True)
+    kernel) takes tier 2 on tensor cores (``make_tiered_decode_cuda(t2_mma=True)``), and tier 1 too where its pages
+    are of 16 tokens (``t1_mma``), which needs ``decode_splits(..., t2_mma=True)`` splits."""
+    if t2_mma:  # (tier 1 on tensor cores too where its pages are of 16 tokens; each tile's words loaded a tile ahead)
+        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True,
+                                       t1_mma=t1_page == 16, t2_prefetch=True)
     if not fields:
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True)
     return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, reg_bases=True,
@@ -357,7 +358,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
-                            half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False):
+                            half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -412,9 +413,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
-    PF = bool(t2_prefetch)
-    if PF and not MMA:
-        raise ValueError("CUDA tiered decode: t2_prefetch is an option of the tensor-core tier 2 (t2_mma)")
+    PF, T1MMA = bool(t2_prefetch), bool(t1_mma)
+    if (PF or T1MMA) and not MMA:
+        raise ValueError("CUDA tiered decode: t2_prefetch and t1_mma are options of the tensor-core tier 2 (t2_mma)")
+    if T1MMA and (PS1 != 16 or t1_stages):
+        raise ValueError(f"the tensor-core tier 1 of the tiered decode takes tier-1 pages of 16 tokens (got {PS1}) "
+                         "straight into registers (t1_stages 0)")
     if FIELDS + VSPLIT + HALF2 + MMA > 1:
         raise ValueError("CUDA tiered decode: fields, split_values, half2 and t2_mma are forms of the tier-2 sums; pick one")
     if MMA:
@@ -741,7 +745,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         return T.max(1, S // 4) if MMA else S
 
     if MMA:
-        from ..cuda_prelude import H2_HI as _H2H, H2_LO as _H2L, PACK_H2 as _PK, register as _register
+        from ..cuda_prelude import E4M3_HI as _E4H, E4M3_LO as _E4L, H2_HI as _H2H, H2_LO as _H2L, PACK_H2 as _PK
+        from ..cuda_prelude import register as _register
         from .grouped_experts import _mma
 
         _register()
@@ -782,6 +787,144 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             vv[1] = t2_vsig32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
 
         @T.macro
+        def mma_value_scale(st, tf, dacc):
+            # tf[0]: the next tile's or page's largest value sigma (warp-uniform). VS (st[14]) = MMA_VALUE_MAX / it at
+            # the first; later, a new VS and the sums fed with the old one (dacc, st[6:8]) rescaled when p sigma VS
+            # could pass 16 MMA_VALUE_MAX (float16 holds 65504)
+            tf[1] = T.if_then_else(tf[0] > T.float32(0), T.float32(MMA_VALUE_MAX) / tf[0], T.float32(1))
+            if st[14] == T.float32(0):
+                st[14] = tf[1]
+            elif tf[0] * st[14] > T.float32(16 * MMA_VALUE_MAX):
+                tf[2] = tf[1] / st[14]
+                for i in T.unroll(32):
+                    dacc[i] = dacc[i] * tf[2]
+                for e in T.unroll(2):
+                    st[6 + e] = st[6 + e] * tf[2]
+                st[14] = tf[1]
+
+        @T.macro
+        def mma_probs(sc, st, tf, dacc, xv, pv, bf, vsig, gi, ti):
+            # scores sc[r * 2 + e] (token 2 gi + r, head 2 ti + e; log2 domain) -> probabilities in sc, the online
+            # softmax state st (max, sum of p, sum of p mu, sum of p' per head) and dacc rescaled when a head's max
+            # grows; p' = p sigma VS (sigma of the two tokens, a half pair ``vsig``) moved into the values' B operand bf
+            # ---- online softmax per head over the tile (rows: xor over gi)
+            for e in T.unroll(2):
+                tf[e] = T.max(sc[e], sc[2 + e])
+                for r in T.unroll(3):
+                    tf[e] = T.max(tf[e], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[e], T.shift_left(4, r), 32, 32))
+                tf[e] = T.max(tf[e], st[e])
+            if T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF),
+                             (tf[0] > st[0]) or (tf[1] > st[1])) != T.uint32(0):
+                for e in T.unroll(2):
+                    tf[2 + e] = T.exp2(st[e] - tf[e])
+                    st[e] = tf[e]
+                    st[2 + e] = st[2 + e] * tf[2 + e]
+                    st[4 + e] = st[4 + e] * tf[2 + e]
+                    st[6 + e] = st[6 + e] * tf[2 + e]
+                for i in T.unroll(32):
+                    dacc[i] = dacc[i] * tf[2 + i % 2]
+            for i in T.unroll(4):
+                sc[i] = T.exp2(sc[i] - st[i % 2])
+                st[2 + i % 2] = st[2 + i % 2] + sc[i]
+            for e in T.unroll(2):  # p' = p sigma VS of tokens 2 gi, 2 gi + 1 as halves
+                xv[e] = mpack(sc[e] * mlo(vsig) * st[14], sc[2 + e] * mhi(vsig) * st[14])
+                st[6 + e] = st[6 + e] + mlo(xv[e]) + mhi(xv[e])
+            # ---- values: B = p' of tokens 2 ti, 2 ti + 1 (b0, b1), 2 ti + 8, 2 ti + 9 (b2, b3) for head gi, from
+            # lanes (ti, gi / 2) and (ti + 4, gi / 2), which hold them as (token 2 g', 2 g' + 1) of head 2 t' + e
+            if G == 1:
+                bf[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
+                bf[1] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
+            else:
+                pv[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
+                pv[1] = shfl_idx(xv[1], 4 * ti + gi // 2)
+                pv[2] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
+                pv[3] = shfl_idx(xv[1], 4 * ti + 16 + gi // 2)
+                bf[0] = T.if_then_else(gi % 2 == 0, pv[0], pv[1])
+                bf[1] = T.if_then_else(gi % 2 == 0, pv[2], pv[3])
+
+        @T.macro
+        def t1_mma_split(b, hk, sp, sp1, S1n, lane, layer, P1, n1, sm_scale, q, t1_table, t1_k32, t1_v32, t1_ks32, t1_vs32,
+                         scores, part_acc, part_ml, qhi, qlo, af, afh, bf, bfh, sc, dacc, st, tf, kq, vq, vv, pv, xv):
+            # Tier 1 on tensor cores, a 16-token page a tile (FP8 e4m3 widened exactly to float16 pairs). Lane (gi, ti):
+            # the keys' A rows gi / gi + 8 are the page's tokens 2 gi / 2 gi + 1, k-step m takes channels 32 ti + 4 m
+            # .. + 3 (one word of the row); B = q' log2(e) / sqrt(d) as a float16 high and low part (two mma). Scores
+            # times the token's key scale; the values' A rows gi / gi + 8 of m-tile mt are channels 16 gi + 2 mt / + 1,
+            # k the tokens; B = p times the value scale (mma_probs). Writes the tier-1 scores for the importance.
+            gi: T.let[T.int32] = lane // 4
+            ti: T.let[T.int32] = lane % 4
+            for i in T.unroll(32):
+                dacc[i] = T.float32(0)
+            for e in T.unroll(2):
+                st[e] = T.if_then_else(2 * ti + e < G, T.float32(NEG), T.float32(0))
+                st[2 + e] = T.float32(0)
+                st[4 + e] = T.float32(0)
+                st[6 + e] = T.float32(0)
+            st[14] = T.float32(0)
+            for m in T.unroll(8):  # head gi's q', channels 32 ti + 4 m .. + 3, split high + low
+                for j in T.unroll(4):
+                    tf[j] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + 4 * m + j], T.float32(0)) * \
+                        sm_scale * T.float32(LOG2E)
+                for h2 in T.unroll(2):
+                    qhi[2 * m + h2] = mpack(tf[2 * h2], tf[2 * h2 + 1])
+                    qlo[2 * m + h2] = mpack(tf[2 * h2] - mlo(qhi[2 * m + h2]), tf[2 * h2 + 1] - mhi(qhi[2 * m + h2]))
+            nt1m: T.let[T.int32] = (T.ceildiv(n1, PS1) - sp1 + S1n - 1) // S1n
+            for it in T.serial(nt1m):
+                tile: T.let[T.int32] = sp1 + it * S1n
+                pbase: T.let[T.int64] = T.Cast("int64", (layer * P1 + t1_table[b, tile]) * HKV + hk)
+                for r in T.unroll(2):  # keys: tokens 2 gi + r, bytes 32 ti .. + 31
+                    kq[T.ramp(r * 8, 1, 4)] = t1_k32[T.ramp((pbase * PS1 + 2 * gi + r) * (D // 4) + 8 * ti, 1, 4)]
+                    kq[T.ramp(r * 8 + 4, 1, 4)] = t1_k32[T.ramp((pbase * PS1 + 2 * gi + r) * (D // 4) + 8 * ti + 4, 1, 4)]
+                for r in T.unroll(4):  # values: tokens 2 ti, 2 ti + 1, 2 ti + 8, 2 ti + 9, bytes 16 gi .. + 15
+                    vq[T.ramp(r * 4, 1, 4)] = t1_v32[T.ramp((pbase * PS1 + 2 * ti + r % 2 + 8 * (r // 2)) * (D // 4) + 4 * gi, 1, 4)]
+                vv[0] = t1_ks32[(pbase * PS1 + 2 * gi) // 2]
+                vv[1] = t1_vs32[(pbase * PS1 + 2 * gi) // 2]
+                # the values' scale from the page's largest value scale (tokens 2 gi, 2 gi + 1 here; xor over gi)
+                tf[0] = T.max(mlo(vv[1]), mhi(vv[1]))
+                for r in T.unroll(3):
+                    tf[0] = T.max(tf[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[0], T.shift_left(4, r), 32, 32))
+                mma_value_scale(st, tf, dacc)
+                for i in T.unroll(4):
+                    sc[i] = T.float32(0)
+                for m in T.unroll(8):
+                    af[0] = T.call_pure_extern("uint32", _E4L, kq[m // 4 * 4 + m % 4])
+                    af[1] = T.call_pure_extern("uint32", _E4L, kq[8 + m // 4 * 4 + m % 4])
+                    af[2] = T.call_pure_extern("uint32", _E4H, kq[m // 4 * 4 + m % 4])
+                    af[3] = T.call_pure_extern("uint32", _E4H, kq[8 + m // 4 * 4 + m % 4])
+                    bf[0] = qhi[2 * m]
+                    bf[1] = qhi[2 * m + 1]
+                    T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
+                    bf[0] = qlo[2 * m]
+                    bf[1] = qlo[2 * m + 1]
+                    T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
+                for i in T.unroll(4):  # sc[r * 2 + e]: token 2 gi + r, head 2 ti + e
+                    sc[i] = T.if_then_else(2 * ti + i % 2 < G and tile * PS1 + 2 * gi + i // 2 < n1,
+                                           sc[i] * T.if_then_else(i < 2, mlo(vv[0]), mhi(vv[0])), T.float32(NEG))
+                    if 2 * ti + i % 2 < G and tile * PS1 + 2 * gi + i // 2 < n1:
+                        scores[b, hk * G + 2 * ti + i % 2, tile * PS1 + 2 * gi + i // 2] = sc[i]
+                mma_probs(sc, st, tf, dacc, xv, pv, bf, vv[1], gi, ti)
+                for mt in T.unroll(8):  # bytes 2 mt, 2 mt + 1 of two tokens' words, paired: (tok a, tok b) per channel
+                    for r in T.unroll(2):
+                        pv[r] = T.call_pure_extern("uint32", "__byte_perm", vq[8 * r + mt // 2], vq[8 * r + 4 + mt // 2],
+                                                   _tab(mt % 2, [0x5140, 0x7362], "uint32"))
+                    af[0] = T.call_pure_extern("uint32", _E4L, pv[0])
+                    af[1] = T.call_pure_extern("uint32", _E4H, pv[0])
+                    af[2] = T.call_pure_extern("uint32", _E4L, pv[1])
+                    af[3] = T.call_pure_extern("uint32", _E4H, pv[1])
+                    T.evaluate(_mma(afh, 0, bfh, 0, dacc, mt * 4, "fp16"))
+            for e in T.unroll(2):  # sums over the rows (xor over gi)
+                for r in T.unroll(3):
+                    st[2 + e] = st[2 + e] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[2 + e], T.shift_left(4, r), 32, 32)
+            tf[6] = T.if_then_else(st[14] > T.float32(0), T.float32(1) / st[14], T.float32(0))
+            for mt in T.unroll(8):
+                for i in T.unroll(4):  # channel 16 gi + 2 mt + i // 2, head 2 ti + i % 2
+                    if 2 * ti + i % 2 < G:
+                        part_acc[b, hk * G + 2 * ti + i % 2, sp, 16 * gi + 2 * mt + i // 2] = dacc[mt * 4 + i] * tf[6]
+            for e in T.unroll(2):
+                if gi == 0 and 2 * ti + e < G:
+                    part_ml[b, hk * G + 2 * ti + e, sp, 0] = st[e]
+                    part_ml[b, hk * G + 2 * ti + e, sp, 1] = st[2 + e]
+
+        @T.macro
         def t2_mma_split(b, hk, sp, sp2, S2n, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32, t2_vsig32,
                          t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv,
                          kwn, vwn, vvn):
@@ -807,16 +950,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     tf[0] = T.max(tf[0], T.max(mlo(vv[0]), mhi(vv[0])))
                 for r in T.unroll(5):
                     tf[0] = T.max(tf[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[0], T.shift_left(1, r), 32, 32))
-                tf[1] = T.if_then_else(tf[0] > T.float32(0), T.float32(MMA_VALUE_MAX) / tf[0], T.float32(1))
-                if st[14] == T.float32(0):
-                    st[14] = tf[1]
-                elif tf[0] * st[14] > T.float32(16 * MMA_VALUE_MAX):  # (warp-uniform) a new scale: rescale the sums
-                    tf[2] = tf[1] / st[14]
-                    for i in T.unroll(32):
-                        dacc[i] = dacc[i] * tf[2]
-                    for e in T.unroll(2):
-                        st[6 + e] = st[6 + e] * tf[2]
-                    st[14] = tf[1]
+                mma_value_scale(st, tf, dacc)
                 # ---- keys: w = q' sigma step / (M 2^p) per channel (head gi, channels 32 ti ..), M = max |q' sigma|
                 for j in T.unroll(4):
                     kh[T.ramp(j * 8, 1, 8)] = t2_ksig1[T.ramp(pbase * D + 32 * ti + j * 8, 1, 8)]
@@ -875,41 +1009,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     # sc[r * 2 + e]: token 2 gi + r, head 2 ti + e (log2 domain)
                     for i in T.unroll(4):
                         sc[i] = T.if_then_else(2 * ti + i % 2 < G, st[8 + i % 2] + st[10 + i % 2] * sc[i], T.float32(NEG))
-                    # ---- online softmax per head over the tile (rows: xor over gi)
-                    for e in T.unroll(2):
-                        tf[e] = T.max(sc[e], sc[2 + e])
-                        for r in T.unroll(3):
-                            tf[e] = T.max(tf[e], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[e], T.shift_left(4, r), 32, 32))
-                        tf[e] = T.max(tf[e], st[e])
-                    if T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF),
-                                     (tf[0] > st[0]) or (tf[1] > st[1])) != T.uint32(0):
-                        for e in T.unroll(2):
-                            tf[2 + e] = T.exp2(st[e] - tf[e])
-                            st[e] = tf[e]
-                            st[2 + e] = st[2 + e] * tf[2 + e]
-                            st[4 + e] = st[4 + e] * tf[2 + e]
-                            st[6 + e] = st[6 + e] * tf[2 + e]
-                        for i in T.unroll(32):
-                            dacc[i] = dacc[i] * tf[2 + i % 2]
-                    for i in T.unroll(4):
-                        sc[i] = T.exp2(sc[i] - st[i % 2])
-                        st[2 + i % 2] = st[2 + i % 2] + sc[i]
-                    for e in T.unroll(2):  # value mu and sigma of tokens 2 gi, 2 gi + 1; p' = p sigma VS as halves
+                    mma_probs(sc, st, tf, dacc, xv, pv, bf, vv[1], gi, ti)
+                    for e in T.unroll(2):  # value mu of tokens 2 gi, 2 gi + 1
                         st[4 + e] = st[4 + e] + sc[e] * mlo(vv[0]) + sc[2 + e] * mhi(vv[0])
-                        xv[e] = mpack(sc[e] * mlo(vv[1]) * st[14], sc[2 + e] * mhi(vv[1]) * st[14])
-                        st[6 + e] = st[6 + e] + mlo(xv[e]) + mhi(xv[e])
-                    # ---- values: B = p' of tokens 2 ti, 2 ti + 1 (b0, b1), 2 ti + 8, 2 ti + 9 (b2, b3) for head gi, from
-                    # lanes (ti, gi / 2) and (ti + 4, gi / 2), which hold them as (token 2 g', 2 g' + 1) of head 2 t' + e
-                    if G == 1:
-                        bf[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
-                        bf[1] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
-                    else:
-                        pv[0] = shfl_idx(xv[0], 4 * ti + gi // 2)
-                        pv[1] = shfl_idx(xv[1], 4 * ti + gi // 2)
-                        pv[2] = shfl_idx(xv[0], 4 * ti + 16 + gi // 2)
-                        pv[3] = shfl_idx(xv[1], 4 * ti + 16 + gi // 2)
-                        bf[0] = T.if_then_else(gi % 2 == 0, pv[0], pv[1])
-                        bf[1] = T.if_then_else(gi % 2 == 0, pv[2], pv[3])
                     # A = codes^T: m-tile mt's rows gi / gi + 8 are channels 16 gi + mt / + 8 (word gi's pair mt)
                     pv[0] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x5410))
                     pv[1] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x7632))
@@ -978,6 +1080,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         t2_kmu1 = T.decl_buffer((NL * P2 * HKV * D,), "float16", data=t2_kmu.data)
         t2_vmu32 = T.decl_buffer((NL * P2 * HKV * PS2 // 2,), "uint32", data=t2_vmu.data)
         t2_vsig32 = T.decl_buffer((NL * P2 * HKV * PS2 // 2,), "uint32", data=t2_vsig.data)
+        t1_k32 = T.decl_buffer((NL * P1 * HKV * PS1 * D // 4,), "uint32", data=t1_k.data)
+        t1_v32 = T.decl_buffer((NL * P1 * HKV * PS1 * D // 4,), "uint32", data=t1_v.data)
+        t1_ks32 = T.decl_buffer((NL * P1 * HKV * PS1 // 2,), "uint32", data=t1_ks.data)
+        t1_vs32 = T.decl_buffer((NL * P1 * HKV * PS1 // 2,), "uint32", data=t1_vs.data)
         if MMA:
             assert S >= 2, "tiered_decode (tensor-core tier 2) needs at least 2 splits: decode_splits(..., t2_mma=True)"
 
@@ -1037,6 +1143,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             mkwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")  # the next tile's words (t2_prefetch)
                             mvwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                             mvvn = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            mqhi = T.sblock_alloc_buffer((16,), "uint32", scope="local")  # t1_mma: q' as float16 high / low
+                            mqlo = T.sblock_alloc_buffer((16,), "uint32", scope="local")
+                            mkq = T.sblock_alloc_buffer((16,), "uint32", scope="local")
+                            mvq = T.sblock_alloc_buffer((16,), "uint32", scope="local")
                         if S1 + S2 > 0:
                             pg2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
@@ -1066,41 +1176,42 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             for j in T.unroll(len(BASES)):
                                 bk[j] = _tab(j, BASES, "uint32") | (T.Cast("uint32", layer) >> T.uint32(31))
 
-                        # ---- tier 1: tiles of TILE FP8 tokens, every S-th
-                        nt1: T.let[T.int32] = T.if_then_else(sp < ST1, (T.ceildiv(n1, TILE) - sp + ST1 - 1) // ST1, 0)
-                        if S1 > 0:
-                            for s0 in T.unroll(S1 - 1):  # prologue: tiles 0 .. S1 - 2 in flight (empty groups past the end)
-                                if s0 < nt1:
-                                    issue1(s0, s0, b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                        for it in T.serial(nt1):
-                            tok0: T.let[T.int32] = (sp + it * ST1) * TILE + tg * KSTEP
+                        if not T1MMA:
+                            # ---- tier 1: tiles of TILE FP8 tokens, every S-th
+                            nt1: T.let[T.int32] = T.if_then_else(sp < ST1, (T.ceildiv(n1, TILE) - sp + ST1 - 1) // ST1, 0)
                             if S1 > 0:
-                                # tile it's group has landed (S1 - 2 younger ones may be pending); after the warp
-                                # barrier every lane has read tile it - 1, whose slot tile it + S1 - 1 refills
-                                T.evaluate(T.ptx["cp.async.wait_group"](max(S1 - 2, 0)))
-                                sync_warp()
-                                if it + S1 - 1 < nt1:
-                                    issue1(it + S1 - 1, (it + S1 - 1) % S1,
-                                           b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                                for k in T.unroll(KSTEP):
-                                    k8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(it % S1 * STG1 + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
-                                    v8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(
-                                        it % S1 * STG1 + TILE * D + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
-                                for k in T.unroll(KSTEP):
-                                    sc16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D) // 2 + tg * KSTEP + k]
-                                    vs16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D + 2 * TILE) // 2 + tg * KSTEP + k]
-                            else:
-                                page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
-                                row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
-                                for k in T.unroll(KSTEP):
-                                    k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
-                                    v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
-                                for k in T.unroll(KSTEP):
-                                    sc16[k] = t1_ks1[row0 + k]
-                                    vs16[k] = t1_vs1[row0 + k]
-                            t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps)
+                                for s0 in T.unroll(S1 - 1):  # prologue: tiles 0 .. S1 - 2 in flight (empty groups past the end)
+                                    if s0 < nt1:
+                                        issue1(s0, s0, b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                            for it in T.serial(nt1):
+                                tok0: T.let[T.int32] = (sp + it * ST1) * TILE + tg * KSTEP
+                                if S1 > 0:
+                                    # tile it's group has landed (S1 - 2 younger ones may be pending); after the warp
+                                    # barrier every lane has read tile it - 1, whose slot tile it + S1 - 1 refills
+                                    T.evaluate(T.ptx["cp.async.wait_group"](max(S1 - 2, 0)))
+                                    sync_warp()
+                                    if it + S1 - 1 < nt1:
+                                        issue1(it + S1 - 1, (it + S1 - 1) % S1,
+                                               b, sp, ST1, hk, tg, cw, layer, P1, n1, sh8, sh16, t1_table, t1_k8, t1_v8, t1_ks1, t1_vs1)
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    for k in T.unroll(KSTEP):
+                                        k8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(it % S1 * STG1 + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
+                                        v8[T.ramp(k * 16, 1, 16)] = sh8[T.ramp(
+                                            it % S1 * STG1 + TILE * D + (tg * KSTEP + k) * D + cw * 16, 1, 16)]
+                                    for k in T.unroll(KSTEP):
+                                        sc16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D) // 2 + tg * KSTEP + k]
+                                        vs16[k] = sh16[(it % S1 * STG1 + 2 * TILE * D + 2 * TILE) // 2 + tg * KSTEP + k]
+                                else:
+                                    page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
+                                    row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
+                                    for k in T.unroll(KSTEP):
+                                        k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                        v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                    for k in T.unroll(KSTEP):
+                                        sc16[k] = t1_ks1[row0 + k]
+                                        vs16[k] = t1_vs1[row0 + k]
+                                t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps)
 
                         if FIELDS:  # the value sums move to the bit-float domain of the tier-2 fields
                             for g in T.unroll(G):
@@ -1171,7 +1282,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 for i in T.unroll(16):
                                     acc[g * 16 + i] = acc[g * 16 + i] + _tab(i, CC, "float32") * ps[g] + \
                                         _tab(i, C0, "float32") * a0[g * 16 + i] + _tab(i, C1, "float32") * a1[g * 16 + i]
-                        if sp < ST1:  # (every split but the tensor-core tier-2 ones)
+                        if sp < ST1 and not T1MMA:  # (every split but the tensor-core ones)
                             # ---- sum the token groups, write this split's partial result
                             for g in T.unroll(G):
                                 for r in T.unroll(TPS.bit_length() - 1):
@@ -1185,6 +1296,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 if lane == 0:
                                     part_ml[b, hk * G + g, sp, 0] = m_l[g]
                                     part_ml[b, hk * G + g, sp, 1] = l_l[g]
+                        if T1MMA:
+                            if sp < ST1:  # tier 1 on tensor cores: pages sp, sp + ST1, ...
+                                t1_mma_split(b, hk, sp, sp, ST1, lane, layer, P1, n1, sm_scale, q, t1_table, t1_k32, t1_v32, t1_ks32, t1_vs32,
+                                             scores, part_acc, part_ml, mqhi, mqlo, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf, mkq, mvq, mvv,
+                                             mpv, mxv)
                         if MMA:
                             if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
                                 t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,

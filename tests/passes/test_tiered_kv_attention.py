@@ -303,8 +303,8 @@ def test_tensor_core_decode_kernel_choice(zoo, tmp_path):
     pipeline, _ = moec_pipeline(imported.num_inputs, target, "d128", tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))
     ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipeline)
     code = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
-    # (float32 weights: the prefill kernels and the GEMMs are not on tensor cores) the decode kernel's 24 mma.sync
-    assert code.count("mma.sync.aligned.m16n8k16") == 24
+    # (float32 weights: the prefill kernels and the GEMMs are not on tensor cores) the decode kernel's mma.sync
+    assert code.count("mma.sync.aligned.m16n8k16") == 48  # (tier 2: 24; tier 1, 16-token pages: 24)
     with target:
         mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1,
                             tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))[0](imported.mod)

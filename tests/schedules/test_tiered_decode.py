@@ -407,7 +407,7 @@ def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscal
     mass0 = rng.random(pools["t1_k"].shape[:3]).astype(np.float32)
     out, mass = np.zeros((b, h, d), np.float32), np.ascontiguousarray(ref.layered(mass0))
     ws = [np.zeros(s_, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma)]
-    args = dict(q=qv, t1_k8=lp["t1_k"], t1_v8=lp["t1_v"], t1_ks1=lp["t1_ks"], t1_vs1=lp["t1_vs"], t2_k32=lp["t2_k"].view(np.uint32),
+    args = dict(q=qv, t1_k8=lp["t1_k"], t1_v8=lp["t1_v"], t1_k32=lp["t1_k"].view(np.uint32), t1_v32=lp["t1_v"].view(np.uint32), t1_ks32=lp["t1_ks"].view(np.uint32), t1_vs32=lp["t1_vs"].view(np.uint32), t1_ks1=lp["t1_ks"], t1_vs1=lp["t1_vs"], t2_k32=lp["t2_k"].view(np.uint32),
                 t2_v32=lp["t2_v"].view(np.uint32), t2_kmu1=lp["t2_kmu"], t2_ksig1=lp["t2_ksig"], t2_vmu1=lp["t2_vmu"],
                 t2_vsig1=lp["t2_vsig"], t2_vmu32=lp["t2_vmu"].view(np.uint32), t2_vsig32=lp["t2_vsig"].view(np.uint32),
                 scores=ws[0], part_acc=ws[1], part_ml=ws[2], out=out, t1_mass=mass, B=b, M1=m1, M2=m2, P1=lp["t1_k"].shape[1],
@@ -427,18 +427,23 @@ def test_half2_form_emulated():
     assert err < 5e-3 and merr < 1e-3, (err, merr)
 
 
-@pytest.mark.parametrize("shape,t1_lens,t2_pages,splits,qscale", [
-    ((16, 16, 128, 16, 128), [70, 0], [3, 2], None, 1.0),  # OLMoE's heads; a sequence with tier 2 only
-    ((32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
-    ((32, 8, 128, 16, 128), [0, 16], [2, 3], None, 1.0),  # the same, each tile's words loaded during the last
-    ((16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0)])  # no tier-2 page: the tier-2 splits write empty partials
-def test_tensor_core_tier2_emulated(shape, t1_lens, t2_pages, splits, qscale):
+PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
+
+
+@pytest.mark.parametrize("extra,shape,t1_lens,t2_pages,splits,qscale", [
+    ({}, (16, 16, 128, 16, 128), [70, 0], [3, 2], None, 1.0),  # OLMoE's heads; a sequence with tier 2 only
+    ({}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
+    (PF, (32, 8, 128, 16, 128), [0, 16], [2, 3], None, 1.0),  # the same, each tile's words loaded during the last
+    ({}, (16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0),  # no tier-2 page: the tier-2 splits write empty partials
+    ({**T1, **PF}, (32, 8, 128, 16, 128), [100, 3], [1, 1], 9, 1.0),  # tier 1 on tensor cores too, many splits
+    (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])  # tier 1 only, on tensor cores (a partial last page)
+def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
-    float16 1024 + c 2^p), tier 1 in splits of its own, on the emulator against NumPy. Its sums are float32, so it
-    is closer than the half2 form, whose tolerance (5e-3 output, 1e-3 mass) it is held to (peakier queries, qscale 2,
-    give the half2 form 6e-3 on these inputs, this one 2e-3)."""
-    form = {"t2_mma": True, "t2_prefetch": t1_lens[0] == 0}
-    err, merr = _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=True, qscale=qscale)
+    float16 1024 + c 2^p), tier 1 in splits of its own; ``t1_mma``: tier 1 too (FP8 widened to float16 pairs,
+    q' as a high and a low float16 part). On the emulator against NumPy. Their sums are float32, so they are closer
+    than the half2 form, whose tolerance (5e-3 output, 1e-3 mass) they are held to (peakier queries, qscale 2, give
+    the half2 form 6e-3 on these inputs, this one 2e-3)."""
+    err, merr = _emulated_decode({"t2_mma": True, **extra}, shape, t1_lens, t2_pages, splits, t2_mma=True, qscale=qscale)
     assert err < 3e-3 and merr < 1e-3, (err, merr)
 
 
@@ -460,8 +465,9 @@ def test_tensor_core_tier2_compiles_and_refuses():
 
     fn = make_tiered_decode_for_models(32, 8, 128, 16, 128, t2_mma=True)
     src = tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
-    # per page 8 mma for the keys' offsets, per 16-token tile 8 for the scores and 8 for the values; no half2 sums
-    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
+    # tier 2: per page 8 mma for the keys' offsets, per 16-token tile 8 for the scores and 8 for the values
+    # and tier 1's: per 16-token page 16 for the scores (q' in a high and a low float16 part), 8 for the values
+    assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 48 and "cvt.rn.f16x2.e4m3x2" in src
     assert src.count("moec_hfma2(") == 1 and src.count("moec_pack_h2(") > 1  # (the prelude's definition): no half2 sums
     assert "__byte_perm" in src and "__ballot_sync" in src
     assert "tensor-core tier 2" in fn.script()  # the host's check of the split count
@@ -473,5 +479,7 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
     with pytest.raises(ValueError, match="stages 0"):
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
-    with pytest.raises(ValueError, match="t2_prefetch is an option"):
+    with pytest.raises(ValueError, match="t2_prefetch and t1_mma are options"):
         make_tiered_decode_cuda(16, 16, 128, half2=True, t2_prefetch=True)
+    with pytest.raises(ValueError, match="tier-1 pages of 16 tokens"):
+        make_tiered_decode_cuda(16, 16, 128, 32, 128, t2_mma=True, t1_mma=True)
