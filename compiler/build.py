@@ -237,7 +237,7 @@ def compile(  # noqa: A001 - the public name users call
         kind = "cuda" if tgt.kind.name == "cuda" else "llvm"
         mma = prefill_mma_dtype(structure, tiered, kind)
         tiered_doc = {**tiered.to_dict(), "prefill_form": f"tensor cores ({mma} operands)" if mma else
-                      "tiled float32" if tgt.kind.name == "cuda" else "llvm", "decode_form": decode_form(structure, tiered, kind)}
+                      "tiled float32" if tgt.kind.name == "cuda" else "llvm", "decode_form": decode_form(structure, tiered, kind)[0]}
     cascade = calib = None
     if calibration is not None:
         from .calibrate import load_calibration

@@ -55,10 +55,11 @@ class TieredOptions:
     tier1_fraction: float = 0.15
     rerank_every: int = 16
     importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
-    # "split": tiered_decode (flash-decoding splits; on CUDA the 2-bit codes summed in float16 pairs); "split-fields":
-    # the same with float32 sums (the form before 449cc97); "split-mma": the same with tier 2 on tensor cores
-    # (mma.sync over the codes as float16, in splits of their own; head_dim 128); on llvm all three are one kernel;
-    # "ragged": the prefill kernels
+    # "split": tiered_decode (flash-decoding splits) in the CUDA form measured faster for the model's heads (tensor
+    # cores from 4 query heads per KV head, else half2: ``schedules.kernels.tiered_decode.decode_form``);
+    # "split-half2": the 2-bit codes summed in float16 pairs; "split-fields": in float32 (the form before 449cc97);
+    # "split-mma": both tiers on tensor cores (mma.sync, head_dim 128); on llvm all four are one kernel; "ragged": the
+    # prefill kernels
     decode_kernel: str = "split"
     t2_fit: str = "lloyd"  # 2-bit statistics at a demotion: "lloyd" (least-squares refit) or "moments" (mean, std)
     # CUDA prefill attention and importance sums: "tensor-cores" (mma.sync with the model's 16-bit dtype as operands),
@@ -70,8 +71,9 @@ class TieredOptions:
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
-        if self.decode_kernel not in ("split", "split-fields", "split-mma", "ragged"):
-            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-fields, split-mma or ragged")
+        if self.decode_kernel not in ("split", "split-half2", "split-fields", "split-mma", "ragged"):
+            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-half2, split-fields, "
+                            "split-mma or ragged")
         if self.prefill_kernel not in ("auto", "tensor-cores", "tiled"):
             raise MoecError(f"unknown prefill kernel {self.prefill_kernel!r}: expected auto, tensor-cores or tiled")
         if self.t2_fit not in ("lloyd", "moments"):
@@ -118,23 +120,25 @@ def prefill_mma_dtype(structure: MoEStructure, opts: TieredOptions, kind: str) -
     return None
 
 
-def decode_form(structure: MoEStructure, opts: TieredOptions, kind: str) -> str:
-    """The decode attention's form for the manifest (``opts.decode_kernel`` on ``kind``, "cuda" or "llvm"); "split-mma"
-    on heads the tensor-core tier 2 cannot take is refused, naming the reason."""
-    from ..schedules.kernels.tiered_decode import t2_mma_unsupported
+DECODE_FORMS = {"half2": "split, 2-bit sums in float16 pairs", "fields": "split, 2-bit sums in float32",
+                "mma": "split, both tiers on tensor cores (mma.sync over float16)"}
+
+
+def decode_form(structure: MoEStructure, opts: TieredOptions, kind: str) -> tuple[str, str | None]:
+    """(the decode attention's form for the manifest, the CUDA kernel form or None) for ``opts.decode_kernel`` on
+    ``kind`` ("cuda" or "llvm"); "split-mma" on heads the tensor-core form cannot take is refused, naming the reason."""
+    from ..schedules.kernels import tiered_decode as td
 
     if opts.decode_kernel == "ragged":
-        return "the prefill kernels"
+        return "the prefill kernels", None
     if kind != "cuda":
-        return "split (llvm)"
-    if opts.decode_kernel == "split-mma":
-        h, hkv, d = check_supported(structure, opts)
-        why = t2_mma_unsupported(h, hkv, d, opts.t2_page)
-        if why is not None:
-            raise MoecError(f"tiered KV cache: --decode-kernel split-mma: the tensor-core tier 2 cannot serve this model: {why}; "
-                            "use --decode-kernel split")
-        return "split, tier 2 on tensor cores (mma.sync, float16 codes)"
-    return "split, 2-bit sums in float32" if opts.decode_kernel == "split-fields" else "split, 2-bit sums in float16 pairs"
+        return "split (llvm)", None
+    h, hkv, d = check_supported(structure, opts)
+    if opts.decode_kernel == "split-mma" and (why := td.t2_mma_unsupported(h, hkv, d, opts.t2_page)) is not None:
+        raise MoecError(f"tiered KV cache: --decode-kernel split-mma: the tensor-core tier 2 cannot serve this model: {why}; "
+                        "use --decode-kernel split")
+    form = td.decode_form(h, hkv, d, opts.t2_page, opts.decode_kernel)
+    return DECODE_FORMS[form], form
 
 
 class _Kernels:
@@ -155,12 +159,12 @@ class _Kernels:
         self.mass = bb.add_func(make_tiered_mass(h, hkv, d, opts.t1_page, target=kind, mma_dtype=self.mma_dtype), "tiered_mass")
         from ..schedules.kernels.tiered_decode import make_tiered_decode, make_tiered_decode_for_models
 
-        decode_form(structure, opts, kind)  # (refuses split-mma where it cannot serve)
-        self.t2_mma = kind == "cuda" and opts.decode_kernel == "split-mma"
-        decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=opts.decode_kernel == "split-fields",
+        form = decode_form(structure, opts, kind)[1]  # (refuses split-mma where it cannot serve)
+        self.t2_mma = form == "mma"
+        decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=form == "fields",
                                                t2_mma=self.t2_mma) \
             if kind == "cuda" else make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
-        self.split_decode = opts.decode_kernel in ("split", "split-fields", "split-mma")
+        self.split_decode = opts.decode_kernel != "ragged"
         if self.split_decode:
             self.decode = bb.add_func(decode, "tiered_decode")
         self.rerank = None
@@ -230,9 +234,10 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         accumulates the importance."""
         sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
         ps1 = sig.pool_types["t1_k"].shape[3]
-        from ..schedules.kernels.tiered_decode import SPLIT_WARPS
+        from ..schedules.kernels.tiered_decode import split_warps
 
-        splits = tirx.max(1, tirx.min(8, tirx.floordiv(SPLIT_WARPS + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
+        warps = split_warps(k.h // k.hkv, k.t2_mma)
+        splits = tirx.max(1, tirx.min(8, tirx.floordiv(warps + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
         if k.t2_mma:  # tier 1 and tier 2 in splits of their own
             splits = splits + 1
         if self._decode_ws is None:  # scratch the kernel writes before it reads: one set serves every layer

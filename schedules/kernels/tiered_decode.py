@@ -169,6 +169,25 @@ def t2_mma_unsupported(num_heads: int, num_kv_heads: int, head_dim: int, t2_page
     return None
 
 
+DECODE_KERNELS = ("split", "split-half2", "split-fields", "split-mma")
+MMA_MIN_GROUP = 4  # "split" takes the tensor-core form from this many query heads per KV head
+
+
+def decode_form(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int, kernel: str = "split") -> str:
+    """The CUDA decode form of ``kernel`` (one of DECODE_KERNELS) for these heads: "half2", "fields" or "mma".
+
+    "split" picks the faster measured form: on the H100 at 128 x 4096 (bench/results/tiered_decode_h100_mma.json), the
+    tensor-core form took Mixtral's layer (4 query heads per KV head) in 0.316 ms against the half2 form's 0.450, and
+    OLMoE's (one) in 0.451 against 0.344, each at its best split count: tensor cores from MMA_MIN_GROUP query heads
+    per KV head where the form serves the heads, half2 below (2 and 3 are not measured)."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"unknown split decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
+    if kernel == "split":
+        mma = num_heads // num_kv_heads >= MMA_MIN_GROUP and t2_mma_unsupported(num_heads, num_kv_heads, head_dim, t2_page) is None
+        return "mma" if mma else "half2"
+    return {"split-half2": "half2", "split-fields": "fields", "split-mma": "mma"}[kernel]
+
+
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
                                   t2_page: int = 128, fields: bool = False, t2_mma: bool = False):
     """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
@@ -330,16 +349,26 @@ def _tab(i, values, dtype):
     return e
 
 
-# one-warp blocks the split kernel aims for: on the H200 at 128 x 4096, Mixtral's 1024 (sequence, KV head)
-# pairs ran 0.62 ms in one split and 0.68 ms in two (bench/results/tiered_decode_h200_pipe.json)
-SPLIT_WARPS = 1024
+# One-warp blocks the split kernel aims for, over (query heads per KV head) for the tensor-core form and over its
+# square for the others: a warp's work grows with its query heads, and fewer, longer warps did better for more of
+# them. On the H100 (132 SMs, as the H200) at 128 x 4096 (bench/results/tiered_decode_h100_mma.json): the half2 form
+# at OLMoE's 2048 (sequence, KV head) pairs took 0.391 / 0.355 / 0.344 ms in 1 / 2 / 4 splits, at Mixtral's 1024
+# (4 query heads per KV head) 0.450 / 0.477 / 0.496; the tensor-core form was fastest at 5 splits for OLMoE, 3 for
+# Mixtral. (The H200 at 0f6e297: Mixtral 0.62 ms in one split, 0.68 in two.)
+SPLIT_WARPS = 8192
 
 
-def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_mma: bool = False) -> int:
-    """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form; with ``t2_mma``
-    one more, since tier 1 and tier 2 then never share a split."""
+def split_warps(group: int, t2_mma: bool) -> int:
+    """The warps ``decode_splits`` aims for with ``group`` query heads per KV head."""
+    return SPLIT_WARPS // (group if t2_mma else group * group)
+
+
+def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_mma: bool = False,
+                  group: int = 1) -> int:
+    """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form, with ``group``
+    query heads per KV head; with ``t2_mma`` one more, since tier 1 and tier 2 then never share a split."""
     units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles: more splits idle
-    return max(1, min(8, -(-SPLIT_WARPS // max(1, batch * num_kv_heads)), units)) + int(t2_mma)
+    return max(1, min(8, -(-split_warps(group, t2_mma) // max(1, batch * num_kv_heads)), units)) + int(t2_mma)
 
 
 def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
@@ -350,7 +379,7 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
     [B, H, S, Dh] and ``part_ml`` [B, H, S, 2] (the CUDA form's per-split unnormalised output and its
     running max and sum; S splits of the sequence, from ``decode_splits`` unless given).
     """
-    s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2, t2_mma)
+    s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2, t2_mma, num_heads // num_kv_heads)
     return [((batch, num_heads, m1 * t1_page), "float32"), ((batch, num_heads, s, head_dim), "float32"),
             ((batch, num_heads, s, 2), "float32")]
 

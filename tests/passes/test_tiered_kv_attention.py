@@ -310,6 +310,10 @@ def test_tensor_core_decode_kernel_choice(zoo, tmp_path):
                             tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))[0](imported.mod)
     # the decode workspaces: one more split than decode_splits' count, two at least
     assert re.search(r"R\.zeros\(R\.shape\(\[\w+, 2, T\.max\(1, T\.min\(8, [^\]]*\)\) \+ 1, 128\]\)", mod.script())
+    assert "mma" in mod["tiered_decode"].script()
+    with target:  # "split" on one query head per KV head: the half2 form (measured faster there)
+        mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1, tiered=TieredOptions(t2_page=128))[0](imported.mod)
+    assert "mma" not in mod["tiered_decode"].script() and "moec_hfma2" in mod["tiered_decode"].script()
     with pytest.raises(MoecError, match="split-mma: the tensor-core tier 2 cannot serve this model: head_dim 16"):
         moec.compile(zoo.source("tiny", "pt2"), tmp_path / "tiny", target="cuda", kv_cache="tiered",
                      tiered_options=TieredOptions(t2_page=128, decode_kernel="split-mma"))

@@ -107,12 +107,25 @@ def test_workspaces_and_splits():
     assert [dt for _, dt in ws] == ["float32"] * 3
     s = decode_splits(3, 16, 40, 16, 27)
     assert ws == [((3, 16, 640), "float32"), ((3, 16, s, 128), "float32"), ((3, 16, s, 2), "float32")]
-    assert s > 1  # few sequences: the sequence is split over several blocks
-    assert decode_splits(128, 16, 40, 16, 27) == 1
+    assert s == 8  # few sequences: the sequence is split over several blocks (at most 8)
     assert decode_splits(1, 2, 1, 16, 0) == 1  # never more splits than tiles of work
-    # the tensor-core tier 2 keeps tier 1 and tier 2 in splits of their own: one more, two at least
-    assert decode_splits(128, 16, 40, 16, 27, t2_mma=True) == 2 and decode_splits(3, 16, 40, 16, 27, t2_mma=True) == s + 1
+    # the headline's 128 x 16 (sequence, KV head) pairs in 4 splits, Mixtral's 128 x 8 with 4 query heads per KV head
+    # in 1 (the fastest measured on the H100); the tensor-core form keeps tier 1 and tier 2 in splits of their own
+    assert decode_splits(128, 16, 40, 16, 27) == 4 and decode_splits(128, 8, 40, 16, 27, group=4) == 1
+    assert decode_splits(128, 16, 40, 16, 27, t2_mma=True) == 5 and decode_splits(128, 8, 40, 16, 27, True, 4) == 3
     assert decode_workspaces(3, 16, 16, 40, 16, 27, 128, t2_mma=True)[1] == ((3, 16, s + 1, 128), "float32")
+    assert decode_workspaces(128, 32, 8, 40, 16, 27, 128)[1] == ((128, 32, 1, 128), "float32")  # (group from the heads)
+
+
+def test_split_kernel_picks_the_measured_form():
+    from moec.schedules.kernels.tiered_decode import decode_form
+
+    assert decode_form(16, 16, 128, 128) == "half2"  # OLMoE: one query head per KV head
+    assert decode_form(32, 8, 128, 128) == "mma"  # Mixtral: 4
+    assert decode_form(32, 8, 64, 128) == "half2"  # the tensor-core form needs head_dim 128
+    assert decode_form(16, 16, 128, 128, "split-mma") == "mma" and decode_form(32, 8, 128, 128, "split-half2") == "half2"
+    with pytest.raises(ValueError, match="unknown split decode kernel"):
+        decode_form(16, 16, 128, 128, "ragged")
 
 
 @pytest.mark.parametrize("shape", [(16, 16, 128, 16, 128), (32, 8, 128, 16, 128)])
