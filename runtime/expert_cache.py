@@ -10,8 +10,11 @@ asks for are the runtime's to make (on a copy stream, overlapping compute):
   ``require(layer, experts)``   when ``layer``'s router has run: what is missing is loaded now (a stall:
                                 the layer waits for those copies); returns the hits and misses.
 
-Eviction is least recently used: each use (a ``require`` hit or load) or prefetch refreshes an
-expert. Pinned experts (the current layer's, while it computes) and those prefetched for the
+Eviction (``policy``): "lru", least recently used, each use (a ``require`` hit or load) or prefetch
+refreshing an expert; or "cycle" (with ``layers``), the expert whose layer comes furthest ahead in the
+decode step's cycle of layers after the one being loaded for (least recently used among equals). A decode
+step visits the layers in order, so the least recently used expert is, in general, of the layer that
+comes next: LRU evicts what is about to be needed, the cycle policy what has just been used. Pinned experts (the current layer's, while it computes) and those prefetched for the
 upcoming layer are never evicted; a prefetch that cannot find a free slot is dropped (counted), a
 ``require`` that cannot is an error (the cache is smaller than one layer's routed experts).
 ``stats`` counts hits, stalls (misses at ``require``), prefetch copies and prefetched experts never
@@ -53,10 +56,15 @@ class ExpertCache:
     capacity: int
     resident: "OrderedDict[tuple[int, int], int]" = field(default_factory=OrderedDict)  # key -> slot, LRU first
     stats: CacheStats = field(default_factory=CacheStats)
+    layers: int = 0  # the model's MoE layers ("cycle" needs them)
+    policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise MoecError(f"an expert cache needs at least one slot, got {self.capacity}")
+        if self.policy not in ("lru", "cycle") or (self.policy == "cycle" and self.layers < 1):
+            raise MoecError(f"expert cache policy {self.policy!r}: expected 'lru', or 'cycle' with the number of layers")
+        self._at = 0  # the layer being loaded for (the cycle's origin)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._pinned: set = set()
         self._pending: dict[tuple[int, int], bool] = {}  # prefetched, not yet required: key -> used
@@ -73,12 +81,19 @@ class ExpertCache:
     def _take_slot(self, protect: set) -> int | None:
         if self._free:
             return self._free.pop()
+        victim, far = None, -1
         for key in self.resident:  # LRU first
             if key not in protect and key not in self._pinned and key not in self._pending:
-                slot = self.resident.pop(key)
-                self.stats.evictions += 1
-                return slot
-        return None
+                if self.policy == "lru":
+                    victim = key
+                    break
+                ahead = (key[0] - self._at) % self.layers  # layers until this one comes round again
+                if ahead > far:
+                    victim, far = key, ahead
+        if victim is None:
+            return None
+        self.stats.evictions += 1
+        return self.resident.pop(victim)
 
     def _load(self, key, protect: set) -> int | None:
         slot = self._take_slot(protect)
@@ -89,6 +104,7 @@ class ExpertCache:
     def prefetch(self, layer: int, experts) -> list[tuple[int, int]]:
         """Start copies for ``layer``'s predicted experts that are not resident; returns ``[(expert, slot)]`` to copy."""
         want = {(layer, int(e)) for e in experts}
+        self._at = layer
         copies = []
         for key in sorted(want):
             if key in self.resident:
@@ -107,6 +123,7 @@ class ExpertCache:
         """``layer``'s routed experts: ``(hits, [(expert, slot)] copied now)``. The experts stay pinned until
         ``release(layer)``; prefetches for ``layer`` not among them count as unused."""
         need = {(layer, int(e)) for e in experts}
+        self._at = layer
         hits, stalls = [], []
         for key in sorted(need):
             if key in self.resident:
@@ -137,11 +154,11 @@ class ExpertCache:
             raise AssertionError(f"expert cache slots inconsistent: {len(used)} used, {len(self._free)} free, capacity {self.capacity}")
 
 
-def simulate(routed_steps, predicted_steps, capacity: int) -> dict:
+def simulate(routed_steps, predicted_steps, capacity: int, policy: str = "lru") -> dict:
     """Run the cache over decode steps: ``routed_steps[s][l]`` the experts layer l routes to at step s,
     ``predicted_steps[s][l]`` the prediction for layer l made during layer l - 1 (None: on-demand only).
     Returns the stats: stalls are the copies a layer waits for."""
-    cache = ExpertCache(capacity)
+    cache = ExpertCache(capacity, layers=len(routed_steps[0]) if routed_steps else 1, policy=policy)
     for s, layers in enumerate(routed_steps):
         for layer, experts in enumerate(layers):
             cache.require(layer, experts)  # the router has run: wait for what is missing
@@ -270,7 +287,7 @@ class OffloadedExperts:
         self.layers = [tuple(copier.stage(host[n]) for n in names) for names in doc["layers"]]
         self.experts = int(doc["experts"])
         self.pools = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"], device) for p in doc["pools"]]
-        self.cache = ExpertCache(int(doc["slots"]))
+        self.cache = ExpertCache(int(doc["slots"]), layers=len(doc["layers"]), policy="cycle")
         self.copies = 0
         self.copy_bytes = 0
         self.waits = 0
