@@ -35,17 +35,20 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 # 1e-4 / 1e-5) and the tensor-core tier 2 (``t2_mma``: mma.sync over the codes as float16 1024 + c 2^p, float32
 # sums; tier 1 and tier 2 in splits of their own, so it gets ``decode_splits(..., t2_mma=True)`` workspaces), also with
 # each tile's code words loaded during the previous tile (``t2_prefetch``), and with tier 1 on tensor cores too
-# (``t1_mma``, ``-mma2``: FP8 widened to float16 pairs, the queries as a float16 high and low part)
+# (``t1_mma``, ``-mma2``: FP8 widened to float16 pairs, the queries as a float16 high and low part), and with q' kept
+# in registers for the whole split instead of read again for each page (``t2_keep_q``, ``-q``)
 VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "olmoe-mma": ("olmoe", {"t2_mma": True}),
             "olmoe-mma-pf": ("olmoe", {"t2_mma": True, "t2_prefetch": True}),
             "olmoe-mma2": ("olmoe", {"t2_mma": True, "t1_mma": True}),
             "olmoe-mma2-pf": ("olmoe", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True}),
+            "olmoe-mma2-pf-q": ("olmoe", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
             "mixtral-half2-pipe4": ("mixtral", {"half2": True, "stages": 4}),
             "mixtral-mma": ("mixtral", {"t2_mma": True}),
             "mixtral-mma-pf": ("mixtral", {"t2_mma": True, "t2_prefetch": True}),
             "mixtral-mma2": ("mixtral", {"t2_mma": True, "t1_mma": True}),
             "mixtral-mma2-pf": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True}),
+            "mixtral-mma2-pf-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
 MMA_SPLITS = (2, 3, 5)  # the tensor-core variants are also timed at these splits (tier 1 takes S // 4, at least 1)

@@ -387,7 +387,8 @@ def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
-                            half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False):
+                            half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
+                            t2_keep_q: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -442,9 +443,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
-    PF, T1MMA = bool(t2_prefetch), bool(t1_mma)
-    if (PF or T1MMA) and not MMA:
-        raise ValueError("CUDA tiered decode: t2_prefetch and t1_mma are options of the tensor-core tier 2 (t2_mma)")
+    PF, T1MMA, KQ = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q)
+    if (PF or T1MMA or KQ) and not MMA:
+        raise ValueError("CUDA tiered decode: t2_prefetch, t1_mma and t2_keep_q are options of the tensor-core tier 2 (t2_mma)")
     if T1MMA and (PS1 != 16 or t1_stages):
         raise ValueError(f"the tensor-core tier 1 of the tiered decode takes tier-1 pages of 16 tokens (got {PS1}) "
                          "straight into registers (t1_stages 0)")
@@ -803,6 +804,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         def shfl_idx(v, src):
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
 
+        def qprime(qr, q, b, hk, gi, ti, x, sm_scale):  # q' (log2 domain) of head gi, channel 32 ti + x
+            if KQ:  # kept in registers for the whole split
+                return qr[x]
+            return T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * T.float32(LOG2E)
+
         @T.macro
         def mma_load(kw, vw, vv, pbase, tt, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32):
             # tile tt's words: keys' words 2 ti, 2 ti + 1 of tokens 2 gi, 2 gi + 1 (8-byte loads); values' word gi of
@@ -956,7 +962,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         @T.macro
         def t2_mma_split(b, hk, sp, sp2, S2n, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32, t2_vsig32,
                          t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv,
-                         kwn, vwn, vvn):
+                         kwn, vwn, vvn, qr):
             # lane (gi, ti): keys' A rows gi / gi + 8 are the tile's tokens 2 gi / 2 gi + 1, their k the channels of
             # words 2 ti, 2 ti + 1; the scores' columns (and the values' D columns) are query heads 2 ti, 2 ti + 1.
             gi: T.let[T.int32] = lane // 4
@@ -969,6 +975,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 st[4 + e] = T.float32(0)  # sum of p value-mu
                 st[6 + e] = T.float32(0)  # sum of p' as fed to the values' mma
             st[14] = T.float32(0)  # VS, the values' scale (0: no page yet)
+            if KQ:  # q' of head gi, channels 32 ti .., once for every page
+                for x in T.unroll(32):
+                    qr[x] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * \
+                        T.float32(LOG2E)
             np2: T.let[T.int32] = (n2 - sp2 + S2n - 1) // S2n
             for ip in T.serial(np2):
                 pbase: T.let[T.int64] = T.Cast("int64", (layer * P2 + t2_table[b, sp2 + ip * S2n]) * HKV + hk)
@@ -987,7 +997,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 tf[3] = T.float32(0)  # q' . mu + lo sum(q' sigma)
                 tf[4] = T.float32(0)  # max |q' sigma|
                 for x in T.unroll(32):
-                    uu[x] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * T.float32(LOG2E)
+                    uu[x] = qprime(qr, q, b, hk, gi, ti, x, sm_scale)
                     tf[3] = tf[3] + uu[x] * T.Cast("float32", kh[32 + x])
                     uu[x] = uu[x] * T.Cast("float32", kh[x])
                     tf[3] = tf[3] + T.float32(MLO) * uu[x]
@@ -1172,6 +1182,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             mkwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")  # the next tile's words (t2_prefetch)
                             mvwn = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                             mvvn = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            mqr = T.sblock_alloc_buffer((32,), "float32", scope="local")  # t2_keep_q: q' of the lane's channels
                             mqhi = T.sblock_alloc_buffer((16,), "uint32", scope="local")  # t1_mma: q' as float16 high / low
                             mqlo = T.sblock_alloc_buffer((16,), "uint32", scope="local")
                             mkq = T.sblock_alloc_buffer((16,), "uint32", scope="local")
@@ -1334,7 +1345,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
                                 t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
                                              t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
-                                             muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn)
+                                             muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr)
 
         # ---- merge the splits; importance of the tier-1 tokens
         for b in T.thread_binding(B, thread="blockIdx.x"):

@@ -448,7 +448,7 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
     ({}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
     (PF, (32, 8, 128, 16, 128), [0, 16], [2, 3], None, 1.0),  # the same, each tile's words loaded during the last
     ({}, (16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0),  # no tier-2 page: the tier-2 splits write empty partials
-    ({**T1, **PF}, (32, 8, 128, 16, 128), [100, 3], [1, 1], 9, 1.0),  # tier 1 on tensor cores too, many splits
+    ({**T1, **PF, "t2_keep_q": True}, (32, 8, 128, 16, 128), [100, 3], [1, 1], 9, 1.0),  # tier 1 too; q' kept; many splits
     (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])  # tier 1 only, on tensor cores (a partial last page)
 def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
@@ -492,7 +492,7 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
     with pytest.raises(ValueError, match="stages 0"):
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
-    with pytest.raises(ValueError, match="t2_prefetch and t1_mma are options"):
+    with pytest.raises(ValueError, match="t2_prefetch, t1_mma and t2_keep_q are options"):
         make_tiered_decode_cuda(16, 16, 128, half2=True, t2_prefetch=True)
     with pytest.raises(ValueError, match="tier-1 pages of 16 tokens"):
         make_tiered_decode_cuda(16, 16, 128, 32, 128, t2_mma=True, t1_mma=True)
