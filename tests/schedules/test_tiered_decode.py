@@ -446,10 +446,10 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
 @pytest.mark.parametrize("extra,shape,t1_lens,t2_pages,splits,qscale", [
     ({}, (16, 16, 128, 16, 128), [70, 0], [3, 2], None, 1.0),  # OLMoE's heads; a sequence with tier 2 only
     ({}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
-    (PF, (32, 8, 128, 16, 128), [0, 16], [2, 3], None, 1.0),  # the same, each tile's words loaded during the last
-    ({}, (16, 16, 128, 16, 128), [37, 5], [0, 0], None, 1.0),  # no tier-2 page: the tier-2 splits write empty partials
-    ({**T1, **PF, "t2_keep_q": True}, (32, 8, 128, 16, 128), [100, 3], [1, 1], 9, 1.0),  # tier 1 too; q' kept; many splits
-    (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])  # tier 1 only, on tensor cores (a partial last page)
+    # tier 1 on tensor cores too, each tile's words loaded during the last, q' kept in registers; many splits
+    ({**T1, **PF, "t2_keep_q": True}, (32, 8, 128, 16, 128), [100, 0], [1, 3], 9, 1.0),
+    # no tier-2 page (the tier-2 splits write empty partials), tier 1 on tensor cores with partial last pages
+    (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])
 def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
     float16 1024 + c 2^p), tier 1 in splits of its own; ``t1_mma``: tier 1 too (FP8 widened to float16 pairs,
