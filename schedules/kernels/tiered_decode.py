@@ -428,6 +428,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     (f ~ 1) costs float32 precision there: ``c1 acc`` and ``cc sum(p)`` are each about c1 sum(p) (c1 = 2^3 .. 2^9)
     and cancel, so the output is exact to a few ulp of that, about 2^-14 of its scale (the H200 check: output errors up to 9e-5, against 1e-7 per bit),
     far below the bfloat16 the attention output feeds.
+
+    ``t2_mma`` takes tier 2 on tensor cores (``mma.sync`` m16n8k16 over the codes as float16 1024 + c 2^p, the
+    scores and the values each 8 mma a 16-token tile; see MMA_POS), in splits of its own: a quarter of the splits
+    (at least one) keep tier 1, the others take the pages (``decode_splits(..., t2_mma=True)``). Options of it:
+    ``t1_mma`` (tier 1 on tensor cores too, a 16-token page a tile), ``t2_prefetch`` (each tile's words loaded
+    during the previous tile), ``t2_keep_q`` (q' kept in registers for the whole split). On the H100 it was 30%
+    faster than half2 with 4 query heads per KV head and 30% slower with one (bench/results/tiered_decode_h100_mma.json;
+    ``decode_form`` chooses).
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G = H // HKV
