@@ -234,12 +234,9 @@ class _TieredRewriter(relax.PyExprMutator, EntryRewriter):
         accumulates the importance."""
         sig, k, p, c = self.sig, self.k, self.pools, self.sig.cache
         ps1 = sig.pool_types["t1_k"].shape[3]
-        from ..schedules.kernels.tiered_decode import split_warps
+        from ..schedules.kernels.tiered_decode import split_count
 
-        warps = split_warps(k.h // k.hkv, k.t2_mma)
-        splits = tirx.max(1, tirx.min(8, tirx.floordiv(warps + n * k.hkv - 1, n * k.hkv)))  # as decode_splits
-        if k.t2_mma:  # tier 1 and tier 2 in splits of their own
-            splits = splits + 1
+        splits = split_count(n * k.hkv, k.h // k.hkv, k.t2_mma, vmax=tirx.max, vmin=tirx.min)  # as decode_splits
         if self._decode_ws is None:  # scratch the kernel writes before it reads: one set serves every layer
             self._decode_ws = [self._emit(relax.op.zeros(relax.ShapeExpr(shape), "float32"))
                                for shape in ([n, h, sig.m1 * ps1], [n, h, splits, d], [n, h, splits, 2])]

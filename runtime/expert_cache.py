@@ -14,8 +14,9 @@ Eviction (``policy``): "lru", least recently used, each use (a ``require`` hit o
 refreshing an expert; or "cycle" (with ``layers``), the expert whose layer comes furthest ahead in the
 decode step's cycle of layers after the one being loaded for (least recently used among equals). A decode
 step visits the layers in order, so the least recently used expert is, in general, of the layer that
-comes next: LRU evicts what is about to be needed, the cycle policy what has just been used. Pinned experts (the current layer's, while it computes) and those prefetched for the
-upcoming layer are never evicted; a prefetch that cannot find a free slot is dropped (counted), a
+comes next: LRU evicts what is about to be needed, the cycle policy what has just been used. Pinned
+experts (the current layer's, while it computes) and those prefetched for the upcoming layer are never
+evicted; a prefetch that cannot find a free slot is dropped (counted), a
 ``require`` that cannot is an error (the cache is smaller than one layer's routed experts).
 ``stats`` counts hits, stalls (misses at ``require``), prefetch copies and prefetched experts never
 used, so on-demand loading (no prefetch) and prefetching can be compared on the same routing.

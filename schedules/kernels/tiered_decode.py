@@ -363,12 +363,21 @@ def split_warps(group: int, t2_mma: bool) -> int:
     return SPLIT_WARPS // (group if t2_mma else group * group)
 
 
+def split_count(pairs, group: int, t2_mma: bool, units=None, vmax=max, vmin=min):
+    """The split count for ``pairs`` (sequence, KV head) pairs: ints here, or TIR expressions with ``vmax`` /
+    ``vmin`` = ``tirx.max`` / ``tirx.min`` (the graph's workspaces). ``units`` caps it (more splits than tiles of
+    work idle); with ``t2_mma`` one more, since tier 1 and tier 2 then never share a split."""
+    s = vmin(8, (split_warps(group, t2_mma) + pairs - 1) // pairs)
+    s = vmax(1, s if units is None else vmin(s, units))
+    return s + 1 if t2_mma else s
+
+
 def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_mma: bool = False,
                   group: int = 1) -> int:
     """How many blocks (splits of the sequence) work on one (sequence, KV head) in the CUDA form, with ``group``
-    query heads per KV head; with ``t2_mma`` one more, since tier 1 and tier 2 then never share a split."""
-    units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles: more splits idle
-    return max(1, min(8, -(-split_warps(group, t2_mma) // max(1, batch * num_kv_heads)), units)) + int(t2_mma)
+    query heads per KV head (``split_count``)."""
+    units = max(1, m2 + (m1 * t1_page + 31) // 32)  # tier-2 pages plus tier-1 tiles
+    return split_count(max(1, batch * num_kv_heads), group, t2_mma, units)
 
 
 def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
@@ -485,6 +494,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         HSRC, HMASK, HPOS = ([c[j] for c in _half2_consts()] for j in range(3))
         KMUL = [2.0 ** (H2_KEY_EXP - p_) for p_ in HPOS]  # q' = u KMUL[j]
         VMUL = [STEP * 2.0 ** (24 - p_) / H2_VALUE_MAX for p_ in HPOS]  # step sum(p c) = vacc max(p) VMUL[j]
+
+        def hx(w, j):  # pair j of word w (codes j, j + 8) as two subnormal halves
+            return T.if_then_else(_tab(j, HSRC, "int32") == 0, w, w >> T.uint32(H2_SHIFT)) & _tab(j, HMASK, "uint32")
+    if HALF2 or MMA:  # float16 pairs in uint32 registers, through schedules/cuda_prelude.py's helpers
         from ..cuda_prelude import H2_HI, H2_LO, HFMA2, PACK_H2, register
 
         register()  # the generated source gets the helpers' definitions
@@ -500,9 +513,6 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
         def h2hi(a):
             return T.call_pure_extern("float32", H2_HI, a)
-
-        def hx(w, j):  # pair j of word w (codes j, j + 8) as two subnormal halves
-            return T.if_then_else(_tab(j, HSRC, "int32") == 0, w, w >> T.uint32(H2_SHIFT)) & _tab(j, HMASK, "uint32")
     NT2 = min(D, 128)  # threads of the merge kernel
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -783,11 +793,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         return T.max(1, S // 4) if MMA else S
 
     if MMA:
-        from ..cuda_prelude import E4M3_HI as _E4H, E4M3_LO as _E4L, H2_HI as _H2H, H2_LO as _H2L, PACK_H2 as _PK
-        from ..cuda_prelude import register as _register
+        from ..cuda_prelude import E4M3_HI as _E4H, E4M3_LO as _E4L
         from .grouped_experts import _mma
 
-        _register()
         MLO, MSTEP = uniform_grid()
         MMASK = [(3 << p_) | (3 << (p_ + 16)) for p_ in MMA_POS]
         MKMUL = [MSTEP * 2.0 ** -p_ for p_ in MMA_POS]  # keys: w = u step / 2^p (u = q sigma / max |q sigma|)
@@ -800,22 +808,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             x = T.if_then_else(src == 0, w << T.uint32(4), T.if_then_else(src == 1, w, w >> T.uint32(6)))
             return (x & _tab(j, MMASK, "uint32")) | T.uint32(MMA_MAGIC)
 
-        def mlo(a):
-            return T.call_pure_extern("float32", _H2L, a)
-
-        def mhi(a):
-            return T.call_pure_extern("float32", _H2H, a)
-
-        def mpack(lo, hi):
-            return T.call_pure_extern("uint32", _PK, lo, hi)
-
         def shfl_idx(v, src):
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
 
-        def qprime(qr, q, b, hk, gi, ti, x, sm_scale):  # q' (log2 domain) of head gi, channel 32 ti + x
-            if KQ:  # kept in registers for the whole split
-                return qr[x]
-            return T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * T.float32(LOG2E)
+        def qload(q, b, hk, gi, c, sm_scale):  # q' (log2 domain) of head gi (0 for the lanes past the group), channel c
+            return T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), c], T.float32(0)) * sm_scale * T.float32(LOG2E)
+
+        def qprime(qr, q, b, hk, gi, ti, x, sm_scale):  # the same for channel 32 ti + x
+            return qr[x] if KQ else qload(q, b, hk, gi, 32 * ti + x, sm_scale)  # (KQ: kept in registers for the split)
 
         @T.macro
         def mma_load(kw, vw, vv, pbase, tt, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32):
@@ -870,8 +870,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 sc[i] = T.exp2(sc[i] - st[i % 2])
                 st[2 + i % 2] = st[2 + i % 2] + sc[i]
             for e in T.unroll(2):  # p' = p sigma VS of tokens 2 gi, 2 gi + 1 as halves
-                xv[e] = mpack(sc[e] * mlo(vsig) * st[14], sc[2 + e] * mhi(vsig) * st[14])
-                st[6 + e] = st[6 + e] + mlo(xv[e]) + mhi(xv[e])
+                xv[e] = pack_h2(sc[e] * h2lo(vsig) * st[14], sc[2 + e] * h2hi(vsig) * st[14])
+                st[6 + e] = st[6 + e] + h2lo(xv[e]) + h2hi(xv[e])
             # ---- values: B = p' of tokens 2 ti, 2 ti + 1 (b0, b1), 2 ti + 8, 2 ti + 9 (b2, b3) for head gi, from
             # lanes (ti, gi / 2) and (ti + 4, gi / 2), which hold them as (token 2 g', 2 g' + 1) of head 2 t' + e
             if G == 1:
@@ -905,11 +905,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             st[14] = T.float32(0)
             for m in T.unroll(8):  # head gi's q', channels 32 ti + 4 m .. + 3, split high + low
                 for j in T.unroll(4):
-                    tf[j] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + 4 * m + j], T.float32(0)) * \
-                        sm_scale * T.float32(LOG2E)
+                    tf[j] = qload(q, b, hk, gi, 32 * ti + 4 * m + j, sm_scale)
                 for h2 in T.unroll(2):
-                    qhi[2 * m + h2] = mpack(tf[2 * h2], tf[2 * h2 + 1])
-                    qlo[2 * m + h2] = mpack(tf[2 * h2] - mlo(qhi[2 * m + h2]), tf[2 * h2 + 1] - mhi(qhi[2 * m + h2]))
+                    qhi[2 * m + h2] = pack_h2(tf[2 * h2], tf[2 * h2 + 1])
+                    qlo[2 * m + h2] = pack_h2(tf[2 * h2] - h2lo(qhi[2 * m + h2]), tf[2 * h2 + 1] - h2hi(qhi[2 * m + h2]))
             nt1m: T.let[T.int32] = (T.ceildiv(n1, PS1) - sp1 + S1n - 1) // S1n
             for it in T.serial(nt1m):
                 tile: T.let[T.int32] = sp1 + it * S1n
@@ -922,7 +921,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 vv[0] = t1_ks32[(pbase * PS1 + 2 * gi) // 2]
                 vv[1] = t1_vs32[(pbase * PS1 + 2 * gi) // 2]
                 # the values' scale from the page's largest value scale (tokens 2 gi, 2 gi + 1 here; xor over gi)
-                tf[0] = T.max(mlo(vv[1]), mhi(vv[1]))
+                tf[0] = T.max(h2lo(vv[1]), h2hi(vv[1]))
                 for r in T.unroll(3):
                     tf[0] = T.max(tf[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[0], T.shift_left(4, r), 32, 32))
                 mma_value_scale(st, tf, dacc)
@@ -941,7 +940,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
                 for i in T.unroll(4):  # sc[r * 2 + e]: token 2 gi + r, head 2 ti + e
                     sc[i] = T.if_then_else(2 * ti + i % 2 < G and tile * PS1 + 2 * gi + i // 2 < n1,
-                                           sc[i] * T.if_then_else(i < 2, mlo(vv[0]), mhi(vv[0])), T.float32(NEG))
+                                           sc[i] * T.if_then_else(i < 2, h2lo(vv[0]), h2hi(vv[0])), T.float32(NEG))
                     if 2 * ti + i % 2 < G and tile * PS1 + 2 * gi + i // 2 < n1:
                         scores[b, hk * G + 2 * ti + i % 2, tile * PS1 + 2 * gi + i // 2] = sc[i]
                 mma_probs(sc, st, tf, dacc, xv, pv, bf, vv[1], gi, ti)
@@ -985,8 +984,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             st[14] = T.float32(0)  # VS, the values' scale (0: no page yet)
             if KQ:  # q' of head gi, channels 32 ti .., once for every page
                 for x in T.unroll(32):
-                    qr[x] = T.if_then_else(gi < G, q[b, hk * G + T.min(gi, G - 1), 32 * ti + x], T.float32(0)) * sm_scale * \
-                        T.float32(LOG2E)
+                    qr[x] = qload(q, b, hk, gi, 32 * ti + x, sm_scale)
             np2: T.let[T.int32] = (n2 - sp2 + S2n - 1) // S2n
             for ip in T.serial(np2):
                 pbase: T.let[T.int64] = T.Cast("int64", (layer * P2 + t2_table[b, sp2 + ip * S2n]) * HKV + hk)
@@ -994,7 +992,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 tf[0] = T.float32(0)
                 for j in T.unroll(NVS):
                     vv[0] = t2_vsig32[(pbase * PS2 + NVS * 2 * lane + 2 * j) // 2]
-                    tf[0] = T.max(tf[0], T.max(mlo(vv[0]), mhi(vv[0])))
+                    tf[0] = T.max(tf[0], T.max(h2lo(vv[0]), h2hi(vv[0])))
                 for r in T.unroll(5):
                     tf[0] = T.max(tf[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[0], T.shift_left(1, r), 32, 32))
                 mma_value_scale(st, tf, dacc)
@@ -1015,8 +1013,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     tf[4] = T.max(tf[4], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tf[4], T.shift_left(1, r), 32, 32))
                 tf[5] = T.if_then_else(tf[4] > T.float32(0), T.float32(1) / tf[4], T.float32(0))
                 for m in T.unroll(8):  # k-step m: channels 32 ti + m, + 8 (b0, b1) and 32 ti + 16 + m, + 8 (b2, b3)
-                    wb[2 * m] = mpack(uu[m] * tf[5] * _tab(m, MKMUL, "float32"), uu[m + 8] * tf[5] * _tab(m, MKMUL, "float32"))
-                    wb[2 * m + 1] = mpack(uu[16 + m] * tf[5] * _tab(m, MKMUL, "float32"), uu[24 + m] * tf[5] * _tab(m, MKMUL, "float32"))
+                    wb[2 * m] = pack_h2(uu[m] * tf[5] * _tab(m, MKMUL, "float32"), uu[m + 8] * tf[5] * _tab(m, MKMUL, "float32"))
+                    wb[2 * m + 1] = pack_h2(uu[16 + m] * tf[5] * _tab(m, MKMUL, "float32"), uu[24 + m] * tf[5] * _tab(m, MKMUL, "float32"))
                 # the offsets' share, sum(w) 1024 per head, from the same products: the mma on an all-1024 operand
                 for i in T.unroll(4):
                     af[i] = T.uint32(MMA_MAGIC)
@@ -1058,7 +1056,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         sc[i] = T.if_then_else(2 * ti + i % 2 < G, st[8 + i % 2] + st[10 + i % 2] * sc[i], T.float32(NEG))
                     mma_probs(sc, st, tf, dacc, xv, pv, bf, vv[1], gi, ti)
                     for e in T.unroll(2):  # value mu of tokens 2 gi, 2 gi + 1
-                        st[4 + e] = st[4 + e] + sc[e] * mlo(vv[0]) + sc[2 + e] * mhi(vv[0])
+                        st[4 + e] = st[4 + e] + sc[e] * h2lo(vv[0]) + sc[2 + e] * h2hi(vv[0])
                     # A = codes^T: m-tile mt's rows gi / gi + 8 are channels 16 gi + mt / + 8 (word gi's pair mt)
                     pv[0] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x5410))
                     pv[1] = T.call_pure_extern("uint32", "__byte_perm", vw[0], vw[1], T.uint32(0x7632))
