@@ -169,8 +169,9 @@ class _Kernels:
             self.decode = bb.add_func(decode, "tiered_decode")
         self.rerank = None
         if opts.mode == "tiered":
-            self.rerank = bb.add_func(make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
-                                                         importance=opts.importance, fit=opts.t2_fit), "tiered_rerank")
+            funcs = make_tiered_rerank(hkv, d, opts.t1_page, opts.t2_page, opts.sink, opts.recent, target=kind,
+                                       importance=opts.importance, fit=opts.t2_fit)
+            self.rerank = [bb.add_func(f, name) for name, f in funcs.items()]  # the launches, in call order
 
 
 class _Sig:
@@ -301,12 +302,13 @@ def build_rerank(structure: MoEStructure, kernels: _Kernels, opts: TieredOptions
     with bb.function("rerank", list(args.values()) + list(pools.values())):
         cur = list(pools.values())
         ws = [bb.emit(relax.op.zeros(relax.ShapeExpr([b, kernels.hkv, f * m1 * opts.t1_page]), dt))
-              for f, dt in ((1, "float32"), (1, "int32"), (2, "int32"))]  # score, rank, order (tiered_rerank)
+              for f, dt in ((1, "float32"), (1, "int32"), (2, "int32"))]  # score, rank, order (tiered_rerank_*)
         for layer in range(structure.num_layers):
-            res = bb.emit(relax.call_tir_inplace(
-                kernels.rerank, cur + [args[x] for x in RERANK_ARGS] + ws + [_i32(layer)],
-                inplace_indices=list(range(len(POOLS))), out_ty=[sig.pool_types[x] for x in POOLS]))
-            cur = [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(POOLS))]
+            for kernel in kernels.rerank:
+                res = bb.emit(relax.call_tir_inplace(
+                    kernel, cur + [args[x] for x in RERANK_ARGS] + ws + [_i32(layer)],
+                    inplace_indices=list(range(len(POOLS))), out_ty=[sig.pool_types[x] for x in POOLS]))
+                cur = [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(POOLS))]
         bb.emit_func_output(relax.Tuple(cur))
 
 

@@ -105,24 +105,34 @@ def _hash_score(p, layer, h):
     return T.Cast("float32", x >> T.uint32(8)) * T.float32(2.0**-24)
 
 
+PHASES = ("rank", "pack", "compact")
+RERANK_KERNELS = tuple(f"tiered_rerank_{p}" for p in PHASES)  # the re-rank's launches a layer, in call order
+
+
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
                        recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments",
-                       threads: int = 512, stage_bytes: int = 40960):
-    """The re-rank PrimFunc for ``target`` "llvm" or "cuda".
+                       threads: int = 512, stage_bytes: int = 40960) -> dict:
+    """The re-rank's PrimFuncs for ``target`` "llvm" or "cuda", by name (``RERANK_KERNELS``, in call order).
 
     ``importance`` "mass" is the score above; "keynorm" is the squared L2 norm of the token's key as
     cached (FP8 code times scale): large keys dominate the logits of every query, and their 2-bit
     error with them; "random" is a hash of (position, layer, head), the same-budget random-choice
     baseline the quality table compares against. ``fit`` is the 2-bit statistics fit (step 3).
 
-    A block per (sequence, KV head) of ``threads`` threads (at least ``head_dim``): the ranking and ordering
-    steps are quadratic in the tier-1 tokens, and after a 2048-token prefill chunk one sequence gives only
-    as many blocks as KV heads, so they get the most threads; the key statistics use a thread per channel.
+    The steps run as three launches with one signature, so that each gets the parallelism it can use:
 
-    Step 3 stages each new page's source rows (FP8 keys, then values) in shared memory when a page's rows fit
-    in ``stage_bytes`` (PS2 x (head_dim + 4) bytes and the rows' scales): the statistics' passes (moments, then
-    the least-squares refits) and the codes read them there, instead of gathering every element through the
-    slot order and the page table from global memory once per pass. Larger pages take the gathering form.
+    - ``tiered_rerank_rank`` (steps 1-2): a block per (sequence, KV head) of ``threads`` threads (at least
+      ``head_dim``). The ranking and ordering are quadratic in the tier-1 tokens, and after a 2048-token prefill
+      chunk one sequence gives only as many blocks as KV heads, so they get the most threads.
+    - ``tiered_rerank_pack`` (step 3): a block per (sequence, KV head, new tier-2 page), ``max(head_dim,
+      t2_page)`` threads (at most 1024): a prefill chunk demotes a dozen pages a sequence, each packed by a
+      block of its own instead of one after another. A block whose page index is past ``demote[b] / t2_page``
+      exits. Each page's source rows (FP8 keys, then values) are staged in shared memory when they fit in
+      ``stage_bytes`` (PS2 x (head_dim + 4) bytes and the rows' scales): the statistics' passes (moments, then
+      the least-squares refits) and the codes read them there. Larger pages gather every element through the
+      slot order and the page table from global memory once per pass.
+    - ``tiered_rerank_compact`` (step 4): a block per (sequence, KV head). It runs after every page has read
+      its source rows, since the kept tokens move into demoted slots.
     """
     if fit not in FITS:
         raise ValueError(f"unknown 2-bit fit {fit!r}: expected one of {', '.join(FITS)}")
@@ -138,283 +148,298 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     if PS2 % D:
         raise ValueError(f"the tier-2 page ({PS2}) must be a multiple of head_dim ({D})")
     INF = 3.0e38
-    KG = NT // D  # pages whose key statistics run side by side (a thread per channel of each)
     RB = D + 4  # staged row stride in bytes: 4-byte words at an odd stride, so a thread per row hits distinct banks
     staged = PS2 * RB + 8 * PS2 + 8 * D <= stage_bytes
     SROWS = PS2 if staged else 1
     SCOPE = "shared" if gpu else "global"
+    NP = min(max(D, PS2), 1024)  # the pack launch's threads
 
-    def threads():
-        return T.thread_binding(NT, thread="threadIdx.x") if gpu else T.serial(NT)
+    def build(phase):
+        rank_phase, pack_phase = phase == "rank", phase == "pack"
+        NB = NP if pack_phase else NT
 
-    @T.prim_func(s_tir=True)
-    def tiered_rerank(t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle,
-                      mass_h: T.handle, t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle,
-                      t2vmu_h: T.handle, t2vsig_h: T.handle, t2pos_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle,
-                      len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
-                      order_h: T.handle, layer: T.int32):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "tiered_rerank"})
-        NL, B, P1, P2, M1, MN = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
-        t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
-        t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
-        t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
-        t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
-        t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
-        t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
-        t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
-        t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
-        t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
-        t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
-        t2_pos = T.match_buffer(t2pos_h, (NL, P2, HKV, PS2), "int32")
-        t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
-        t1_len = T.match_buffer(t1len_h, (B,), "int32")
-        length = T.match_buffer(len_h, (B,), "int32")
-        demote = T.match_buffer(dem_h, (B,), "int32")
-        new_t2 = T.match_buffer(new_h, (B, MN), "int32")
-        score = T.match_buffer(score_h, (B, HKV, M1 * PS1), "float32")
-        rank = T.match_buffer(rank_h, (B, HKV, M1 * PS1), "int32")
-        order = T.match_buffer(order_h, (B, HKV, 2 * M1 * PS1), "int32")
+        def threads():
+            return T.thread_binding(NB, thread="threadIdx.x") if gpu else T.serial(NB)
 
-        for b in T.thread_binding(B, thread="blockIdx.x") if gpu else T.serial(B):
-            for h in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
-                with T.sblock("rerank"):
-                    T.reads()
-                    T.writes()
-                    cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    acc = T.sblock_alloc_buffer((5,), "float32", scope="local")
-                    stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                    row = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                    row_s = T.sblock_alloc_buffer((SROWS * RB,), "uint8", scope=SCOPE)  # a page's FP8 rows (staged)
-                    loc_s = T.sblock_alloc_buffer((2 * SROWS,), "int32", scope=SCOPE)  # their tier-1 page, slot
-                    sc_s = T.sblock_alloc_buffer((2 * SROWS,), "float32", scope=SCOPE)  # their key, value scales
-                    st_s = T.sblock_alloc_buffer((2 * D,), "float32", scope=SCOPE)  # the page's key mu, sigma
-                    n1: T.let[T.int32] = t1_len[b]
-                    nd: T.let[T.int32] = demote[b]
-                    keep: T.let[T.int32] = n1 - nd
-                    hl: T.let[T.float32] = harmonic(T.Cast("float32", length[b]))
-                    # 1. scores (sinks and the recent window: +inf)
-                    for tx in threads():
-                        for c in T.serial(T.ceildiv(n1, NT)):
-                            i: T.let[T.int32] = c * NT + tx
-                            if i < n1:
-                                pg: T.let[T.int32] = t1_table[b, i // PS1]
-                                p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
-                                if keynorm:
-                                    acc[0] = T.float32(0)
-                                    for d in T.serial(D):
-                                        acc[1] = _fp8_to_f32(t1_k[layer, pg, h, i % PS1, d])
-                                        acc[0] += acc[1] * acc[1]
-                                score[b, h, i] = T.if_then_else(
-                                    (p < sink) | (p >= length[b] - recent), T.float32(INF),
-                                    _hash_score(p, layer, h) if rand else
-                                    acc[0] * T.Cast("float32", t1_ks[layer, pg, h, i % PS1]) * T.Cast(
-                                        "float32", t1_ks[layer, pg, h, i % PS1]) if keynorm else
-                                    t1_mass[layer, pg, h, i % PS1] / T.max(hl - harmonic(T.Cast("float32", p + 1)) +
-                                                                    T.float32(1.0) / T.Cast("float32", p + 1), T.float32(1e-12)))
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    # 2. rank by counting (ties by slot)
-                    for tx in threads():
-                        for c in T.serial(T.ceildiv(n1, NT)):
-                            i: T.let[T.int32] = c * NT + tx
-                            if i < n1:
-                                cnt[0] = 0
-                                for j in T.serial(n1):
-                                    cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
-                                                     ((score[b, h, j] == score[b, h, i]) & (j < i)))
-                                rank[b, h, i] = cnt[0]
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    # the scores are ranked: their workspace keeps each slot's position (its bits), so that the
-                    # ordering below reads one word per token instead of a table lookup and a gather
-                    for tx in threads():
-                        for c in T.serial(T.ceildiv(n1, NT)):
-                            i: T.let[T.int32] = c * NT + tx
-                            if i < n1:
-                                score[b, h, i] = T.reinterpret("float32", t1_pos[layer, t1_table[b, i // PS1], h, i % PS1])
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    # order: the demoted slots, ascending
-                    for tx in threads():
-                        for c in T.serial(T.ceildiv(n1, NT)):
-                            i: T.let[T.int32] = c * NT + tx
-                            if i < n1:
-                                if rank[b, h, i] < nd:
-                                    cnt[0] = 0
-                                    for j in T.serial(i):
-                                        cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
-                                    order[b, h, cnt[0]] = i
-                                    cnt[0] = 0
-                                    for j in T.serial(n1):
-                                        cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (
-                                            T.reinterpret("int32", score[b, h, j]) < T.reinterpret("int32", score[b, h, i])))
-                                    order[b, h, M1 * PS1 + cnt[0]] = i
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    if staged:
-                        # 3. a new tier-2 page at a time, its tokens' FP8 rows staged in shared memory (coalesced 4-byte
-                        # loads; rows padded to RB bytes, so a thread per token reads distinct banks): keys, then values
-                        for pi in T.serial(nd // PS2):
-                            page: T.let[T.int32] = new_t2[b, pi]
-                            if gpu:
-                                T.tvm_storage_sync("shared")
-                            for tx in threads():
-                                for rr in T.serial(T.ceildiv(PS2, NT)):
-                                    r: T.let[T.int32] = rr * NT + tx
-                                    if r < PS2:
-                                        src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                        pg: T.let[T.int32] = t1_table[b, src // PS1]
-                                        loc_s[r] = pg
-                                        loc_s[PS2 + r] = src % PS1
-                                        sc_s[r] = T.Cast("float32", t1_ks[layer, pg, h, src % PS1])
-                                        sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, pg, h, src % PS1])
-                                        t2_pos[layer, page, h, r] = t1_pos[layer, pg, h, src % PS1]
-                            for kv in T.serial(2):  # 0: keys (statistics per channel), 1: values (per token)
-                                if gpu:
-                                    T.tvm_storage_sync("shared")
+        def page_blocks(mn):  # the pack launch's third grid axis: a new tier-2 page each
+            return T.thread_binding(mn, thread="blockIdx.z") if gpu else T.serial(mn)
+
+        @T.prim_func(s_tir=True)
+        def tiered_rerank(t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle,
+                          mass_h: T.handle, t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle,
+                          t2vmu_h: T.handle, t2vsig_h: T.handle, t2pos_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle,
+                          len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
+                          order_h: T.handle, layer: T.int32):
+            T.func_attr({"tirx.is_scheduled": True})
+            NL, B, P1, P2, M1, MN = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
+            t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
+            t1_v = T.match_buffer(t1v_h, (NL, P1, HKV, PS1, D), "uint8")
+            t1_ks = T.match_buffer(t1ks_h, (NL, P1, HKV, PS1), "float16")
+            t1_vs = T.match_buffer(t1vs_h, (NL, P1, HKV, PS1), "float16")
+            t1_pos = T.match_buffer(t1pos_h, (NL, P1, HKV, PS1), "int32")
+            t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
+            t2_k = T.match_buffer(t2k_h, (NL, P2, HKV, PS2, D4), "uint8")
+            t2_v = T.match_buffer(t2v_h, (NL, P2, HKV, PS2, D4), "uint8")
+            t2_kmu = T.match_buffer(t2kmu_h, (NL, P2, HKV, D), "float16")
+            t2_ksig = T.match_buffer(t2ksig_h, (NL, P2, HKV, D), "float16")
+            t2_vmu = T.match_buffer(t2vmu_h, (NL, P2, HKV, PS2), "float16")
+            t2_vsig = T.match_buffer(t2vsig_h, (NL, P2, HKV, PS2), "float16")
+            t2_pos = T.match_buffer(t2pos_h, (NL, P2, HKV, PS2), "int32")
+            t1_table = T.match_buffer(t1tab_h, (B, M1), "int32")
+            t1_len = T.match_buffer(t1len_h, (B,), "int32")
+            length = T.match_buffer(len_h, (B,), "int32")
+            demote = T.match_buffer(dem_h, (B,), "int32")
+            new_t2 = T.match_buffer(new_h, (B, MN), "int32")
+            score = T.match_buffer(score_h, (B, HKV, M1 * PS1), "float32")
+            rank = T.match_buffer(rank_h, (B, HKV, M1 * PS1), "int32")
+            order = T.match_buffer(order_h, (B, HKV, 2 * M1 * PS1), "int32")
+
+            for b in T.thread_binding(B, thread="blockIdx.x") if gpu else T.serial(B):
+                for h in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
+                    for pi in page_blocks(MN) if pack_phase else T.serial(1):
+                        with T.sblock("rerank"):
+                            T.reads()
+                            T.writes()
+                            cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            n1: T.let[T.int32] = t1_len[b]
+                            nd: T.let[T.int32] = demote[b]
+                            keep: T.let[T.int32] = n1 - nd
+                            if rank_phase:
+                                acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                hl: T.let[T.float32] = harmonic(T.Cast("float32", length[b]))
+                                # 1. scores (sinks and the recent window: +inf)
                                 for tx in threads():
-                                    for it in T.serial(T.ceildiv(PS2 * D4, NT)):
-                                        e: T.let[T.int32] = it * NT + tx
-                                        if e < PS2 * D4:
-                                            for i in T.unroll(4):
-                                                row_s[(e // D4) * RB + (e % D4) * 4 + i] = T.if_then_else(
-                                                    kv == 0, t1_k[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i],
-                                                    t1_v[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i])
+                                    for c in T.serial(T.ceildiv(n1, NT)):
+                                        i: T.let[T.int32] = c * NT + tx
+                                        if i < n1:
+                                            pg: T.let[T.int32] = t1_table[b, i // PS1]
+                                            p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
+                                            if keynorm:
+                                                acc[0] = T.float32(0)
+                                                for d in T.serial(D):
+                                                    acc[1] = _fp8_to_f32(t1_k[layer, pg, h, i % PS1, d])
+                                                    acc[0] += acc[1] * acc[1]
+                                            score[b, h, i] = T.if_then_else(
+                                                (p < sink) | (p >= length[b] - recent), T.float32(INF),
+                                                _hash_score(p, layer, h) if rand else
+                                                acc[0] * T.Cast("float32", t1_ks[layer, pg, h, i % PS1]) * T.Cast(
+                                                    "float32", t1_ks[layer, pg, h, i % PS1]) if keynorm else
+                                                t1_mass[layer, pg, h, i % PS1] / T.max(
+                                                    hl - harmonic(T.Cast("float32", p + 1)) + T.float32(1.0) / T.Cast("float32", p + 1),
+                                                    T.float32(1e-12)))
                                 if gpu:
                                     T.tvm_storage_sync("shared")
-                                if kv == 0:
-                                    for tx in threads():  # key statistics: a thread per channel
-                                        if tx < D:
-                                            acc[0] = T.float32(0)
-                                            acc[1] = T.float32(0)
-                                            for r in T.serial(PS2):
-                                                x: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r]
-                                                acc[0] += x
-                                                acc[1] += x * x
-                                            _moments(stat, acc, PS2)
-                                            if lloyd:
-                                                _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r])
-                                            t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
-                                            t2_ksig[layer, page, h, tx] = T.Cast("float16", stat[1])
-                                            st_s[tx] = stat[0]
-                                            st_s[D + tx] = stat[1]
-                                    if gpu:
-                                        T.tvm_storage_sync("shared")
-                                    for tx in threads():  # key codes: a thread per token
-                                        for rr in T.serial(T.ceildiv(PS2, NT)):
-                                            r: T.let[T.int32] = rr * NT + tx
-                                            if r < PS2:
-                                                for cc in T.serial(D4):
-                                                    cnt[0] = 0
-                                                    for e in T.unroll(4):
-                                                        cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
-                                                            (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[r] - st_s[cc * 4 + e])
-                                                            / st_s[D + cc * 4 + e]) << T.Cast("uint32", e * 2))
-                                                    t2_k[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
-                                else:
-                                    for tx in threads():  # values: statistics and codes per token
-                                        for rr in T.serial(T.ceildiv(PS2, NT)):
-                                            r: T.let[T.int32] = rr * NT + tx
-                                            if r < PS2:
+                                # 2. rank by counting (ties by slot)
+                                for tx in threads():
+                                    for c in T.serial(T.ceildiv(n1, NT)):
+                                        i: T.let[T.int32] = c * NT + tx
+                                        if i < n1:
+                                            cnt[0] = 0
+                                            for j in T.serial(n1):
+                                                cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
+                                                                 ((score[b, h, j] == score[b, h, i]) & (j < i)))
+                                            rank[b, h, i] = cnt[0]
+                                if gpu:
+                                    T.tvm_storage_sync("shared")
+                                # the scores are ranked: their workspace keeps each slot's position (its bits), so that
+                                # the ordering below reads one word per token instead of a table lookup and a gather
+                                for tx in threads():
+                                    for c in T.serial(T.ceildiv(n1, NT)):
+                                        i: T.let[T.int32] = c * NT + tx
+                                        if i < n1:
+                                            score[b, h, i] = T.reinterpret("float32", t1_pos[layer, t1_table[b, i // PS1], h, i % PS1])
+                                if gpu:
+                                    T.tvm_storage_sync("shared")
+                                # order: the demoted slots, ascending, then the same by position
+                                for tx in threads():
+                                    for c in T.serial(T.ceildiv(n1, NT)):
+                                        i: T.let[T.int32] = c * NT + tx
+                                        if i < n1:
+                                            if rank[b, h, i] < nd:
+                                                cnt[0] = 0
+                                                for j in T.serial(i):
+                                                    cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
+                                                order[b, h, cnt[0]] = i
+                                                cnt[0] = 0
+                                                for j in T.serial(n1):
+                                                    cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (
+                                                        T.reinterpret("int32", score[b, h, j]) < T.reinterpret("int32", score[b, h, i])))
+                                                order[b, h, M1 * PS1 + cnt[0]] = i
+                            elif pack_phase:
+                                # 3. new tier-2 page pi of sequence b: its tokens are order[M1 * PS1 + pi * PS2 + r]
+                                acc = T.sblock_alloc_buffer((5,), "float32", scope="local")
+                                stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                row = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                                row_s = T.sblock_alloc_buffer((SROWS * RB,), "uint8", scope=SCOPE)  # the page's FP8 rows
+                                loc_s = T.sblock_alloc_buffer((2 * SROWS,), "int32", scope=SCOPE)  # their tier-1 page, slot
+                                sc_s = T.sblock_alloc_buffer((2 * SROWS,), "float32", scope=SCOPE)  # their key, value scales
+                                st_s = T.sblock_alloc_buffer((2 * D,), "float32", scope=SCOPE)  # the page's key mu, sigma
+                                if pi < nd // PS2:
+                                    page: T.let[T.int32] = new_t2[b, pi]
+                                    if staged:
+                                        # the rows staged in shared memory (coalesced 4-byte loads; rows padded to RB
+                                        # bytes, so a thread per token reads distinct banks): keys, then values
+                                        for tx in threads():
+                                            for rr in T.serial(T.ceildiv(PS2, NP)):
+                                                r: T.let[T.int32] = rr * NP + tx
+                                                if r < PS2:
+                                                    src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                                    pg: T.let[T.int32] = t1_table[b, src // PS1]
+                                                    loc_s[r] = pg
+                                                    loc_s[PS2 + r] = src % PS1
+                                                    sc_s[r] = T.Cast("float32", t1_ks[layer, pg, h, src % PS1])
+                                                    sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, pg, h, src % PS1])
+                                                    t2_pos[layer, page, h, r] = t1_pos[layer, pg, h, src % PS1]
+                                        for kv in T.serial(2):  # 0: keys (statistics per channel), 1: values (per token)
+                                            if gpu:
+                                                T.tvm_storage_sync("shared")
+                                            for tx in threads():
+                                                for it in T.serial(T.ceildiv(PS2 * D4, NP)):
+                                                    e: T.let[T.int32] = it * NP + tx
+                                                    if e < PS2 * D4:
+                                                        for i in T.unroll(4):
+                                                            row_s[(e // D4) * RB + (e % D4) * 4 + i] = T.if_then_else(
+                                                                kv == 0, t1_k[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i],
+                                                                t1_v[layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], (e % D4) * 4 + i])
+                                            if gpu:
+                                                T.tvm_storage_sync("shared")
+                                            if kv == 0:
+                                                for tx in threads():  # key statistics: a thread per channel
+                                                    if tx < D:
+                                                        acc[0] = T.float32(0)
+                                                        acc[1] = T.float32(0)
+                                                        for r in T.serial(PS2):
+                                                            x: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r]
+                                                            acc[0] += x
+                                                            acc[1] += x * x
+                                                        _moments(stat, acc, PS2)
+                                                        if lloyd:
+                                                            _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r])
+                                                        t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
+                                                        t2_ksig[layer, page, h, tx] = T.Cast("float16", stat[1])
+                                                        st_s[tx] = stat[0]
+                                                        st_s[D + tx] = stat[1]
+                                                if gpu:
+                                                    T.tvm_storage_sync("shared")
+                                                for tx in threads():  # key codes: a thread per token
+                                                    for rr in T.serial(T.ceildiv(PS2, NP)):
+                                                        r: T.let[T.int32] = rr * NP + tx
+                                                        if r < PS2:
+                                                            for cc in T.serial(D4):
+                                                                cnt[0] = 0
+                                                                for e in T.unroll(4):
+                                                                    cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                                        (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[r] - st_s[cc * 4 + e])
+                                                                        / st_s[D + cc * 4 + e]) << T.Cast("uint32", e * 2))
+                                                                t2_k[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                                            else:
+                                                for tx in threads():  # values: statistics and codes per token
+                                                    for rr in T.serial(T.ceildiv(PS2, NP)):
+                                                        r: T.let[T.int32] = rr * NP + tx
+                                                        if r < PS2:
+                                                            acc[0] = T.float32(0)
+                                                            acc[1] = T.float32(0)
+                                                            for d in T.serial(D):
+                                                                y: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r]
+                                                                acc[0] += y
+                                                                acc[1] += y * y
+                                                            _moments(stat, acc, D)
+                                                            if lloyd:
+                                                                _lloyd(stat, acc, D, lambda d: _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r])
+                                                            t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
+                                                            t2_vsig[layer, page, h, r] = T.Cast("float16", stat[1])
+                                                            for cc in T.serial(D4):
+                                                                cnt[0] = 0
+                                                                for e in T.unroll(4):
+                                                                    cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                                        (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[PS2 + r] - stat[0])
+                                                                        / stat[1]) << T.Cast("uint32", e * 2))
+                                                                t2_v[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                                    else:
+                                        # the page too large to stage: key statistics a thread per channel, every element
+                                        # gathered through the slot order and the page table
+                                        for tx in threads():
+                                            if tx < D:
                                                 acc[0] = T.float32(0)
                                                 acc[1] = T.float32(0)
-                                                for d in T.serial(D):
-                                                    y: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r]
-                                                    acc[0] += y
-                                                    acc[1] += y * y
-                                                _moments(stat, acc, D)
+                                                for r in T.serial(PS2):
+                                                    src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                                    x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, tx]) * \
+                                                        T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
+                                                    acc[0] += x
+                                                    acc[1] += x * x
+                                                _moments(stat, acc, PS2)
                                                 if lloyd:
-                                                    _lloyd(stat, acc, D, lambda d: _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r])
-                                                t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
-                                                t2_vsig[layer, page, h, r] = T.Cast("float16", stat[1])
-                                                for cc in T.serial(D4):
-                                                    cnt[0] = 0
-                                                    for e in T.unroll(4):
-                                                        cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
-                                                            (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[PS2 + r] - stat[0])
-                                                            / stat[1]) << T.Cast("uint32", e * 2))
-                                                    t2_v[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
-                    else:
-                        # 3a. key statistics: per channel over each new page's tokens; thread tx takes channel tx % D
-                        # of the pages tx // D, tx // D + NT // D, ... (a prefill chunk demotes a dozen pages at once)
-                        for tx in threads():
-                            for pj in T.serial(T.if_then_else(tx < KG * D, (nd // PS2 - tx // D + KG - 1) // KG, 0)):
-                                pi: T.let[T.int32] = pj * KG + tx // D
-                                ch: T.let[T.int32] = tx % D
-                                acc[0] = T.float32(0)
-                                acc[1] = T.float32(0)
-                                for r in T.serial(PS2):
-                                    src: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                    x: T.let[T.float32] = _fp8_to_f32(t1_k[layer, t1_table[b, src // PS1], h, src % PS1, ch]) * \
-                                        T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
-                                    acc[0] += x
-                                    acc[1] += x * x
-                                _moments(stat, acc, PS2)
-                                if lloyd:
-                                    _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
-                                        t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
-                                             order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, ch]) * T.Cast("float32", t1_ks[
-                                                 layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
-                                                 order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
-                                t2_kmu[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[0])
-                                t2_ksig[layer, new_t2[b, pi], h, ch] = T.Cast("float16", stat[1])
-                        if gpu:
-                            T.tvm_storage_sync("shared")
-                        # 3b. codes: a token per thread (keys against the page statistics, values per token)
-                        for tx in threads():
-                            for pi in T.serial(nd // PS2):
-                                for rr in T.serial(T.if_then_else(tx < PS2 % NT, PS2 // NT + 1, PS2 // NT)):
-                                    r: T.let[T.int32] = rr * NT + tx
-                                    page2: T.let[T.int32] = new_t2[b, pi]
-                                    src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
-                                    pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
-                                    sl2: T.let[T.int32] = src2 % PS1
-                                    t2_pos[layer, page2, h, r] = t1_pos[layer, pg2, h, sl2]
-                                    for cc in T.serial(D4):
-                                        t2_k[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
-                                        for e in T.serial(4):
-                                            t2_k[layer, page2, h, r, cc] = t2_k[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
-                                                (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
-                                                 - T.Cast("float32", t2_kmu[layer, page2, h, cc * 4 + e])) /
-                                                T.Cast("float32", t2_ksig[layer, page2, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
-                                    acc[0] = T.float32(0)
-                                    acc[1] = T.float32(0)
-                                    for d in T.serial(D):
-                                        row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
-                                        acc[0] += row[d]
-                                        acc[1] += row[d] * row[d]
-                                    _moments(stat, acc, D)
-                                    if lloyd:
-                                        _lloyd(stat, acc, D, lambda d: row[d])
-                                    t2_vmu[layer, page2, h, r] = T.Cast("float16", stat[0])
-                                    t2_vsig[layer, page2, h, r] = T.Cast("float16", stat[1])
-                                    for cc in T.serial(D4):
-                                        t2_v[layer, page2, h, r, cc] = T.Cast("uint8", T.uint32(0))
-                                        for e in T.serial(4):
-                                            t2_v[layer, page2, h, r, cc] = t2_v[layer, page2, h, r, cc] | T.Cast("uint8", _q2_code(
-                                                (row[cc * 4 + e] - stat[0]) / stat[1]) << T.Cast("uint32", e * 2))
-                    if gpu:
-                        T.tvm_storage_sync("shared")
-                    # 4. compaction: the m-th kept token at slot >= keep fills the m-th demoted slot (< keep)
-                    for tx in threads():
-                        for c in T.serial(T.ceildiv(nd, NT)):
-                            i: T.let[T.int32] = keep + c * NT + tx
-                            if i < n1:
-                                if rank[b, h, i] >= nd:
-                                    cnt[0] = 0
-                                    for j in T.serial(keep, i):
-                                        cnt[0] += T.Cast("int32", rank[b, h, j] >= nd)
-                                    dst: T.let[T.int32] = order[b, h, cnt[0]]
-                                    ps: T.let[T.int32] = t1_table[b, i // PS1]
-                                    pd: T.let[T.int32] = t1_table[b, dst // PS1]
-                                    for d in T.serial(D):
-                                        t1_k[layer, pd, h, dst % PS1, d] = t1_k[layer, ps, h, i % PS1, d]
-                                        t1_v[layer, pd, h, dst % PS1, d] = t1_v[layer, ps, h, i % PS1, d]
-                                    t1_ks[layer, pd, h, dst % PS1] = t1_ks[layer, ps, h, i % PS1]
-                                    t1_vs[layer, pd, h, dst % PS1] = t1_vs[layer, ps, h, i % PS1]
-                                    t1_pos[layer, pd, h, dst % PS1] = t1_pos[layer, ps, h, i % PS1]
-                                    t1_mass[layer, pd, h, dst % PS1] = t1_mass[layer, ps, h, i % PS1]
+                                                    _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
+                                                        t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                                             order[b, h, M1 * PS1 + pi * PS2 + r] % PS1, tx]) * T.Cast("float32", t1_ks[
+                                                                 layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
+                                                                 order[b, h, M1 * PS1 + pi * PS2 + r] % PS1]))
+                                                t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
+                                                t2_ksig[layer, page, h, tx] = T.Cast("float16", stat[1])
+                                        if gpu:
+                                            T.tvm_storage_sync("shared")
+                                        # codes: a token per thread (keys against the page statistics, values per token)
+                                        for tx in threads():
+                                            for rr in T.serial(T.ceildiv(PS2, NP)):
+                                                r: T.let[T.int32] = rr * NP + tx
+                                                if r < PS2:
+                                                    src2: T.let[T.int32] = order[b, h, M1 * PS1 + pi * PS2 + r]
+                                                    pg2: T.let[T.int32] = t1_table[b, src2 // PS1]
+                                                    sl2: T.let[T.int32] = src2 % PS1
+                                                    t2_pos[layer, page, h, r] = t1_pos[layer, pg2, h, sl2]
+                                                    for cc in T.serial(D4):
+                                                        cnt[0] = 0
+                                                        for e in T.unroll(4):
+                                                            cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                                (_fp8_to_f32(t1_k[layer, pg2, h, sl2, cc * 4 + e]) * T.Cast("float32", t1_ks[layer, pg2, h, sl2])
+                                                                 - T.Cast("float32", t2_kmu[layer, page, h, cc * 4 + e])) /
+                                                                T.Cast("float32", t2_ksig[layer, page, h, cc * 4 + e])) << T.Cast("uint32", e * 2))
+                                                        t2_k[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                                                    acc[0] = T.float32(0)
+                                                    acc[1] = T.float32(0)
+                                                    for d in T.serial(D):
+                                                        row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
+                                                        acc[0] += row[d]
+                                                        acc[1] += row[d] * row[d]
+                                                    _moments(stat, acc, D)
+                                                    if lloyd:
+                                                        _lloyd(stat, acc, D, lambda d: row[d])
+                                                    t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
+                                                    t2_vsig[layer, page, h, r] = T.Cast("float16", stat[1])
+                                                    for cc in T.serial(D4):
+                                                        cnt[0] = 0
+                                                        for e in T.unroll(4):
+                                                            cnt[0] = cnt[0] | T.Cast("int32", _q2_code((row[cc * 4 + e] - stat[0]) / stat[1])
+                                                                                     << T.Cast("uint32", e * 2))
+                                                        t2_v[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                            else:
+                                # 4. compaction: the m-th kept token at slot >= keep fills the m-th demoted slot (< keep)
+                                for tx in threads():
+                                    for c in T.serial(T.ceildiv(nd, NT)):
+                                        i: T.let[T.int32] = keep + c * NT + tx
+                                        if i < n1:
+                                            if rank[b, h, i] >= nd:
+                                                cnt[0] = 0
+                                                for j in T.serial(keep, i):
+                                                    cnt[0] += T.Cast("int32", rank[b, h, j] >= nd)
+                                                dst: T.let[T.int32] = order[b, h, cnt[0]]
+                                                ps: T.let[T.int32] = t1_table[b, i // PS1]
+                                                pd: T.let[T.int32] = t1_table[b, dst // PS1]
+                                                for d in T.serial(D):
+                                                    t1_k[layer, pd, h, dst % PS1, d] = t1_k[layer, ps, h, i % PS1, d]
+                                                    t1_v[layer, pd, h, dst % PS1, d] = t1_v[layer, ps, h, i % PS1, d]
+                                                t1_ks[layer, pd, h, dst % PS1] = t1_ks[layer, ps, h, i % PS1]
+                                                t1_vs[layer, pd, h, dst % PS1] = t1_vs[layer, ps, h, i % PS1]
+                                                t1_pos[layer, pd, h, dst % PS1] = t1_pos[layer, ps, h, i % PS1]
+                                                t1_mass[layer, pd, h, dst % PS1] = t1_mass[layer, ps, h, i % PS1]
 
-    return tiered_rerank
+        return tiered_rerank.with_attr("global_symbol", f"tiered_rerank_{phase}")
+
+    return {f"tiered_rerank_{p}": build(p) for p in PHASES}
+
+
+def call_rerank(lookup, args, layer) -> None:
+    """Run a compiled re-rank's launches in order: ``lookup(name)`` gives each packed function."""
+    for name in RERANK_KERNELS:
+        lookup(name)(*args, layer)

@@ -11,6 +11,7 @@ from tvm import relax
 from moec.compiler.importers import import_model
 from moec.passes.tiered_kv_attention import CACHE_ARGS, InsertTieredKVAttention, TieredOptions
 from moec.runtime.kv_cache import POOLS
+from moec.schedules.kernels.tiered_rerank import RERANK_KERNELS
 
 
 def _calls_to(func, name):
@@ -50,7 +51,7 @@ def test_ir_before_after(rewritten):
     after, structure = out["tiered"]
     names = {gv.name_hint for gv in after.get_global_vars()}
     assert {"prefill", "decode", "rerank", "tiered_append", "tiered_attention", "tiered_mass", "tiered_decode",
-            "tiered_rerank"} <= names
+            *RERANK_KERNELS} <= names
     assert "main" not in names
     layers = structure.num_layers
     for name in ("prefill", "decode"):
@@ -66,7 +67,12 @@ def test_ir_before_after(rewritten):
         assert "attention_mask" not in params and int(f.params[0].ty.shape[0]) == 1
         # logits, then every pool: the in-place updates are outputs
         assert len(f.ret_ty.fields) == 1 + len(POOLS)
-    assert len(_calls_to(after["rerank"], "tiered_rerank")) == layers
+    for kernel in RERANK_KERNELS:  # the re-rank's launches, each once a layer, in order
+        assert len(_calls_to(after["rerank"], kernel)) == layers, kernel
+    calls = []
+    relax.analysis.post_order_visit(after["rerank"].body, lambda e: calls.append(e.args[0].name_hint) if isinstance(
+        e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir_inplace" else None)
+    assert calls == list(RERANK_KERNELS) * layers
     # decode: one set of the kernel's three workspaces serves every layer (scratch written before it is read)
     ws = [tuple(c.args[1].fields[17:20]) for c in _calls_to(after["decode"], "tiered_decode")]
     assert len(ws) == layers and all(w[0].same_as(ws[0][0]) and w[2].same_as(ws[0][2]) for w in ws)

@@ -7,7 +7,7 @@ from moec.runtime import kv_quant as q
 from moec.runtime.kv_cache import TieredPageTables
 from moec.schedules.kernels.tiered_append import make_tiered_append
 from moec.schedules.kernels.tiered_decode import decode_workspaces, make_tiered_decode
-from moec.schedules.kernels.tiered_rerank import make_tiered_rerank
+from moec.schedules.kernels.tiered_rerank import call_rerank, make_tiered_rerank
 
 H, HKV, D, PS1, PS2, SINK, RECENT = 4, 2, 32, 16, 32, 2, 8
 P1, P2 = 40, 24
@@ -39,7 +39,10 @@ def test_append_decode_rerank_cycle():
     rng = np.random.default_rng(0)
     append = _build("tiered_append", make_tiered_append(HKV, D, PS1))
     decode = _build("tiered_decode", make_tiered_decode(H, HKV, D, PS1, PS2))
-    rerank = _build("tiered_rerank", make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT))
+    rerank_mod = tvm.compile(tvm.IRModule(make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT)), target="llvm")
+
+    def rerank(*args):
+        call_rerank(rerank_mod.__getitem__, args[:-1], args[-1])
     pt = TieredPageTables(P1, P2, PS1, PS2, max_sequences=2, tier1_fraction=0.25, sink=SINK, recent=RECENT)
     pools = {
         "t1_k": np.zeros((P1, HKV, PS1, D), np.uint8), "t1_v": np.zeros((P1, HKV, PS1, D), np.uint8),

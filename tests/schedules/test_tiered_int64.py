@@ -47,7 +47,9 @@ def _indices(src: str, ptr: str):
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_pool_offsets_are_64_bit(name):
-    src = tvm.compile(tvm.IRModule({name: KERNELS[name]()}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    funcs = KERNELS[name]()  # one PrimFunc, or the re-rank's launches by name
+    mod = tvm.IRModule(funcs if isinstance(funcs, dict) else {name: funcs})
+    src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
     pointers = set(re.findall(r"\b(\w+)\[", src))
     seen = 0
     for pool in POOLS:

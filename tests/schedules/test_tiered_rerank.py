@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_rerank import make_tiered_rerank
+from moec.schedules.kernels.tiered_rerank import RERANK_KERNELS, call_rerank, make_tiered_rerank
 
 HKV, D, PS1, PS2, SINK, RECENT = 2, 32, 16, 32, 2, 8
 P1, P2 = 16, 8
@@ -41,9 +41,9 @@ def _case(seed):
                                         ("mass", "moments", 32, 0)])
 def kernel(request):
     importance, fit, threads, *stage = request.param
-    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit, threads=threads,
-                              **({"stage_bytes": stage[0]} if stage else {}))
-    return tvm.compile(tvm.IRModule({"tiered_rerank": func}), target="llvm"), request.param[:2]
+    funcs = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, importance=importance, fit=fit, threads=threads,
+                               **({"stage_bytes": stage[0]} if stage else {}))
+    return tvm.compile(tvm.IRModule(funcs), target="llvm"), request.param[:2]
 
 
 ORDER = ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", "t2_kmu", "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")
@@ -55,7 +55,7 @@ def test_rerank_matches_reference(kernel, seed):
 
     def run(host):
         tv = [tvm.runtime.tensor(a, tvm.cpu()) for a in host]
-        kernel["tiered_rerank"](*tv, ref.LAYER)
+        call_rerank(kernel.__getitem__, tv, ref.LAYER)
         return [t.numpy() for t in tv]
 
     _check(run, seed, importance, fit)
@@ -63,22 +63,22 @@ def test_rerank_matches_reference(kernel, seed):
 
 @pytest.mark.parametrize("fit,threads", [("lloyd", 512), ("moments", 64)])
 def test_cuda_form_emulated(fit, threads):
-    """The CUDA form (shared-memory staging and barriers, a block per sequence and KV head) run on the CPU
-    emulation of the generated code (tests/cuda_emu.py)."""
+    """The CUDA form (shared-memory staging and barriers; the ranking and the compaction a block per sequence and
+    KV head, the packing a block per new page too) run on the CPU emulation of the generated code (tests/cuda_emu.py)."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.targets import make_target
 
-    func = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit=fit, threads=threads)
-    src = tvm.compile(tvm.IRModule({"tiered_rerank": func}), target=make_target("cuda")).mod.imports[0].inspect_source()
-    kern = EmulatedKernel(src, "tiered_rerank_kernel")
+    funcs = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit=fit, threads=threads)
+    src = tvm.compile(tvm.IRModule(funcs), target=make_target("cuda")).mod.imports[0].inspect_source()
+    kerns = [EmulatedKernel(src, f"{name}_kernel") for name in RERANK_KERNELS]
     names = ORDER + ("t1_table", "t1_len", "length", "demote", "new_t2", "score", "rank", "order")
 
     def run(host):
         host = [np.ascontiguousarray(a) for a in host]
-        m1 = host[len(ORDER)].shape[1]
-        kern((2, HKV, 1), max(threads, D), **dict(zip(names, host)), layer=ref.LAYER, B=2, M1=m1, MN=host[len(ORDER) + 4].shape[1],
-             P1=P1, P2=P2)
+        m1, mn = host[len(ORDER)].shape[1], host[len(ORDER) + 4].shape[1]
+        for kern, grid, block in zip(kerns, [(2, HKV, 1), (2, HKV, mn), (2, HKV, 1)], [max(threads, D), max(D, PS2), max(threads, D)]):
+            kern(grid, block, **dict(zip(names, host)), layer=ref.LAYER, B=2, M1=m1, MN=mn, P1=P1, P2=P2)
         return host
 
     _check(run, 0, "mass", fit)
@@ -127,6 +127,6 @@ def test_cuda_form_compiles():
     from moec.compiler.targets import make_target
 
     for fit in ("moments", "lloyd"):
-        ex = tvm.compile(tvm.IRModule({"tiered_rerank": make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda", fit=fit)}),
+        ex = tvm.compile(tvm.IRModule(make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda", fit=fit)),
                          target=make_target("cuda"))
         assert "__syncthreads" in ex.mod.imports[0].inspect_source()
