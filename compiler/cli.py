@@ -460,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="moec systems: prompt tokens per prefill call (default 2048); prompts are packed into calls of "
                         "that many tokens, so a larger chunk prefills several streams per call")
+    p.add_argument("--prefetch-gate", choices=("auto", "off"), default="auto",
+                   help="-prefetch systems: auto (default) copies ahead only the predicted experts whose expected saving "
+                        "exceeds the cost of a wrong copy; off copies every predicted expert")
     p.add_argument("--work", default="/tmp/moec-bench", help="exports and compiled artifacts are kept here")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="PNG of TPOT against context")

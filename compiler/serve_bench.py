@@ -252,7 +252,8 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
                  profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False,
-                 expert_slots: int | None = None, pipelined: bool = True, prefill_chunk: int | None = None) -> None:
+                 expert_slots: int | None = None, pipelined: bool = True, prefill_chunk: int | None = None,
+                 prefetch_gate: bool | None = None) -> None:
         import moec
 
         self.pipelined = pipelined
@@ -283,7 +284,7 @@ class _Moec:
                          tiered_options=tiered)
             if not offload:
                 _share_weights(art, work)
-        extra = {"expert_prefetch": 0 if _prefetched(kind) else None} if offload else {}
+        extra = {"expert_prefetch": 0 if _prefetched(kind) else None, "expert_prefetch_gate": prefetch_gate} if offload else {}
         if prefill_chunk is not None:
             extra["prefill_chunk"] = prefill_chunk
         self.engine = moec.load(art, device=device, max_batch=max_streams, max_total_tokens=max_tokens, **extra)
@@ -448,7 +449,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
               dtype: str = "float32", steps: int = 16, work: str | Path = "/tmp/moec-bench", seed: int = 0,
               progress: bool = True, checkpoint=None, profile: bool = False, layers: int | None = None,
               tie_layers: bool = False, synthetic_kv: bool = False, expert_slots: int | None = None,
-              pipelined: bool = True, prefill_chunk: int | None = None) -> dict:
+              pipelined: bool = True, prefill_chunk: int | None = None, prefetch_gate: bool | None = None) -> dict:
     """Run the grid for every system; returns the result document (see the module docstring).
 
     ``synthetic_kv``: the tiered and FP8 systems skip prefill and decode over caches filled with random entries
@@ -456,6 +457,9 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
 
     ``prefill_chunk``: the moec engines' prompt tokens per prefill call (default: the engine's, 2048); prompts are
     packed into calls of that many tokens, so a larger chunk prefills several streams' prompts per call.
+
+    ``prefetch_gate``: the -prefetch systems' ``PrefetchGate`` (None: the engine's default, on where copies are
+    asynchronous; False: every predicted expert copied ahead).
 
     ``checkpoint(doc)``, when given, is called after every grid point and every system built, so a run
     stopped from outside still leaves what it measured."""
@@ -483,7 +487,7 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
     doc = {"shape": shape, "config": {k: getattr(model.config, k, None) for k in SHAPES[shape][1]}, "dtype": dtype, "device_kind": device,
            "grid": {"streams": streams, "contexts": contexts}, "decode_steps": steps, "tied_layers": tie_layers,
            "synthetic_kv": synthetic_kv, "expert_slots": expert_slots, "step_loop": "pipelined" if pipelined else "sync",
-           "prefill_chunk": prefill_chunk,
+           "prefill_chunk": prefill_chunk, "prefetch_gate": prefetch_gate,
            "copy_bandwidth_GBps": bw / 1e9, "systems": {}}
     rng = np.random.default_rng(seed)
     prompts = {(s, c): rng.integers(3, model.config.vocab_size, (s, c - steps)) for s in streams for c in contexts}
@@ -515,7 +519,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 system = _Moec(name, model, source, work, device, max(streams), max(streams) * _PAGE * -(-max(contexts) // _PAGE),
                                profile=profile, max_context=max(contexts),
                                synthetic_kv=synthetic_kv and name.split("-")[1] in ("tiered", "fp8"),
-                               expert_slots=expert_slots, pipelined=pipelined, prefill_chunk=prefill_chunk)
+                               expert_slots=expert_slots, pipelined=pipelined, prefill_chunk=prefill_chunk,
+                               prefetch_gate=prefetch_gate)
                 runs["kv_fill"] = "synthetic" if system.synthetic_kv else "prefill"
             else:
                 system = _HF(name, model, device)
@@ -688,7 +693,8 @@ def main(args) -> int:
                     checkpoint=write, profile=getattr(args, "profile", False),
                     layers=getattr(args, "layers", None), tie_layers=getattr(args, "tie_layers", False),
                     synthetic_kv=getattr(args, "synthetic_kv", False), expert_slots=getattr(args, "expert_slots", None),
-                    pipelined=not getattr(args, "sync_steps", False), prefill_chunk=getattr(args, "prefill_chunk", None))
+                    pipelined=not getattr(args, "sync_steps", False), prefill_chunk=getattr(args, "prefill_chunk", None),
+                    prefetch_gate={"auto": None, "off": False}[getattr(args, "prefetch_gate", "auto")])
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)

@@ -148,14 +148,17 @@ class Engine:
 
     def __init__(self, directory: str | Path, device: str = "cpu", max_batch: int = 64, max_total_tokens: int = 8192,
                  prefill_chunk: int = 2048, page_size: int = 16, t1_pages: int | None = None, t2_pages: int | None = None,
-                 cuda_graph: bool | None = None, expert_prefetch: int | str | None = "auto") -> None:
+                 cuda_graph: bool | None = None, expert_prefetch: int | str | None = "auto",
+                 expert_prefetch_gate: bool | None = None) -> None:
         """``cuda_graph``: run decode steps through the artifact's CUDA graphs (``moec compile --cuda-graph``) when
         they fit its bounds. None (default): if the artifact has them and the device is CUDA; False: never; True:
         the artifact must have them. ``expert_prefetch`` (offloaded experts): None loads each layer's experts when
         its router has chosen; n >= 0 also prefetches the next layer's predicted top-k + n experts per token
         (``OffloadedExperts``); "auto" (default): per layer the fewest extra experts with which the calibration's
         check found 90% of the routed experts predicted, when the artifact was compiled with ``--calibration``,
-        else 0."""
+        else 0. ``expert_prefetch_gate``: copy ahead only the predicted experts worth it (``PrefetchGate``: a
+        prediction's measured precision against the copy time and the compute it can hide); None (default): on
+        CUDA, where copies overlap compute; False: every predicted expert."""
         if expert_prefetch is not None and expert_prefetch != "auto" and (
                 not isinstance(expert_prefetch, int) or isinstance(expert_prefetch, bool) or expert_prefetch < 0):
             raise MoecError(f"expert_prefetch must be None, 'auto' or a non-negative number of extra experts, got {expert_prefetch!r}")
@@ -232,7 +235,7 @@ class Engine:
             try:
                 self.experts = OffloadedExperts(tvm, self.device, offload, host, *_predictors(
                     manifest, offload, {n: stored[k] for n, k in zip([n for n in names if n not in pools], keys)},
-                    expert_prefetch, fitted))
+                    expert_prefetch, fitted), gate=expert_prefetch_gate)
             except ValueError as exc:  # arrays that do not fit the manifest's pools
                 raise ArtifactError(f"{directory / WEIGHTS}: {exc}") from None
             del host

@@ -24,6 +24,7 @@ used, so on-demand loading (no prefetch) and prefetching can be compared on the 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -240,6 +241,51 @@ class CudaStreamCopies:
         self._drv.stream_synchronize(self.stream)
 
 
+class PrefetchGate:
+    """Whether a predicted expert is worth copying ahead of its layer.
+
+    A prefetch issued at layer l's residency can hide at most the time until layer l + 1's (``overlap``: layer
+    l's expert GEMMs and layer l + 1's attention). A wrong one costs a whole copy (``copy_s``) of copy-engine
+    time, which the next layer's demand copies then queue behind. So an expert whose prediction comes true with
+    probability p is copied ahead only if ``p * overlap >= (1 - p) * copy_s``. Where a copy takes far longer than
+    a layer computes (a bf16 Mixtral-8x7B expert: 7 ms over PCIe against well under 1 ms of compute) only near
+    certain predictions pass, and prefetching costs about nothing; where copies are short, most pass.
+
+    p is estimated per prediction rank (an expert's best rank among the tokens' predictions, 0 = some token's
+    top choice) from the predictions made so far, copied or not, against the experts the layer then routed to
+    (``observe``), with counts that decay by ``decay`` an observation and a prior of one hit in two.
+    ``overlap`` is the mean time between consecutive layers' residency calls of one step when the first layer
+    waited for no copy (``time_layer``)."""
+
+    def __init__(self, copy_s: float, ranks: int, decay: float = 0.98) -> None:
+        self.copy_s = float(copy_s)
+        self.used = np.ones(max(int(ranks), 1))
+        self.seen = np.full(max(int(ranks), 1), 2.0)
+        self.decay = float(decay)
+        self.overlap: float | None = None
+
+    def precision(self) -> np.ndarray:
+        return self.used / self.seen
+
+    def observe(self, predicted: dict, routed) -> None:
+        """``predicted``: expert -> best rank, for the layer whose routed experts are ``routed``."""
+        routed = set(int(e) for e in routed)
+        for e, r in predicted.items():
+            r = min(int(r), len(self.seen) - 1)
+            self.used[r] = self.used[r] * self.decay + float(e in routed)
+            self.seen[r] = self.seen[r] * self.decay + 1.0
+
+    def time_layer(self, seconds: float) -> None:
+        self.overlap = seconds if self.overlap is None else 0.8 * self.overlap + 0.2 * seconds
+
+    def admit(self, rank: int) -> bool:
+        """Copy ahead an expert of this best rank? (Yes until a layer has been timed.)"""
+        if self.overlap is None:
+            return True
+        p = self.precision()[min(int(rank), len(self.seen) - 1)]
+        return p * self.overlap >= (1.0 - p) * self.copy_s
+
+
 class OffloadedExperts:
     """The runtime side of offloaded experts (``moec compile --expert-slots``): the layers' expert weights in host
     memory (pinned on CUDA), device pools of ``slots`` experts (W1 [S, 2I, D], W2 [S, D, I]; with FP8 experts,
@@ -263,10 +309,14 @@ class OffloadedExperts:
     extra`` experts of each token are copied ahead of layer l's router (``ExpertCache.prefetch``: never evicting
     the running layer's experts), overlapping layer l - 1's expert GEMMs and layer l's attention. ``cache.stats``
     counts the prefetched experts the layer then used and the stalls left; ``waits`` the layers whose GEMMs waited
-    for copies in flight, ``ready`` the layers whose needed copies had all finished by their router."""
+    for copies in flight, ``ready`` the layers whose needed copies had all finished by their router.
+
+    ``gate`` (``PrefetchGate``): True copies ahead only the predicted experts worth it (the gate's rule, with the
+    copy time from ``copy_bandwidth``), False every predicted expert, None (default) gates where copies are
+    asynchronous (CUDA). ``skipped`` counts the predicted experts the gate held back."""
 
     def __init__(self, tvm, device, doc: dict, host: dict, predictors: list | None = None, top_k: int = 0,
-                 extra: int = 0, copier=None) -> None:
+                 extra: int = 0, copier=None, gate: bool | None = None) -> None:
         self._tvm, self.device = tvm, device
         # extra: one number for every layer, or one per layer (``expert_prefetch="auto"``)
         self.predictors, self.top_k = predictors, int(top_k)
@@ -295,19 +345,30 @@ class OffloadedExperts:
         self.ready = 0
         self._inflight: set = set()  # (layer, expert) copies enqueued since the compute stream last waited
         self._last = None
+        self._gated = (copier.asynchronous if gate is None else bool(gate)) and predictors is not None
+        self.gate: PrefetchGate | None = None  # made at the first prefetch (it measures the copy bandwidth)
+        self.skipped = 0
+        self._predicted: dict = {}  # layer -> {expert: best rank} of the prediction made for it
+        self._timed = None  # (time it returned, layer, whether it waited) of the last residency call: the gate's overlap
 
     def reset_counts(self) -> None:
         self.cache.stats = CacheStats()
-        self.copies = self.copy_bytes = self.waits = self.ready = 0
+        self.copies = self.copy_bytes = self.waits = self.ready = self.skipped = 0
 
     def counts(self) -> dict:
-        return {"slots": self.cache.capacity, "copies": self.copies, "copy_bytes": self.copy_bytes,
-                "copy_waits": self.waits, "copies_ready": self.ready, **self.cache.stats.as_dict()}
+        out = {"slots": self.cache.capacity, "copies": self.copies, "copy_bytes": self.copy_bytes,
+               "copy_waits": self.waits, "copies_ready": self.ready, "prefetch_skipped": self.skipped,
+               **self.cache.stats.as_dict()}
+        if self.gate is not None:
+            out["gate"] = {"copy_ms": self.gate.copy_s * 1e3, "overlap_ms": None if self.gate.overlap is None else
+                           self.gate.overlap * 1e3, "precision_by_rank": [round(float(p), 4) for p in self.gate.precision()]}
+        return out
 
     def begin(self) -> None:
         for layer in range(len(self.layers)):
             self.cache.release(layer)
         self._last = None
+        self._timed = None
 
     def _copy(self, layer: int, expert: int, slot: int) -> None:
         for i, pool in enumerate(self.pools):
@@ -320,8 +381,6 @@ class OffloadedExperts:
     def copy_bandwidth(self, repeats: int = 8) -> float:
         """Host-to-device bytes per second of expert copies: layer 0's first expert copied ``repeats`` times into a
         scratch buffer the size of a slot, the way the cache copies (measured on its own, not while decoding)."""
-        import time
-
         scratch = [self._tvm.runtime.empty((self._slot_bytes[i],), "uint8", self.device) for i in range(len(self.pools))]
         self.copier.synchronize()
         t = time.perf_counter()
@@ -339,7 +398,19 @@ class OffloadedExperts:
             logits = logits + bias
         k = min(self.top_k + (self.extra[layer] if isinstance(self.extra, list) else self.extra), self.experts)
         top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
-        for expert, slot in self.cache.prefetch(layer, np.unique(top).tolist()):
+        ranked = np.take_along_axis(top, np.argsort(-np.take_along_axis(logits, top, -1), axis=-1), -1)
+        best: dict = {}  # expert -> its best rank among the tokens' predictions
+        for r in range(k):
+            for e in np.unique(ranked[:, r]).tolist():
+                best.setdefault(int(e), r)
+        self._predicted[layer] = best
+        want = list(best)
+        if self._gated:
+            if self.gate is None:
+                self.gate = PrefetchGate(sum(self._slot_bytes) / self.copy_bandwidth(repeats=2), ranks=k)
+            want = [e for e in want if (layer, e) in self.cache or self.gate.admit(best[e])]
+            self.skipped += len(best) - len(want)
+        for expert, slot in self.cache.prefetch(layer, want):
             self._copy(layer, expert, slot)
 
     def residency(self, ids, x, layer: int):
@@ -352,6 +423,13 @@ class OffloadedExperts:
         routed = ids.numpy().astype(np.int64).reshape(-1)  # (synchronises the compute stream)
         routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
         routed = np.unique(routed[(routed >= 0) & (routed < e)])
+        waits = self.waits
+        if self._gated:
+            now = time.perf_counter()
+            if self._timed is not None and self._timed[1] == layer - 1 and not self._timed[2] and self.gate is not None:
+                self.gate.time_layer(now - self._timed[0])  # the previous layer waited for no copy: its compute
+            if self.gate is not None and layer in self._predicted:
+                self.gate.observe(self._predicted.pop(layer), routed.tolist())
         predict = self.predictors is not None and layer + 1 < len(self.layers)
         xs = x.numpy().astype(np.float32).reshape(-1, x.shape[-1]) if predict else None
         _, copies = self.cache.require(layer, routed.tolist())
@@ -370,4 +448,6 @@ class OffloadedExperts:
             self._inflight.clear()
         if predict:
             self._prefetch(xs, layer + 1)
+        if self._gated:
+            self._timed = (time.perf_counter(), layer, self.waits != waits)
         return out

@@ -106,3 +106,27 @@ def test_prediction_recall_on_trained_tiny(trained_tiny):
     assert b["recall"] == 1.0 and b["predicted_per_step"] == e
     with pytest.raises(ValueError, match="needs a previous layer"):
         predict(model, trace, 0)
+
+
+def test_prefetch_gate_weighs_precision_against_copy_time():
+    """A prediction is copied ahead when p * overlap >= (1 - p) * copy time: with a 7 ms copy and 1 ms of compute to
+    hide it behind, only predictions right more than 7 / 8 of the time pass; with a 0.5 ms copy, a third will do."""
+    from moec.runtime.expert_cache import PrefetchGate
+
+    rng = np.random.default_rng(0)
+    gate = PrefetchGate(copy_s=7e-3, ranks=2, decay=0.99)
+    assert gate.admit(0) and gate.admit(1)  # nothing timed yet: copy ahead
+    gate.time_layer(1e-3)
+    for _ in range(2000):  # rank 0 right 95% of the time, rank 1 69%
+        gate.observe({0: 0, 1: 1}, [e for e, p in ((0, 0.95), (1, 0.69)) if rng.random() < p])
+    p = gate.precision()
+    assert abs(p[0] - 0.95) < 0.05 and abs(p[1] - 0.69) < 0.08
+    assert gate.admit(0) and not gate.admit(1) and not gate.admit(5)  # ranks past the last share its estimate
+    gate.copy_s = 0.5e-3
+    assert gate.admit(0) and gate.admit(1)
+    gate.time_layer(1e-4)  # the overlap is a moving average: 0.8 x 1 ms + 0.2 x 0.1 ms
+    assert abs(gate.overlap - 0.82e-3) < 1e-9
+    # the counts decay: a predictor that turns bad is noticed
+    for _ in range(500):
+        gate.observe({0: 0}, [])
+    assert gate.precision()[0] < 0.05 and not gate.admit(0)

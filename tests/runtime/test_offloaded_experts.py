@@ -287,6 +287,35 @@ def test_finished_copies_are_not_waited_for(arts):
     assert e.experts.counts()["copies"] == 0 and e.experts.cache.stats.stalls == 0
 
 
+def test_prefetch_gate(arts):
+    """The gate (``expert_prefetch_gate=True``) holds back the predictions not worth a copy: with copies that take
+    far longer than a layer computes, it copies ahead little (only before a layer was timed); with free copies, every
+    prediction, as the ungated prefetch does. Numbers stay the resident model's either way."""
+    from moec.runtime.expert_cache import PrefetchGate
+
+    _, resident, slots = arts
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (7, 11)]
+    _, want = _run(resident, prompts, 5)
+    ungated = _run(slots, prompts, 5, expert_prefetch=0, expert_prefetch_gate=False)[0].experts.counts()
+    runs = {}
+    for copy_s in (1e3, 0.0):
+        e = moec.load(slots, max_batch=4, max_total_tokens=512, expert_prefetch=0, expert_prefetch_gate=True)
+        e.experts.gate = PrefetchGate(copy_s, ranks=2)  # (else made at the first prefetch from a measured copy)
+        seqs, logits = e.prefill(prompts)
+        got, toks = [np.asarray(logits)], np.asarray(logits).argmax(-1)
+        for _ in range(5):
+            got.append(np.asarray(e.decode(seqs, toks.tolist())))
+            toks = got[-1].argmax(-1)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+        runs[copy_s] = e.experts.counts()
+        assert runs[copy_s]["gate"]["overlap_ms"] > 0 and len(runs[copy_s]["gate"]["precision_by_rank"]) == 2
+    slow, free = runs[1e3], runs[0.0]
+    assert slow["prefetch_skipped"] > 0 and free["prefetch_skipped"] == 0 and slow["prefetched"] < free["prefetched"]
+    assert free["prefetched"] == ungated["prefetched"] and free["stalls"] == ungated["stalls"] and "gate" not in ungated
+
+
 @pytest.mark.gpu
 def test_cuda_stream_copies_match_resident_on_gpu(arts, tmp_path):
     """On the GPU: pinned host weights, copies on the copy stream, the compute stream waiting where a layer's
