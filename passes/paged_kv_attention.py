@@ -23,6 +23,7 @@ from tvm import relax, tirx
 from ..compiler.errors import MoecError
 from ..compiler.graph import dtype_of, shape_of
 from ..compiler.moe_structure import MoEStructure, analyze
+from .logit_positions import logits_at_positions
 
 ATTN_FUNC = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 POS_FUNC = "vm.builtin.attention_kv_cache_get_query_positions"
@@ -164,10 +165,11 @@ def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, 
     bb = relax.BlockBuilder()
     fname = "prefill" if with_logit_pos else "decode"
     with bb.function(fname, new_params, attrs={"num_input": len(new_params) - len(weights)}):
-        result = bb.emit(body)
+        at = None if logit_pos is None else logits_at_positions(body, logit_pos, n)  # the LM head on those rows only
+        result = bb.emit(body if at is None else at)
         if isinstance(result.ty, relax.TupleType):
             result = bb.emit(relax.TupleGetItem(result, 0))
-        if logit_pos is not None:
+        if logit_pos is not None and at is None:
             result = bb.emit(relax.op.take(result, logit_pos, axis=1))
         bb.emit_func_output(result)
     # entries share untouched bindings with ``func``; give each its own variables

@@ -38,6 +38,7 @@ from ..compiler.errors import MoecError
 from ..compiler.moe_structure import MoEStructure, analyze
 from ..runtime.kv_cache import POOLS, pool_specs
 from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs, keep_helpers
+from .logit_positions import logits_at_positions
 
 CACHE_ARGS = ("q_pos", "slots", "q_row", "q_t1", "q_indptr", "t1_table", "t2_table", "t2_np")
 RERANK_ARGS = ("t1_table", "t1_len", "length", "demote", "new_t2")
@@ -281,10 +282,11 @@ def build_entry(func: relax.Function, num_inputs: int, structure: MoEStructure, 
     fname = "prefill" if with_logit_pos else "decode"
     inner = relax.BlockBuilder()
     with inner.function(fname, new_params, attrs={"num_input": len(new_params) - len(weights)}):
-        result = inner.emit(body)
+        at = None if logit_pos is None else logits_at_positions(body, logit_pos, n)  # the LM head on those rows only
+        result = inner.emit(body if at is None else at)
         if isinstance(result.ty, relax.TupleType):
             result = inner.emit(relax.TupleGetItem(result, 0))
-        if logit_pos is not None:
+        if logit_pos is not None and at is None:
             result = inner.emit(relax.op.take(result, logit_pos, axis=1))
         # the updated pools (aliases of the arguments) are outputs too, so no in-place update is dead code
         inner.emit_func_output(relax.Tuple([result] + [rewriter.pools[x] for x in POOLS]))
