@@ -11,8 +11,8 @@ by one token a step, its budget by 0.15 tokens, so it demotes one page every 128
 with a re-rank every N = 16 steps, 128 * 16 / 151 = 14 of 128 sequences demote per re-rank (the
 engine passes only those rows). Amortised cost per decode step and layer = time / N.
 
-The kernels are the ones compiled models use (least-squares 2-bit fit; three launches a layer: ranking,
-packing a block per new page, compaction), each also timed alone. A third case is the re-rank after a
+The kernels are the ones compiled models use (least-squares 2-bit fit; five launches a layer: scores, ranks
+and orders a block per 512 tier-1 slots, packing a block per new page, compaction), each also timed alone. A third case is the re-rank after a
 2048-token prefill chunk: one sequence of 2048 tokens, all in tier 1, demotes 13 pages (down to its budget),
 so one block per KV head does the quadratic ranking over 2048 tokens; a fourth is the prompt's second chunk
 (2432 tier-1 tokens, 14 pages demoted). Each case is first checked against the llvm build of the same kernel run on the host (the pools
@@ -63,7 +63,7 @@ def prepare(out: Path, threads: int = 512, stage_bytes: int | None = None) -> No
                                                     "launches": list(funcs)}))
 
 
-def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1):
+def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1, posw: bool = True):
     from moec.runtime.kv_cache import POOLS, pool_specs
 
     pages1 = t1 // PS1
@@ -88,10 +88,15 @@ def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1
             host["t1_pos"][0, table[b], h, :] = pos.reshape(pages1, PS1)
     new_t2 = (np.arange(rows, dtype=np.int32) * per_row2)[:, None] + np.arange(pages, dtype=np.int32)[None, :]
     args = [host[n] for n in POOLS] + [table, np.full(rows, t1, np.int32), np.full(rows, context, np.int32),
-                                       np.full(rows, pages * PS2, np.int32), new_t2,
-                                       np.zeros((rows, HKV, t1), np.float32), np.zeros((rows, HKV, t1), np.int32),
-                                       np.zeros((rows, HKV, 2 * t1), np.int32)]
+                                       np.full(rows, pages * PS2, np.int32), new_t2, *_workspaces(rows, t1, posw)]
     return args
+
+
+def _workspaces(rows: int, t1: int, posw: bool = True) -> list:
+    """Zeroed workspaces [rows, Hkv, f * t1] in argument order: score, rank, order and, since the re-rank's five
+    launches, posw (``posw=False`` for a directory prepared before)."""
+    spec = (("score", 1, "float32"), ("rank", 1, "int32"), ("order", 2, "int32")) + ((("posw", 1, "int32"),) if posw else ())
+    return [np.zeros((rows, HKV, f * t1), dt) for _, f, dt in spec]
 
 
 def _check(gpu_out: dict, cpu_out: dict) -> dict:
@@ -140,7 +145,7 @@ def run(root: Path, json_out: Path, commit: str) -> int:
 
     for case in CASES:
         rows, context, t1, pages = CASES[case] or ({"steady": steady, "worst": STREAMS}[case], CONTEXT, T1, 1)
-        host = _inputs(rows, rng, context, t1, pages)
+        host = _inputs(rows, rng, context, t1, pages, posw="tiered_rerank_score" in launches)
         args = [tvm.runtime.tensor(a, dev) for a in host]
         call_rerank(mod.__getitem__, args, 0)
         dev.sync()

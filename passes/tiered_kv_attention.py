@@ -303,8 +303,10 @@ def build_rerank(structure: MoEStructure, kernels: _Kernels, opts: TieredOptions
     pools = dict(sig.pools)
     with bb.function("rerank", list(args.values()) + list(pools.values())):
         cur = list(pools.values())
+        from ..schedules.kernels.tiered_rerank import WORKSPACES
+
         ws = [bb.emit(relax.op.zeros(relax.ShapeExpr([b, kernels.hkv, f * m1 * opts.t1_page]), dt))
-              for f, dt in ((1, "float32"), (1, "int32"), (2, "int32"))]  # score, rank, order (tiered_rerank_*)
+              for _, f, dt in WORKSPACES]  # score, rank, order, posw (tiered_rerank_*)
         for layer in range(structure.num_layers):
             for kernel in kernels.rerank:
                 res = bb.emit(relax.call_tir_inplace(

@@ -21,11 +21,10 @@ keeps ``keep[b] = t1_len[b] - demote[b]``. For every sequence b and KV head:
    is below ``keep`` (as many holes lie below ``keep`` as kept tokens above it; sources and
    destinations are disjoint, so the moves are independent).
 
-The same TIR serves both targets: each phase is a loop over ``head_dim`` "threads", bound to
-``threadIdx.x`` on CUDA (one block per sequence and KV head, a barrier between phases) and serial
-on llvm. Phases talk through global workspaces: ``score`` float32 (once ranked, it holds each slot's
-position as int32 bits), ``rank`` and ``order`` int32, each [B, Hkv, M1 * PS1] (``order`` twice that).
-The key statistics of step 3 run a thread per (page, channel), ``threads // head_dim`` pages at a time.
+The same TIR serves both targets: five launches a layer (scores, ranks, order, packing, compaction), each a
+loop over "threads" bound to ``threadIdx.x`` on CUDA and serial on llvm. Launches talk through global
+workspaces: ``score`` float32, ``rank``, ``order`` and ``posw`` (each slot's position) int32, each
+[B, Hkv, M1 * PS1] (``order`` twice that).
 
 Buffers (layout of ``moec.runtime.kv_cache``): the tier-1 pool (k, v, ks, vs, pos, mass), the tier-2
 pool (k, v, kmu, ksig, vmu, vsig, pos), t1_table [B, M1], t1_len / length / demote [B] int32,
@@ -105,7 +104,7 @@ def _hash_score(p, layer, h):
     return T.Cast("float32", x >> T.uint32(8)) * T.float32(2.0**-24)
 
 
-PHASES = ("rank", "pack", "compact")
+PHASES = ("score", "rank", "order", "pack", "compact")
 RERANK_KERNELS = tuple(f"tiered_rerank_{p}" for p in PHASES)  # the re-rank's launches a layer, in call order
 
 
@@ -119,11 +118,14 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     error with them; "random" is a hash of (position, layer, head), the same-budget random-choice
     baseline the quality table compares against. ``fit`` is the 2-bit statistics fit (step 3).
 
-    The steps run as three launches with one signature, so that each gets the parallelism it can use:
+    The steps run as five launches with one signature, so that each gets the parallelism it can use:
 
-    - ``tiered_rerank_rank`` (steps 1-2): a block per (sequence, KV head) of ``threads`` threads (at least
-      ``head_dim``). The ranking and ordering are quadratic in the tier-1 tokens, and after a 2048-token prefill
-      chunk one sequence gives only as many blocks as KV heads, so they get the most threads.
+    - ``tiered_rerank_score``, ``_rank``, ``_order`` (steps 1-2): a block per (sequence, KV head, ``threads``
+      tier-1 slots) of ``threads`` threads (at least ``head_dim``), a thread per slot: its score (and position,
+      into ``posw``), then its rank by counting the slots below it, then, for a demoted slot, its place in the
+      two orders by counting. Ranking and ordering are quadratic in the tier-1 tokens, and after a 2048-token
+      prefill chunk one sequence gives only as many (sequence, KV head) pairs as KV heads, so the slots are
+      spread over blocks too; blocks past a row's tier-1 length exit.
     - ``tiered_rerank_pack`` (step 3): a block per (sequence, KV head, new tier-2 page), ``max(head_dim,
       t2_page)`` threads (at most 1024): a prefill chunk demotes a dozen pages a sequence, each packed by a
       block of its own instead of one after another. A block whose page index is past ``demote[b] / t2_page``
@@ -133,6 +135,8 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
       slot order and the page table from global memory once per pass.
     - ``tiered_rerank_compact`` (step 4): a block per (sequence, KV head). It runs after every page has read
       its source rows, since the kept tokens move into demoted slots.
+
+    Launches are ordered on the stream, which is the barrier between steps across blocks.
     """
     if fit not in FITS:
         raise ValueError(f"unknown 2-bit fit {fit!r}: expected one of {', '.join(FITS)}")
@@ -155,21 +159,21 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     NP = min(max(D, PS2), 1024)  # the pack launch's threads
 
     def build(phase):
-        rank_phase, pack_phase = phase == "rank", phase == "pack"
+        pack_phase, slot_phase = phase == "pack", phase in ("score", "rank", "order")
         NB = NP if pack_phase else NT
 
         def threads():
             return T.thread_binding(NB, thread="threadIdx.x") if gpu else T.serial(NB)
 
-        def page_blocks(mn):  # the pack launch's third grid axis: a new tier-2 page each
-            return T.thread_binding(mn, thread="blockIdx.z") if gpu else T.serial(mn)
+        def third(extent):  # the third grid axis: a new tier-2 page (pack) or NT tier-1 slots (score, rank, order)
+            return T.thread_binding(extent, thread="blockIdx.z") if gpu else T.serial(extent)
 
         @T.prim_func(s_tir=True)
         def tiered_rerank(t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle, t1pos_h: T.handle,
                           mass_h: T.handle, t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle,
                           t2vmu_h: T.handle, t2vsig_h: T.handle, t2pos_h: T.handle, t1tab_h: T.handle, t1len_h: T.handle,
                           len_h: T.handle, dem_h: T.handle, new_h: T.handle, score_h: T.handle, rank_h: T.handle,
-                          order_h: T.handle, layer: T.int32):
+                          order_h: T.handle, posw_h: T.handle, layer: T.int32):
             T.func_attr({"tirx.is_scheduled": True})
             NL, B, P1, P2, M1, MN = T.int64(), T.int32(), T.int64(), T.int64(), T.int32(), T.int32()
             t1_k = T.match_buffer(t1k_h, (NL, P1, HKV, PS1, D), "uint8")
@@ -193,10 +197,11 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
             score = T.match_buffer(score_h, (B, HKV, M1 * PS1), "float32")
             rank = T.match_buffer(rank_h, (B, HKV, M1 * PS1), "int32")
             order = T.match_buffer(order_h, (B, HKV, 2 * M1 * PS1), "int32")
+            posw = T.match_buffer(posw_h, (B, HKV, M1 * PS1), "int32")
 
             for b in T.thread_binding(B, thread="blockIdx.x") if gpu else T.serial(B):
                 for h in T.thread_binding(HKV, thread="blockIdx.y") if gpu else T.serial(HKV):
-                    for pi in page_blocks(MN) if pack_phase else T.serial(1):
+                    for pi in third(MN) if pack_phase else third(T.ceildiv(M1 * PS1, NT)) if slot_phase else T.serial(1):
                         with T.sblock("rerank"):
                             T.reads()
                             T.writes()
@@ -204,67 +209,53 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                             n1: T.let[T.int32] = t1_len[b]
                             nd: T.let[T.int32] = demote[b]
                             keep: T.let[T.int32] = n1 - nd
-                            if rank_phase:
+                            if phase == "score":
+                                # 1. scores (sinks and the recent window: +inf), and each slot's position
                                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                                 hl: T.let[T.float32] = harmonic(T.Cast("float32", length[b]))
-                                # 1. scores (sinks and the recent window: +inf)
                                 for tx in threads():
-                                    for c in T.serial(T.ceildiv(n1, NT)):
-                                        i: T.let[T.int32] = c * NT + tx
-                                        if i < n1:
-                                            pg: T.let[T.int32] = t1_table[b, i // PS1]
-                                            p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
-                                            if keynorm:
-                                                acc[0] = T.float32(0)
-                                                for d in T.serial(D):
-                                                    acc[1] = _fp8_to_f32(t1_k[layer, pg, h, i % PS1, d])
-                                                    acc[0] += acc[1] * acc[1]
-                                            score[b, h, i] = T.if_then_else(
-                                                (p < sink) | (p >= length[b] - recent), T.float32(INF),
-                                                _hash_score(p, layer, h) if rand else
-                                                acc[0] * T.Cast("float32", t1_ks[layer, pg, h, i % PS1]) * T.Cast(
-                                                    "float32", t1_ks[layer, pg, h, i % PS1]) if keynorm else
-                                                t1_mass[layer, pg, h, i % PS1] / T.max(
-                                                    hl - harmonic(T.Cast("float32", p + 1)) + T.float32(1.0) / T.Cast("float32", p + 1),
-                                                    T.float32(1e-12)))
-                                if gpu:
-                                    T.tvm_storage_sync("shared")
+                                    i: T.let[T.int32] = pi * NT + tx
+                                    if i < n1:
+                                        pg: T.let[T.int32] = t1_table[b, i // PS1]
+                                        p: T.let[T.int32] = t1_pos[layer, pg, h, i % PS1]
+                                        posw[b, h, i] = p
+                                        if keynorm:
+                                            acc[0] = T.float32(0)
+                                            for d in T.serial(D):
+                                                acc[1] = _fp8_to_f32(t1_k[layer, pg, h, i % PS1, d])
+                                                acc[0] += acc[1] * acc[1]
+                                        score[b, h, i] = T.if_then_else(
+                                            (p < sink) | (p >= length[b] - recent), T.float32(INF),
+                                            _hash_score(p, layer, h) if rand else
+                                            acc[0] * T.Cast("float32", t1_ks[layer, pg, h, i % PS1]) * T.Cast(
+                                                "float32", t1_ks[layer, pg, h, i % PS1]) if keynorm else
+                                            t1_mass[layer, pg, h, i % PS1] / T.max(
+                                                hl - harmonic(T.Cast("float32", p + 1)) + T.float32(1.0) / T.Cast("float32", p + 1),
+                                                T.float32(1e-12)))
+                            elif phase == "rank":
                                 # 2. rank by counting (ties by slot)
                                 for tx in threads():
-                                    for c in T.serial(T.ceildiv(n1, NT)):
-                                        i: T.let[T.int32] = c * NT + tx
-                                        if i < n1:
+                                    i: T.let[T.int32] = pi * NT + tx
+                                    if i < n1:
+                                        cnt[0] = 0
+                                        for j in T.serial(n1):
+                                            cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
+                                                             ((score[b, h, j] == score[b, h, i]) & (j < i)))
+                                        rank[b, h, i] = cnt[0]
+                            elif phase == "order":
+                                # the demoted slots, ascending, then the same by position
+                                for tx in threads():
+                                    i: T.let[T.int32] = pi * NT + tx
+                                    if i < n1:
+                                        if rank[b, h, i] < nd:
+                                            cnt[0] = 0
+                                            for j in T.serial(i):
+                                                cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
+                                            order[b, h, cnt[0]] = i
                                             cnt[0] = 0
                                             for j in T.serial(n1):
-                                                cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
-                                                                 ((score[b, h, j] == score[b, h, i]) & (j < i)))
-                                            rank[b, h, i] = cnt[0]
-                                if gpu:
-                                    T.tvm_storage_sync("shared")
-                                # the scores are ranked: their workspace keeps each slot's position (its bits), so that
-                                # the ordering below reads one word per token instead of a table lookup and a gather
-                                for tx in threads():
-                                    for c in T.serial(T.ceildiv(n1, NT)):
-                                        i: T.let[T.int32] = c * NT + tx
-                                        if i < n1:
-                                            score[b, h, i] = T.reinterpret("float32", t1_pos[layer, t1_table[b, i // PS1], h, i % PS1])
-                                if gpu:
-                                    T.tvm_storage_sync("shared")
-                                # order: the demoted slots, ascending, then the same by position
-                                for tx in threads():
-                                    for c in T.serial(T.ceildiv(n1, NT)):
-                                        i: T.let[T.int32] = c * NT + tx
-                                        if i < n1:
-                                            if rank[b, h, i] < nd:
-                                                cnt[0] = 0
-                                                for j in T.serial(i):
-                                                    cnt[0] += T.Cast("int32", rank[b, h, j] < nd)
-                                                order[b, h, cnt[0]] = i
-                                                cnt[0] = 0
-                                                for j in T.serial(n1):
-                                                    cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (
-                                                        T.reinterpret("int32", score[b, h, j]) < T.reinterpret("int32", score[b, h, i])))
-                                                order[b, h, M1 * PS1 + cnt[0]] = i
+                                                cnt[0] += T.Cast("int32", (rank[b, h, j] < nd) & (posw[b, h, j] < posw[b, h, i]))
+                                            order[b, h, M1 * PS1 + cnt[0]] = i
                             elif pack_phase:
                                 # 3. new tier-2 page pi of sequence b: its tokens are order[M1 * PS1 + pi * PS2 + r]
                                 acc = T.sblock_alloc_buffer((5,), "float32", scope="local")
@@ -437,6 +428,16 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
         return tiered_rerank.with_attr("global_symbol", f"tiered_rerank_{phase}")
 
     return {f"tiered_rerank_{p}": build(p) for p in PHASES}
+
+
+WORKSPACES = (("score", 1, "float32"), ("rank", 1, "int32"), ("order", 2, "int32"), ("posw", 1, "int32"))
+
+
+def workspaces(rows: int, num_kv_heads: int, t1_slots: int):
+    """The re-rank's workspaces as zeroed NumPy arrays ([rows, Hkv, f * t1_slots] each), in argument order."""
+    import numpy as np
+
+    return [np.zeros((rows, num_kv_heads, f * t1_slots), dt) for _, f, dt in WORKSPACES]
 
 
 def call_rerank(lookup, args, layer) -> None:

@@ -7,7 +7,7 @@ from moec.runtime import kv_quant as q
 from moec.runtime.kv_cache import TieredPageTables
 from moec.schedules.kernels.tiered_append import make_tiered_append
 from moec.schedules.kernels.tiered_decode import decode_workspaces, make_tiered_decode
-from moec.schedules.kernels.tiered_rerank import call_rerank, make_tiered_rerank
+from moec.schedules.kernels.tiered_rerank import call_rerank, make_tiered_rerank, workspaces
 
 H, HKV, D, PS1, PS2, SINK, RECENT = 4, 2, 32, 16, 32, 2, 8
 P1, P2 = 40, 24
@@ -107,7 +107,6 @@ def test_append_decode_rerank_cycle():
                 rerank(*[dp[x] for x in ("t1_k", "t1_v", "t1_ks", "t1_vs", "t1_pos", "t1_mass", "t2_k", "t2_v", "t2_kmu",
                                          "t2_ksig", "t2_vmu", "t2_vsig", "t2_pos")],
                        *[tvm.runtime.tensor(a, dev) for a in (tab["t1_table"], tab["t1_len"], tab["length"], demote, new,
-                                                               np.zeros((2, HKV, m), np.float32), np.zeros((2, HKV, m), np.int32),
-                                                               np.zeros((2, HKV, 2 * m), np.int32))], 0)
+                                                               *workspaces(2, HKV, m))], 0)
             pt.check()
     assert reranks >= 3 and all(len(pt.seqs[s].t2_pages) > 0 for s in seqs)

@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_rerank import RERANK_KERNELS, call_rerank, make_tiered_rerank
+from moec.schedules.kernels.tiered_rerank import RERANK_KERNELS, call_rerank, make_tiered_rerank, workspaces
 
 HKV, D, PS1, PS2, SINK, RECENT = 2, 32, 16, 32, 2, 8
 P1, P2 = 16, 8
@@ -72,12 +72,16 @@ def test_cuda_form_emulated(fit, threads):
     funcs = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit=fit, threads=threads)
     src = tvm.compile(tvm.IRModule(funcs), target=make_target("cuda")).mod.imports[0].inspect_source()
     kerns = [EmulatedKernel(src, f"{name}_kernel") for name in RERANK_KERNELS]
-    names = ORDER + ("t1_table", "t1_len", "length", "demote", "new_t2", "score", "rank", "order")
+    names = ORDER + ("t1_table", "t1_len", "length", "demote", "new_t2", "score", "rank", "order", "posw")
 
     def run(host):
         host = [np.ascontiguousarray(a) for a in host]
         m1, mn = host[len(ORDER)].shape[1], host[len(ORDER) + 4].shape[1]
-        for kern, grid, block in zip(kerns, [(2, HKV, 1), (2, HKV, mn), (2, HKV, 1)], [max(threads, D), max(D, PS2), max(threads, D)]):
+        nt, slots = max(threads, D), -(-m1 * PS1 // max(threads, D))  # the slot launches' third axis: NT slots a block
+        grids = {"score": slots, "rank": slots, "order": slots, "pack": mn, "compact": 1}
+        for kern, name in zip(kerns, RERANK_KERNELS):
+            phase = name.rsplit("_", 1)[1]
+            grid, block = (2, HKV, grids[phase]), max(D, PS2) if phase == "pack" else nt
             kern(grid, block, **dict(zip(names, host)), layer=ref.LAYER, B=2, M1=m1, MN=mn, P1=P1, P2=P2)
         return host
 
@@ -93,8 +97,7 @@ def _check(run, seed, importance, fit):
         assert np.abs(other["t2_ksig"][pg].astype(np.float32) / want["t2_ksig"][pg].astype(np.float32) - 1).max() > 0.01
     m1 = tables["t1_table"].shape[1]
     host = [ref.layered(pools[k]) for k in ORDER] + [tables["t1_table"], tables["t1_len"], length, demote, new_t2,
-                                        np.zeros((2, HKV, m1 * PS1), np.float32), np.zeros((2, HKV, m1 * PS1), np.int32),
-                                        np.zeros((2, HKV, 2 * m1 * PS1), np.int32)]
+                                                     *workspaces(2, HKV, m1 * PS1)]
     out = run([a.copy() for a in host])
     got = {k: out[i] for i, k in enumerate(ORDER)}
     for i, k in enumerate(ORDER):
@@ -130,3 +133,34 @@ def test_cuda_form_compiles():
         ex = tvm.compile(tvm.IRModule(make_tiered_rerank(16, 128, 16, 128, 4, 64, target="cuda", fit=fit)),
                          target=make_target("cuda"))
         assert "__syncthreads" in ex.mod.imports[0].inspect_source()
+
+
+def test_rerank_bench_inputs_and_calls_on_cpu(monkeypatch):
+    """bench/tiered_rerank.py's inputs (argument order, workspaces) run through the llvm build's five launches on a
+    small shape: every row demotes its pages, tier 1 stays a permutation of its positions, and the bench's check
+    passes against itself."""
+    import importlib.util
+    from pathlib import Path
+
+    from moec.runtime.kv_cache import POOLS
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tiered_rerank.py"
+    spec = importlib.util.spec_from_file_location("moec_bench_tiered_rerank", path)
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    for name, value in (("HKV", HKV), ("D", D), ("PS1", PS1), ("PS2", PS2), ("SINK", SINK), ("RECENT", RECENT)):
+        monkeypatch.setattr(tr, name, value)
+    mod = tvm.compile(tvm.IRModule(make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, fit="lloyd")), target="llvm")
+    host = tr._inputs(3, np.random.default_rng(0), context=400, t1=96, pages=2)
+    assert len(host) == len(POOLS) + 5 + 4 and len(tr._inputs(1, np.random.default_rng(0), 400, 96, 1, posw=False)) == len(host) - 1
+    args = [tvm.runtime.tensor(a) for a in host]
+    call_rerank(mod.__getitem__, args, 0)
+    out = {n: args[i].numpy() for i, n in enumerate(POOLS)}
+    assert tr._check(out, out)["passed"]
+    keep = 96 - 2 * PS2
+    for b in range(3):
+        for h in range(HKV):
+            kept = out["t1_pos"][0, host[len(POOLS)][b], h].reshape(-1)[:keep]
+            moved = out["t2_pos"][0, host[len(POOLS) + 4][b], h].reshape(-1)
+            before = host[POOLS.index("t1_pos")][0, host[len(POOLS)][b], h].reshape(-1)
+            assert sorted(kept.tolist() + moved.tolist()) == sorted(before.tolist())
