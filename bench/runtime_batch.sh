@@ -4,10 +4,10 @@
 # Prepared here first (each writes its directory under .devcarry/, git-ignored):
 #   python bench/tiered_decode.py prepare .devcarry/td8
 #   python bench/tiered_prefill.py prepare .devcarry/tp
-#   python bench/tiered_rerank.py prepare .devcarry/rr
+#   python bench/tiered_rerank.py prepare .devcarry/rr4   (and .devcarry/rr, prepared at abdd814: the single-launch form)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
-# Then there (carry .devcarry/base and those six): bash bench/runtime_batch.sh SHA
+# Then there (carry .devcarry/base and those seven): bash bench/runtime_batch.sh SHA
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
 # The logs come back as one archive, $OUT/logs.tgz (the device tool returns at most 8 files).
@@ -26,7 +26,8 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
 }
 run tiered_decode_h200 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_h200.json" --commit "$SHA"
 run tiered_prefill_h200 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
-run tiered_rerank_staged_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit "$SHA"
+run tiered_rerank_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr4 --json "$OUT/tiered_rerank_h200.json" --commit "$SHA"
+run tiered_rerank_staged_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit abdd814
 run grouped_experts_prefill_h200 120 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
     --json "$OUT/grouped_experts_prefill_h200.json" --commit "$SHA"
 run e2e_cuda_h200 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_h200.json" --commit "$SHA"
