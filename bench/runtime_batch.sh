@@ -24,10 +24,10 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
   tail -n 3 "$LOGS/$name.log" >&2
 }
-run tiered_decode_h200 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_h200.json" --commit "$SHA"
-run tiered_prefill_h200 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
 run tiered_rerank_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr4 --json "$OUT/tiered_rerank_h200.json" --commit "$SHA"
 run tiered_rerank_staged_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit abdd814
+run tiered_decode_h200 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_h200.json" --commit "$SHA"
+run tiered_prefill_h200 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
 run grouped_experts_prefill_h200 120 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
     --json "$OUT/grouped_experts_prefill_h200.json" --commit "$SHA"
 run e2e_cuda_h200 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_h200.json" --commit "$SHA"
