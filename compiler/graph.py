@@ -166,10 +166,11 @@ def is_static(dim) -> bool:
 
 
 def same_dim(a, b) -> bool:
-    """Two dims equal: static ones (ints or IntImms) by value, symbolic ones structurally."""
+    """Two dims equal: static ones (ints or IntImms) by value, symbolic ones structurally; a static dim never
+    equals a symbolic one (a plain bool, never a TIR comparison)."""
     a, b = (int(d.value) if isinstance(d, IntImm) else d for d in (a, b))
     if is_static(a) or is_static(b):
-        return a == b
+        return is_static(a) and is_static(b) and bool(a == b)
     import tvm_ffi
 
     return bool(tvm_ffi.structural_equal(a, b))

@@ -18,16 +18,11 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..compiler.graph import same_dim, shape_of
+from ..compiler.graph import same_dim as _is
+from ..compiler.graph import shape_of
 
 _UNARY = {"relax.astype", "relax.tanh", "relax.sigmoid", "relax.negative"}
 _BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide"}
-
-
-def _is(dim, n) -> bool:
-    if isinstance(dim, int) or isinstance(n, int):
-        return isinstance(dim, int) and isinstance(n, int) and dim == n
-    return same_dim(dim, n)
 
 
 def _has(shape, n) -> bool:

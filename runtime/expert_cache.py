@@ -348,7 +348,7 @@ class OffloadedExperts:
         self._gated = (copier.asynchronous if gate is None else bool(gate)) and predictors is not None
         self.gate: PrefetchGate | None = None  # made at the first prefetch (it measures the copy bandwidth)
         self.skipped = 0
-        self._predicted: dict = {}  # layer -> {expert: best rank} of the prediction made for it
+        self._predicted: dict = {}  # (gated) layer -> {expert: best rank} of the prediction made for it
         self._timed = None  # (time it returned, layer, whether it waited) of the last residency call: the gate's overlap
 
     def reset_counts(self) -> None:
@@ -403,9 +403,9 @@ class OffloadedExperts:
         for r in range(k):
             for e in np.unique(ranked[:, r]).tolist():
                 best.setdefault(int(e), r)
-        self._predicted[layer] = best
         want = list(best)
         if self._gated:
+            self._predicted[layer] = best  # scored against the layer's routing at its residency
             if self.gate is None:
                 self.gate = PrefetchGate(sum(self._slot_bytes) / self.copy_bandwidth(repeats=2), ranks=k)
             want = [e for e in want if (layer, e) in self.cache or self.gate.admit(best[e])]

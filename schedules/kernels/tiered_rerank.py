@@ -440,7 +440,8 @@ def workspaces(rows: int, num_kv_heads: int, t1_slots: int):
     return [np.zeros((rows, num_kv_heads, f * t1_slots), dt) for _, f, dt in WORKSPACES]
 
 
-def call_rerank(lookup, args, layer) -> None:
-    """Run a compiled re-rank's launches in order: ``lookup(name)`` gives each packed function."""
-    for name in RERANK_KERNELS:
+def call_rerank(lookup, args, layer, names=RERANK_KERNELS) -> None:
+    """Run a compiled re-rank's launches (``names``, in call order) for one layer: ``lookup(name)`` gives each
+    packed function."""
+    for name in names:
         lookup(name)(*args, layer)
