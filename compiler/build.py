@@ -314,6 +314,8 @@ def compile(  # noqa: A001 - the public name users call
         # offloaded experts: stored apart (the runtime keeps them in host memory); the pools are not stored
         weight_names, weight_arrays, offloaded = grouped.offloaded_weights(weight_names, weight_arrays)
     attn = structure.layers[0].attention
+    _check_disk_space(output_dir, sum(int(w.nbytes) for w in weight_arrays if w is not None)
+                      + sum(int(w.nbytes) for w in offloaded.values()))
     with atomic_directory(output_dir) as tmp:
         cuda_kernels = _compile_cuda_kernels(executable, tgt, tmp, progress) if tgt.kind.name == "cuda" else []
         executable.export_library(str(tmp / LIBRARY))
@@ -369,6 +371,21 @@ def compile(  # noqa: A001 - the public name users call
         write_manifest(tmp, manifest)
     _log(progress, f"wrote {output_dir} in {time.perf_counter() - t0:.1f}s total")
     return Path(output_dir)
+
+
+def _check_disk_space(output_dir, weight_bytes: int) -> None:
+    """Refuse before writing when the artifact's weights (plus 1% and 64 MB for the library) cannot fit on the
+    output directory's file system: a full disk would otherwise fail the build after its compile, minutes in."""
+    import shutil
+
+    parent = Path(output_dir).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    need = int(weight_bytes * 1.01) + (64 << 20)
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise MoecError(f"not enough disk space for the artifact {output_dir}: its weights need about {need / 1e9:.2f} GB, "
+                        f"{parent} has {free / 1e9:.2f} GB free")
 
 
 def _warn_unreplaced_experts(manifest: dict, moe_layers: int, source: str) -> None:

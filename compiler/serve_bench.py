@@ -527,6 +527,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                 runs["experts_implementation"] = system.experts
         except Exception as exc:  # noqa: BLE001 - a system that cannot be built is reported, the others run
             runs["error"] = f"{type(exc).__name__}: {exc}"
+            if progress:
+                print(f"[bench] {name} was not built: {runs['error']}", file=sys.stderr, flush=True)
             checkpoint(doc)
             continue
         checkpoint(doc)
@@ -545,6 +547,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     point["failed_in"] = getattr(system, "phase", None)
                     point["memory_bytes_at_error"] = _memory(device)
                     point["memory_bytes_before"] = before
+                    if progress:
+                        print(f"[bench] {name} streams {s} context {c} failed: {point['error']}", file=sys.stderr, flush=True)
                     runs["points"].append(point)
                     checkpoint(doc)
                     continue
@@ -698,4 +702,8 @@ def main(args) -> int:
     write(doc, complete=True)
     if args.plot:
         plot({**head, **doc}, args.plot)
+    failed = [n for n, r in doc["systems"].items() if r.get("error") or any("error" in p for p in r["points"])]
+    if failed:  # the JSON keeps what did run; the exit status says that something did not
+        print(f"[bench] failed: {', '.join(failed)} (errors in {out})", file=sys.stderr)
+        return 1
     return 0

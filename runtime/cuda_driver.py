@@ -60,6 +60,7 @@ class CudaDriver:
         cu.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         cu.cuEventRecord.argtypes = [vp, vp]
         cu.cuEventSynchronize.argtypes = [vp]
+        cu.cuEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
         cu.cuEventDestroy_v2.argtypes = [vp]
         cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
         cu.cuMemFreeHost.argtypes = [vp]
@@ -102,13 +103,19 @@ class CudaDriver:
     def stream_synchronize(self, stream: int) -> None:
         self.check(self.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
-    def event(self, owner) -> int:
-        """A new event (no timing), destroyed when ``owner`` is collected."""
+    def event(self, owner, timing: bool = False) -> int:
+        """A new event (with ``timing``, one ``elapsed`` can measure), destroyed when ``owner`` is collected."""
         self.bind()
         ev = ctypes.c_void_p()
-        self.check(self.cu.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        self.check(self.cu.cuEventCreate(ctypes.byref(ev), 0 if timing else _EVENT_DISABLE_TIMING), "cuEventCreate")
         weakref.finalize(owner, self.cu.cuEventDestroy_v2, ev.value)
         return ev.value
+
+    def elapsed(self, start: int, end: int) -> float:
+        """Seconds between two completed timing events."""
+        ms = ctypes.c_float()
+        self.check(self.cu.cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        return ms.value * 1e-3
 
     def record(self, event: int, stream: int) -> None:
         self.check(self.cu.cuEventRecord(event, stream), "cuEventRecord")

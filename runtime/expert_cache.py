@@ -20,6 +20,8 @@ evicted; a prefetch that cannot find a free slot is dropped (counted), a
 ``require`` that cannot is an error (the cache is smaller than one layer's routed experts).
 ``stats`` counts hits, stalls (misses at ``require``), prefetch copies and prefetched experts never
 used, so on-demand loading (no prefetch) and prefetching can be compared on the same routing.
+``eviction_reuse()`` estimates how often an evicted expert is loaded again within one cycle of the layers: the
+price, in copies, of evicting a resident expert to make room for a prefetch.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ExpertCache:
     stats: CacheStats = field(default_factory=CacheStats)
     layers: int = 0  # the model's MoE layers ("cycle" needs them)
     policy: str = "lru"
+    decay: float = 0.98  # of the eviction-reuse counts
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -70,6 +73,9 @@ class ExpertCache:
         self._free = list(range(self.capacity - 1, -1, -1))
         self._pinned: set = set()
         self._pending: dict[tuple[int, int], bool] = {}  # prefetched, not yet required: key -> used
+        self._tick = 0  # require calls so far
+        self._ghost: "OrderedDict[tuple[int, int], int]" = OrderedDict()  # evicted key -> the tick of its eviction
+        self._reused, self._evicted = 1.0, 2.0
 
     def __contains__(self, key) -> bool:
         return key in self.resident
@@ -95,13 +101,39 @@ class ExpertCache:
         if victim is None:
             return None
         self.stats.evictions += 1
+        self._ghost[victim] = self._tick
         return self.resident.pop(victim)
 
     def _load(self, key, protect: set) -> int | None:
         slot = self._take_slot(protect)
         if slot is not None:
             self.resident[key] = slot
+            if self._ghost.pop(key, None) is not None:  # evicted, and needed again within a cycle
+                self._reuse(True)
         return slot
+
+    def _reuse(self, reused: bool) -> None:
+        self._reused = self._reused * self.decay + float(reused)
+        self._evicted = self._evicted * self.decay + 1.0
+
+    def _expire(self) -> None:
+        horizon = self.layers or self.capacity
+        while self._ghost:
+            key, tick = next(iter(self._ghost.items()))
+            if self._tick - tick <= horizon:
+                break
+            del self._ghost[key]
+            self._reuse(False)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def eviction_reuse(self) -> float:
+        """The estimated probability that an evicted expert is loaded again within one cycle of the layers (one
+        decode step): what evicting a resident expert for a prefetch may cost, in copies. Counts decay by ``decay``
+        an eviction, from a prior of one in two."""
+        return self._reused / self._evicted
 
     def prefetch(self, layer: int, experts) -> list[tuple[int, int]]:
         """Start copies for ``layer``'s predicted experts that are not resident; returns ``[(expert, slot)]`` to copy."""
@@ -126,6 +158,8 @@ class ExpertCache:
         ``release(layer)``; prefetches for ``layer`` not among them count as unused."""
         need = {(layer, int(e)) for e in experts}
         self._at = layer
+        self._tick += 1
+        self._expire()
         hits, stalls = [], []
         for key in sorted(need):
             if key in self.resident:
@@ -201,6 +235,13 @@ class HostCopies:
     def synchronize(self) -> None:
         pass
 
+    def mark(self) -> float:
+        """A point on the compute timeline (here the host's: the device computes as the host calls it)."""
+        return time.perf_counter()
+
+    def elapsed(self, start, end) -> float:
+        return end - start
+
 
 class CudaStreamCopies:
     """Expert copies on their own CUDA stream, overlapping compute. The host weights are staged once in pinned
@@ -221,6 +262,8 @@ class CudaStreamCopies:
         self.stream = stream_handle(tvm_ffi.get_global_func("runtime.Device_StreamCreate")(device))
         self._sync_from_to = tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")
         self.compute = launch_stream()
+        self._marks: list[int] = []
+        self._turn = 0
 
     def stage(self, array: np.ndarray):
         pinned = self._tvm.runtime.empty(array.shape, str(array.dtype), self.host_device)
@@ -240,29 +283,50 @@ class CudaStreamCopies:
     def synchronize(self) -> None:
         self._drv.stream_synchronize(self.stream)
 
+    def mark(self) -> int:
+        """A timing event recorded on the compute stream (from a ring of four: a mark is read before the fourth
+        after it is recorded). It completes when the compute stream gets there, after any wait enqueued before."""
+        if not self._marks:
+            self._marks = [self._drv.event(self, timing=True) for _ in range(4)]
+        ev = self._marks[self._turn]
+        self._turn = (self._turn + 1) % len(self._marks)
+        self._drv.record(ev, self.compute)
+        return ev
+
+    def elapsed(self, start: int, end: int) -> float:
+        """Device seconds between two marks; ``end`` must have completed (the stream was synchronised after it)."""
+        return self._drv.elapsed(start, end)
+
 
 class PrefetchGate:
     """Whether a predicted expert is worth copying ahead of its layer.
 
-    A prefetch issued at layer l's residency can hide at most the time until layer l + 1's (``overlap``: layer
-    l's expert GEMMs and layer l + 1's attention). A wrong one costs a whole copy (``copy_s``) of copy-engine
-    time, which the next layer's demand copies then queue behind. So an expert whose prediction comes true with
-    probability p is copied ahead only if ``p * overlap >= (1 - p) * copy_s``. Where a copy takes far longer than
-    a layer computes (a bf16 Mixtral-8x7B expert: 7 ms over PCIe against well under 1 ms of compute) only near
-    certain predictions pass, and prefetching costs about nothing; where copies are short, most pass.
+    A prefetch issued at layer l's residency can hide at most the compute until layer l + 1's router (``overlap``:
+    layer l's expert GEMMs, layer l + 1's attention and router), and never more than the copy itself. A wrong one
+    costs a whole copy (``copy_s``) of copy-engine time, which the next layers' demand copies then queue behind.
+    Where no slot is free, the copy also evicts a resident expert, which comes back within a cycle of the layers
+    with probability q (``ExpertCache.eviction_reuse``) and then costs a copy of its own. So an expert whose
+    prediction comes true with probability p is copied ahead only if
+
+        p * min(overlap, copy_s) >= (1 - p) * copy_s + (q * copy_s if it evicts)
+
+    Where a copy takes far longer than a layer computes (a bf16 Mixtral-8x7B expert: 7 ms over PCIe against about
+    1 ms of compute) or the cache is too small for the experts it holds to survive a cycle, nothing passes and the
+    prefetch costs nothing; where copies are short and slots to spare, most predictions pass.
 
     p is estimated per prediction rank (an expert's best rank among the tokens' predictions, 0 = some token's
     top choice) from the predictions made so far, copied or not, against the experts the layer then routed to
     (``observe``), with counts that decay by ``decay`` an observation and a prior of one hit in two.
-    ``overlap`` is the mean time between consecutive layers' residency calls of one step when the first layer
-    waited for no copy (``time_layer``)."""
+    ``overlap`` is measured on the device (the compute stream's time between one layer's residency call, after any
+    wait for copies, and the next layer's), as a moving average per number of rows (tokens) in the call: a
+    prefill chunk's layers compute far longer than a decode step's, and must not make decode prefetch look free."""
 
     def __init__(self, copy_s: float, ranks: int, decay: float = 0.98) -> None:
         self.copy_s = float(copy_s)
         self.used = np.ones(max(int(ranks), 1))
         self.seen = np.full(max(int(ranks), 1), 2.0)
         self.decay = float(decay)
-        self.overlap: float | None = None
+        self.overlaps: dict[int, float] = {}  # rows -> moving average of the overlap, in seconds
 
     def precision(self) -> np.ndarray:
         return self.used / self.seen
@@ -275,15 +339,27 @@ class PrefetchGate:
             self.used[r] = self.used[r] * self.decay + float(e in routed)
             self.seen[r] = self.seen[r] * self.decay + 1.0
 
-    def time_layer(self, seconds: float) -> None:
-        self.overlap = seconds if self.overlap is None else 0.8 * self.overlap + 0.2 * seconds
+    def time_layer(self, seconds: float, rows: int = 1) -> None:
+        old = self.overlaps.get(int(rows))
+        self.overlaps[int(rows)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def admit(self, rank: int) -> bool:
-        """Copy ahead an expert of this best rank? (Yes until a layer has been timed.)"""
-        if self.overlap is None:
+    def overlap(self, rows: int = 1) -> float | None:
+        """The overlap for a call of ``rows`` rows: measured at that many, else at the nearest count measured (by
+        ratio), else None."""
+        if not self.overlaps:
+            return None
+        rows = max(int(rows), 1)
+        near = min(self.overlaps, key=lambda r: abs(np.log(max(r, 1) / rows)))
+        return self.overlaps[near]
+
+    def admit(self, rank: int, rows: int = 1, evict_reuse: float = 0.0) -> bool:
+        """Copy ahead an expert of this best rank, in a call of ``rows`` rows? ``evict_reuse``: q when the copy must
+        evict a resident expert, 0 when a slot is free. (Yes until a layer of about that many rows is timed.)"""
+        overlap = self.overlap(rows)
+        if overlap is None:
             return True
         p = self.precision()[min(int(rank), len(self.seen) - 1)]
-        return p * self.overlap >= (1.0 - p) * self.copy_s
+        return p * min(overlap, self.copy_s) >= (1.0 - p + float(evict_reuse)) * self.copy_s
 
 
 class OffloadedExperts:
@@ -349,7 +425,7 @@ class OffloadedExperts:
         self.gate: PrefetchGate | None = None  # made at the first prefetch (it measures the copy bandwidth)
         self.skipped = 0
         self._predicted: dict = {}  # (gated) layer -> {expert: best rank} of the prediction made for it
-        self._timed = None  # (time it returned, layer, whether it waited) of the last residency call: the gate's overlap
+        self._timed = None  # (the copier's mark as it returned, layer) of the last residency call: the gate's overlap
 
     def reset_counts(self) -> None:
         self.cache.stats = CacheStats()
@@ -360,8 +436,10 @@ class OffloadedExperts:
                "copy_waits": self.waits, "copies_ready": self.ready, "prefetch_skipped": self.skipped,
                **self.cache.stats.as_dict()}
         if self.gate is not None:
-            out["gate"] = {"copy_ms": self.gate.copy_s * 1e3, "overlap_ms": None if self.gate.overlap is None else
-                           self.gate.overlap * 1e3, "precision_by_rank": [round(float(p), 4) for p in self.gate.precision()]}
+            out["gate"] = {"copy_ms": self.gate.copy_s * 1e3,
+                           "overlap_ms_by_rows": {str(r): round(v * 1e3, 4) for r, v in sorted(self.gate.overlaps.items())},
+                           "precision_by_rank": [round(float(p), 4) for p in self.gate.precision()],
+                           "eviction_reuse": round(self.cache.eviction_reuse(), 4)}
         return out
 
     def begin(self) -> None:
@@ -408,8 +486,13 @@ class OffloadedExperts:
             self._predicted[layer] = best  # scored against the layer's routing at its residency
             if self.gate is None:
                 self.gate = PrefetchGate(sum(self._slot_bytes) / self.copy_bandwidth(repeats=2), ranks=k)
-            want = [e for e in want if (layer, e) in self.cache or self.gate.admit(best[e])]
-            self.skipped += len(best) - len(want)
+            free, q, admitted = self.cache.free_slots, self.cache.eviction_reuse(), []
+            for e in sorted(want, key=best.get):  # the surest first: they take the free slots
+                if (layer, e) in self.cache or self.gate.admit(best[e], len(x), 0.0 if free > 0 else q):
+                    admitted.append(e)
+                    free -= int((layer, e) not in self.cache)
+            self.skipped += len(best) - len(admitted)
+            want = admitted
         for expert, slot in self.cache.prefetch(layer, want):
             self._copy(layer, expert, slot)
 
@@ -420,14 +503,15 @@ class OffloadedExperts:
             self.cache.release(self._last)
         self._last = layer
         e = self.experts
+        arrived = self.copier.mark() if self._gated else None  # the compute stream reached this layer's router
         routed = ids.numpy().astype(np.int64).reshape(-1)  # (synchronises the compute stream)
         routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
         routed = np.unique(routed[(routed >= 0) & (routed < e)])
-        waits = self.waits
         if self._gated:
-            now = time.perf_counter()
-            if self._timed is not None and self._timed[1] == layer - 1 and not self._timed[2] and self.gate is not None:
-                self.gate.time_layer(now - self._timed[0])  # the previous layer waited for no copy: its compute
+            if self._timed is not None and self._timed[1] == layer - 1 and self.gate is not None:
+                # the compute between the previous layer's residency (after its wait for copies) and this router
+                rows = int(np.prod(x.shape[:-1]))
+                self.gate.time_layer(self.copier.elapsed(self._timed[0], arrived), rows)
             if self.gate is not None and layer in self._predicted:
                 self.gate.observe(self._predicted.pop(layer), routed.tolist())
         predict = self.predictors is not None and layer + 1 < len(self.layers)
@@ -449,5 +533,5 @@ class OffloadedExperts:
         if predict:
             self._prefetch(xs, layer + 1)
         if self._gated:
-            self._timed = (time.perf_counter(), layer, self.waits != waits)
+            self._timed = (self.copier.mark(), layer)
         return out

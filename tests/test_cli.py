@@ -62,6 +62,21 @@ def test_compile_errors_exit_2_and_write_nothing(zoo, tmp_path, case):
     assert not out_dir.exists() and _no_partials(tmp_path, "art")
 
 
+def test_compile_refuses_when_the_disk_is_too_full(zoo, tmp_path, monkeypatch, capsys):
+    """The weights' size is checked against the output file system's free space before anything is written."""
+    from collections import namedtuple
+
+    from moec.compiler.cli import main
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 1 << 20))
+    out_dir = tmp_path / "sub" / "art"
+    assert main(["compile", str(zoo.source("tiny", "onnx")), "-o", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "not enough disk space for the artifact" in err and str(out_dir) in err and "0.00 GB free" in err
+    assert not out_dir.exists()
+
+
 def test_compile_replaces_existing_artifact_atomically(zoo, tmp_path):
     out_dir = tmp_path / "art"
     shutil.copytree(zoo.artifact("tiny", "onnx"), out_dir)

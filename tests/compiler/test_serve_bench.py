@@ -105,6 +105,25 @@ def test_bench_profile_and_tied_layers(tmp_path):
         assert len(list(f.keys())) == 9 + 3
 
 
+def test_bench_reports_a_failed_system(tmp_path, capsys, monkeypatch):
+    """A system that cannot be built (here: the disk filled while writing its artifact) is named on stderr and in
+    the JSON, the others still run, and the exit status is 1."""
+    from moec.compiler import serve_bench
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serve_bench, "_Moec", full)
+    out = tmp_path / "x.json"
+    assert main(["bench", "--shape", "tiny-olmoe", "--streams", "1", "--contexts", "24", "--steps", "3",
+                 "--systems", "moec-bf16,hf-eager", "--work", str(tmp_path / "w"), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "moec-bf16 was not built: OSError" in err and "No space left on device" in err and "failed: moec-bf16" in err
+    doc = json.loads(out.read_text())
+    assert "No space left" in doc["systems"]["moec-bf16"]["error"] and doc["complete"] is True
+    assert doc["systems"]["hf-eager"]["points"][0]["tpot_ms_median"] > 0
+
+
 def test_layers_override():
     model = build_hf("tiny-olmoe", layers=1)
     assert model.config.num_hidden_layers == 1 and len(model.model.layers) == 1

@@ -109,13 +109,14 @@ def test_prediction_recall_on_trained_tiny(trained_tiny):
 
 
 def test_prefetch_gate_weighs_precision_against_copy_time():
-    """A prediction is copied ahead when p * overlap >= (1 - p) * copy time: with a 7 ms copy and 1 ms of compute to
-    hide it behind, only predictions right more than 7 / 8 of the time pass; with a 0.5 ms copy, a third will do."""
+    """A prediction is copied ahead when p * min(overlap, copy) >= (1 - p) * copy time: with a 7 ms copy and 1 ms of
+    compute to hide it behind, only predictions right more than 7 / 8 of the time pass; with a 0.5 ms copy, a third
+    will do (the gain is capped at the copy: 0.5 ms, not the 1 ms of compute)."""
     from moec.runtime.expert_cache import PrefetchGate
 
     rng = np.random.default_rng(0)
     gate = PrefetchGate(copy_s=7e-3, ranks=2, decay=0.99)
-    assert gate.admit(0) and gate.admit(1)  # nothing timed yet: copy ahead
+    assert gate.admit(0) and gate.admit(1) and gate.overlap() is None  # nothing timed yet: copy ahead
     gate.time_layer(1e-3)
     for _ in range(2000):  # rank 0 right 95% of the time, rank 1 69%
         gate.observe({0: 0, 1: 1}, [e for e, p in ((0, 0.95), (1, 0.69)) if rng.random() < p])
@@ -125,8 +126,48 @@ def test_prefetch_gate_weighs_precision_against_copy_time():
     gate.copy_s = 0.5e-3
     assert gate.admit(0) and gate.admit(1)
     gate.time_layer(1e-4)  # the overlap is a moving average: 0.8 x 1 ms + 0.2 x 0.1 ms
-    assert abs(gate.overlap - 0.82e-3) < 1e-9
+    assert abs(gate.overlap() - 0.82e-3) < 1e-9
     # the counts decay: a predictor that turns bad is noticed
     for _ in range(500):
         gate.observe({0: 0}, [])
     assert gate.precision()[0] < 0.05 and not gate.admit(0)
+
+
+def test_prefetch_gate_overlap_per_rows_and_eviction_cost():
+    """The overlap is kept per number of rows: a prefill chunk's long layers (what made an H100 run copy every
+    prediction ahead of 1 ms decode layers, at 7 ms a copy) do not stand for a decode step's once one is timed. A
+    prefetch that must evict also pays q copies, q the chance the evicted expert comes back within a cycle."""
+    from moec.runtime.expert_cache import PrefetchGate
+
+    gate = PrefetchGate(copy_s=7e-3, ranks=1)
+    for _ in range(100):
+        gate.observe({0: 0}, [0] if _ % 50 else [])  # right 98% of the time
+    gate.time_layer(60e-3, rows=496)  # a prefill chunk's layer
+    assert gate.overlap(16) == 60e-3 and gate.admit(0, rows=16)  # only prefill timed: its estimate stands in
+    gate.time_layer(1.2e-3, rows=16)
+    assert gate.overlap(16) == 1.2e-3 and gate.overlap(12) == 1.2e-3 and gate.overlap(400) == 60e-3
+    # 0.98 x 1.2 ms = 1.18 ms against 0.02 x 7 ms = 0.14 ms: a free slot admits it, an eviction that comes back
+    # a third of the time (2.3 ms more) does not
+    assert gate.admit(0, rows=16, evict_reuse=0.0) and not gate.admit(0, rows=16, evict_reuse=1 / 3)
+    assert gate.admit(0, rows=496, evict_reuse=1 / 3)  # a prefill layer hides the copy whole
+
+
+def test_eviction_reuse_estimate():
+    """``eviction_reuse``: evicted experts loaded again within one cycle of the layers count as reused, those not
+    loaded again within it as not; a cache that holds a layer's experts while the cycle wants them all back reuses
+    every eviction, one whose evicted experts never return none."""
+    from moec.runtime.expert_cache import ExpertCache
+
+    cache = ExpertCache(4, layers=2, policy="cycle", decay=0.9)
+    assert cache.eviction_reuse() == 0.5 and cache.free_slots == 4
+    for _ in range(30):  # two layers of 4 experts each through 4 slots: every eviction comes back next step
+        for layer in range(2):
+            cache.require(layer, range(4))
+            cache.release(layer)
+    assert cache.eviction_reuse() > 0.95 and cache.free_slots == 0
+    cache = ExpertCache(4, layers=2, policy="cycle", decay=0.9)
+    for step in range(30):  # fresh experts every step: nothing evicted returns
+        for layer in range(2):
+            cache.require(layer, [100 * step + layer * 4 + i for i in range(2)])
+            cache.release(layer)
+    assert cache.eviction_reuse() < 0.05
