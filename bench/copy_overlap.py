@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -93,8 +94,7 @@ def main() -> None:
         rows[k] = {"idle_ms": round(idle, 3), "copies_queued_ms": round(busy, 3),
                    "serialised": busy > idle + 0.5 * copy_ms}
         print(f"{k:14s} idle {idle:8.3f} ms   with {args.copies} copies queued {busy:8.3f} ms", flush=True)
-    out = {"benchmark": "copy_overlap", "command": "python3 bench/copy_overlap.py" + (f" --json {args.json}" if args.json else "")
-           + (f" --commit {args.commit}" if args.commit else ""), "git_commit": args.commit,
+    out = {"benchmark": "copy_overlap", "command": " ".join(["python3", "bench/copy_overlap.py", *sys.argv[1:]]), "git_commit": args.commit,
            "device": torch.cuda.get_device_name(), "copy_mb": args.copy_mb, "copies_queued": args.copies,
            "copy_ms": round(copy_ms, 3), "copy_GBps": round(nbytes / copy_ms / 1e6, 2), "layers": rows}
     print(json.dumps(out))
