@@ -3,11 +3,11 @@
 #
 # Prepared here first (each writes its directory under .devcarry/, git-ignored):
 #   python bench/tiered_decode.py prepare .devcarry/td8
-#   python bench/tiered_prefill.py prepare .devcarry/tp
+#   python bench/tiered_prefill.py prepare .devcarry/tp2  (and .devcarry/tp, prepared at abdd814: the serial dequantization)
 #   python bench/tiered_rerank.py prepare .devcarry/rr4   (and .devcarry/rr, prepared at abdd814: the single-launch form)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
-# Then there (carry .devcarry/base and those seven): bash bench/runtime_batch.sh SHA
+# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr4, ge, e2e: 8 paths): bash bench/runtime_batch.sh SHA
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
 # The logs come back as one archive, $OUT/logs.tgz (the device tool returns at most 8 files).
@@ -15,6 +15,9 @@ set -u
 SHA=${1:?usage: bench/runtime_batch.sh COMMIT}
 source bench/device_env.sh >/dev/null 2>&1 || { echo "device_env.sh failed" >&2; exit 2; }
 failed=0
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+  *H200*) DEV=h200 ;; *H100*) DEV=h100 ;; *) DEV=gpu ;;
+esac
 LOGS=$(mktemp -d)/logs
 mkdir -p "$LOGS"
 run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log kept next to its JSON
@@ -24,13 +27,14 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
   tail -n 3 "$LOGS/$name.log" >&2
 }
-run tiered_rerank_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr4 --json "$OUT/tiered_rerank_h200.json" --commit "$SHA"
-run tiered_rerank_staged_h200 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_h200.json" --commit abdd814
-run tiered_decode_h200 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_h200.json" --commit "$SHA"
-run tiered_prefill_h200 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_h200.json" --commit "$SHA"
-run grouped_experts_prefill_h200 120 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
-    --json "$OUT/grouped_experts_prefill_h200.json" --commit "$SHA"
-run e2e_cuda_h200 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_h200.json" --commit "$SHA"
+run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr4 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
+run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
+run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
+run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
+run tiered_decode_$DEV 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
+run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
+    --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"
+run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
 tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs
 echo "$failed run(s) failed" >&2
 exit "$failed"
