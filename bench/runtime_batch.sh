@@ -4,10 +4,11 @@
 # Prepared here first (each writes its directory under .devcarry/, git-ignored):
 #   python bench/tiered_decode.py prepare .devcarry/td8
 #   python bench/tiered_prefill.py prepare .devcarry/tp2  (and .devcarry/tp, prepared at abdd814: the serial dequantization)
-#   python bench/tiered_rerank.py prepare .devcarry/rr4   (and .devcarry/rr, prepared at abdd814: the single-launch form)
+#   python bench/tiered_rerank.py prepare .devcarry/rr5   (and .devcarry/rr, prepared at abdd814: the single-launch form;
+#   rr4, d47e776's five launches with serial row copies, was timed on the H100: tiered_rerank_h100_d47e776.json)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
-# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr4, ge, e2e: 8 paths): bash bench/runtime_batch.sh SHA
+# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr5, ge, e2e: 8 paths): bash bench/runtime_batch.sh SHA
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
 # The logs come back as one archive, $OUT/logs.tgz (the device tool returns at most 8 files).
@@ -27,7 +28,7 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
   tail -n 3 "$LOGS/$name.log" >&2
 }
-run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr4 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
+run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr5 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
 run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
 run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
 run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
