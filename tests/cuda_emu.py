@@ -2,8 +2,8 @@
 
 The kernel's source (``inspect_source`` of a compiled CUDA module) is compiled by the host C++ compiler
 with a small prelude that supplies what the device would: ``threadIdx`` / ``blockIdx``, ``__syncthreads``,
-warp shuffles, 16-bit float types and ``mma.sync`` (each inline-asm ``mma`` becomes a call to an
-emulation that gathers the warp's fragments as the PTX ISA lays them out). Threads are fibers
+warp shuffles, 16-bit float types, ``mma.sync`` and ``ldmatrix`` (each inline-asm ``mma`` or ``ldmatrix`` becomes a
+call to an emulation that gathers the warp's fragments or rows as the PTX ISA lays them out). Threads are fibers
 (``ucontext``) on one OS thread, switched only at barriers, so a run is deterministic; the blocks of
 the grid run one after another, ``__shared__`` arrays being the function's statics.
 
@@ -173,7 +173,7 @@ static void warp_sync_(int site) { fibers[cur].wait = AT_WARP; fibers[cur].site 
 static inline int lane_() { return threadIdx.x % 32; }
 static inline int warp_() { return threadIdx.x / 32; }
 
-struct WarpBuf { uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t v[32]; };
+struct WarpBuf { uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t v[32]; const uint16_t *p[32]; };
 static std::vector<WarpBuf> warp_bufs;
 
 template <typename T> static T shfl_xor_(T v, int m, int site) {
@@ -250,6 +250,24 @@ static void emu_mma_m16n8k16(const uint32_t *a, const uint32_t *b, const float *
       acc += half_bits_(ah, bf16) * half_bits_(bh, bf16);
     }
     d[i] = acc;
+  }
+  warp_sync_(site);
+}
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes 8 m .. 8 m + 7 give the 8 rows (8 contiguous 16-bit
+// elements each) of matrix m; lane l = 4 g + q receives, in register m, row g's elements 2 q and 2 q + 1, or with
+// .trans column g's elements of rows 2 q and 2 q + 1
+static void emu_ldmatrix(int num, bool trans, const void *row, uint32_t *out, int site) {
+  WarpBuf &w = warp_bufs[warp_()];
+  int l = lane_();
+  w.p[l] = (const uint16_t *)row;
+  warp_sync_(site);
+  int g = l / 4, q = l % 4;
+  for (int m = 0; m < num; m++) {
+    uint32_t lo, hi;
+    if (trans) { lo = w.p[8 * m + 2 * q][g]; hi = w.p[8 * m + 2 * q + 1][g]; }
+    else { lo = w.p[8 * m + g][2 * q]; hi = w.p[8 * m + g][2 * q + 1]; }
+    out[m] = lo | (hi << 16);
   }
   warp_sync_(site);
 }
@@ -345,6 +363,19 @@ _MMA = re.compile(r'__asm__\s+__volatile__\(\s*"mma\.sync\.aligned\.m16n8k16\.ro
                   re.S)
 
 
+_LDMATRIX = re.compile(r'\{\s*unsigned int addr = __cvta_generic_to_shared\((.*?)\);\s*__asm__\s+__volatile__\(\s*'
+                       r'"ldmatrix\.sync\.aligned\.m8n8\.x(1|2|4)(\.trans)?\.shared\.b16"\s*"[^"]*"\s*:(.*?):\s*"r"\(addr\)\s*\);\s*\}', re.S)
+
+
+def _replace_ldmatrix(m: re.Match) -> str:
+    num, outs = int(m.group(2)), _operands(m.group(4))
+    if len(outs) != num:
+        raise ValueError(f"unexpected ldmatrix operands: {len(outs)} outputs for x{num}")
+    body = (f"uint32_t _r[4]; emu_ldmatrix({num}, {'true' if m.group(3) else 'false'}, (const void *)({m.group(1)}), _r, "
+            "__LINE__); " + " ".join(f"{o} = _r[{i}];" for i, o in enumerate(outs)))
+    return "{ " + body + " }"
+
+
 def _operands(text: str) -> list[str]:
     """The expressions of an inline-asm operand list: ``"=f"(expr), "r"(expr), ...``."""
     out, depth, start = [], 0, None
@@ -404,6 +435,7 @@ class EmulatedKernel:
             raise RuntimeError("the CUDA emulation needs a host C++ compiler (g++)")
         body, self.params = _kernel_text(source, name)
         body = _MMA.sub(_replace_mma, body)
+        body = _LDMATRIX.sub(_replace_ldmatrix, body)
         body = re.sub(r"\btvm_builtin_ptx_cp_async_(?:commit_group|wait_group)\w*\(\)", "(void)0", body)
         body = re.sub(r"\btvm_builtin_ptx_cp_async_\w*?_(\d+)\(", r"emu_cp_async(\1, ", body)
         for bad in ("asm", "atomic", "tvm_builtin_ptx"):

@@ -94,3 +94,48 @@ def test_mma_fragments_follow_the_ptx_layout():
         g, q = divmod(lane, 4)
         got[g, 2 * q: 2 * q + 2], got[g + 8, 2 * q: 2 * q + 2] = d[lane, :2], d[lane, 2:]
     np.testing.assert_array_equal(got, want)
+
+
+def test_ldmatrix_follows_the_ptx_layout():
+    """ldmatrix x4 as TVM generates it (``T.ptx_legacy.ldmatrix``): lanes 8 m .. 8 m + 7 address the rows of matrix m;
+    lane 4 g + q receives row g's elements 2 q, 2 q + 1 of each matrix, or with .trans column g's elements of rows
+    2 q, 2 q + 1. Here the four matrices are the quadrants of a 16 x 16 tile (an A fragment's order)."""
+    import ml_dtypes
+    import tvm
+    from tvm.script import tirx as T
+
+    from moec.compiler.targets import make_target
+
+    @T.prim_func(s_tir=True)
+    def f(a_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "f"})
+        a = T.match_buffer(a_h, (16, 16), "bfloat16")
+        o = T.match_buffer(o_h, (2, 32, 8), "bfloat16")
+        for tx in T.thread_binding(32, thread="threadIdx.x"):
+            with T.sblock("x"):
+                T.reads()
+                T.writes()
+                s = T.sblock_alloc_buffer((16 * 24,), "bfloat16", scope="shared")
+                fr = T.sblock_alloc_buffer((8,), "bfloat16", scope="local")
+                for i in T.serial(8):
+                    s[(tx // 2) * 24 + (tx % 2) * 8 + i] = a[tx // 2, (tx % 2) * 8 + i]
+                T.tvm_storage_sync("shared")
+                for tr in T.unroll(2):
+                    T.evaluate(T.ptx_legacy.ldmatrix(tr == 1, 4, ".b16", fr.data, 0, s.data,
+                                                     ((tx % 8) + 8 * ((tx // 8) % 2)) * 24 + (tx // 16) * 8, dtype="bfloat16"))
+                    for i in T.serial(8):
+                        o[tr, tx, i] = fr[i]
+
+    src = tvm.compile(tvm.IRModule({"f": f}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert src.count("ldmatrix.sync.aligned.m8n8.x4") == 2
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    o = np.zeros((2, 32, 8), ml_dtypes.bfloat16)
+    EmulatedKernel(src, "f_kernel")((1, 1, 1), 32, a=a.view(np.uint16), o=o.view(np.uint16))
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        quads = [(0, 0), (8, 0), (0, 8), (8, 8)]  # matrix m: (first row, first column)
+        want = [a[r0 + g, c0 + 2 * q + e] for r0, c0 in quads for e in (0, 1)]
+        want_t = [a[r0 + 2 * q + e, c0 + g] for r0, c0 in quads for e in (0, 1)]
+        np.testing.assert_array_equal(o[0, lane].astype(np.float32), np.array(want, np.float32))
+        np.testing.assert_array_equal(o[1, lane].astype(np.float32), np.array(want_t, np.float32))

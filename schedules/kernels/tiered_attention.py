@@ -453,15 +453,17 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
 # A tile's dequantization is unrolled, so each thread's loads (a tier-1 key's 4 codes and its value's in one
 # 32-bit load each; a tier-2 group's 4 means and 4 deviations in one 8-byte load each) are all in flight at
 # once: as a serial loop, the H100 profile of a 4080-token chunk put the kernel at about 20 TFLOP/s, each
-# thread's 16 groups waiting on a dependent table lookup and byte loads in turn. K fragments are read from
-# shared memory two elements (32 bits) at a time.
+# thread's 16 groups waiting on a dependent table lookup and byte loads in turn. The B fragments come from
+# shared memory by ldmatrix: K's as stored (.x4: two k-steps of an n-tile a load), V's transposed (.x4.trans:
+# two n-tiles of a k-step), where scalar 16-bit loads took four instructions a fragment; the padded rows keep
+# the eight row addresses of each matrix on distinct banks.
 #
 # Mass: a block per (row b, tile of MMA_KT tier-1 tokens, KV head), 4 warps; warp w owns 16 tokens and
 # keeps their raw key fragments in registers. The row's (query, head) rows stream through shared memory
 # MMA_ROWS at a time with their statistics; each warp computes the transposed scores (K Q^T), turns them
 # into probabilities with each row's (max, sum) and sums them per token in registers. Tiles whose queries
 # see none of the block's tokens are skipped. No atomics: a token is owned by one warp. The query rows are staged
-# 4 elements per load, all of a thread's loads of a tile unrolled.
+# 4 elements per load, all of a thread's loads of a tile unrolled, and their fragments read by ldmatrix.
 
 MMA_WARPS = 4
 MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block
@@ -514,9 +516,9 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                             sc_s = T.sblock_alloc_buffer((2 * KTM,), "float32", scope="shared")  # key, value scales
                             vis_s = T.sblock_alloc_buffer((QB,), "int32", scope="shared")
                             qa = T.sblock_alloc_buffer((KS * 8,), dtype, scope="local")  # A fragments of Q
-                            kb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of K^T
+                            kb = T.sblock_alloc_buffer((8,), dtype, scope="local")  # two B fragments of K^T
                             pa = T.sblock_alloc_buffer((8,), dtype, scope="local")  # an A fragment of P
-                            vb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of V
+                            vb = T.sblock_alloc_buffer((8,), dtype, scope="local")  # two B fragments of V
                             sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
                             oacc = T.sblock_alloc_buffer((ND * 4,), "float32", scope="local")
                             ml = T.sblock_alloc_buffer((6,), "float32", scope="local")  # max, sum (rows g, g + 8), tile max
@@ -528,6 +530,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                             w: T.let[T.int32] = tx // 32
                             g: T.let[T.int32] = (tx % 32) // 4
                             qq: T.let[T.int32] = tx % 4
+                            ln: T.let[T.int32] = tx % 32  # lane: with ldmatrix, lanes 8 m .. 8 m + 7 address matrix m's rows
                             if q0 < end:
                                 if tx < QB:
                                     vis_s[tx] = T.if_then_else(q0 + tx < end, q_t1[T.min(q0 + tx, N - 1)], 0)
@@ -600,10 +603,15 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                     for i in T.unroll(NS * 4):
                                         sacc[i] = T.float32(0)
                                     for nt in T.unroll(NS):
-                                        for ks in T.unroll(KS):
-                                            for a2 in T.unroll(2):  # dims 16 ks + 2 qq + 8 a2 + (0, 1) of key nt * 8 + g: one 32-bit load
-                                                kb[T.ramp(2 * a2, 1, 2)] = k_s[T.ramp((nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * a2, 1, 2)]
-                                            T.evaluate(_mma(qa, ks * 8, kb, 0, sacc, nt * 4, ab))
+                                        for k2 in T.unroll(KS // 2):  # one ldmatrix.x4: the B fragments of k-steps 2 k2, 2 k2 + 1
+                                            T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", kb.data, 0, k_s.data, (nt * 8 + ln % 8) * RS
+                                                                             + (2 * k2 + ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+                                            T.evaluate(_mma(qa, 2 * k2 * 8, kb, 0, sacc, nt * 4, ab))
+                                            T.evaluate(_mma(qa, (2 * k2 + 1) * 8, kb, 4, sacc, nt * 4, ab))
+                                        if KS % 2 == 1:  # an odd last k-step (head dim 16 x odd): ldmatrix.x2
+                                            T.evaluate(T.ptx_legacy.ldmatrix(False, 2, ".b16", kb.data, 0, k_s.data, (nt * 8 + ln % 8) * RS
+                                                                             + (KS - 1) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+                                            T.evaluate(_mma(qa, (KS - 1) * 8, kb, 0, sacc, nt * 4, ab))
                                     ml[4] = T.float32(-3e38)
                                     ml[5] = T.float32(-3e38)
                                     for nt in T.unroll(NS):
@@ -632,10 +640,11 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                             pa[a] = T.Cast(dtype, T.if_then_else(  # (a masked key's scale may be any bits)
                                                 sacc[(2 * s2 + a // 4) * 4 + a % 4] > T.float32(0), sacc[(2 * s2 + a // 4) * 4 + a % 4] * sc_s[
                                                     KTM + s2 * 16 + 8 * (a // 4) + 2 * qq + a % 2], T.float32(0)))
-                                        for dn in T.unroll(ND):
-                                            for a in T.unroll(4):  # key 16 s2 + 2 qq + 8 (a // 2) + a % 2, dim 8 dn + g
-                                                vb[a] = v_s[(s2 * 16 + 2 * qq + 8 * (a // 2) + a % 2) * RS + dn * 8 + g]
-                                            T.evaluate(_mma(pa, 0, vb, 0, oacc, dn * 4, ab))
+                                        for d2 in T.unroll(ND // 2):  # one ldmatrix.x4.trans: the B fragments of dims 16 d2 .. + 15
+                                            T.evaluate(T.ptx_legacy.ldmatrix(True, 4, ".b16", vb.data, 0, v_s.data, (s2 * 16 + (ln // 8) % 2 * 8
+                                                                             + ln % 8) * RS + (2 * d2 + ln // 16) * 8, dtype=dtype))
+                                            T.evaluate(_mma(pa, 0, vb, 0, oacc, 2 * d2 * 4, ab))
+                                            T.evaluate(_mma(pa, 0, vb, 4, oacc, (2 * d2 + 1) * 4, ab))
                                 for rr in T.unroll(2):
                                     for hh in T.unroll(2):
                                         ml[2 + hh] = ml[2 + hh] + _shfl(ml[2 + hh], T.shift_left(1, rr))
@@ -677,7 +686,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                             st_s = T.sblock_alloc_buffer((2 * R,), "float32", scope="shared")  # max, sum of each row
                             vis_s = T.sblock_alloc_buffer((R,), "int32", scope="shared")
                             ka = T.sblock_alloc_buffer((KS * 8,), dtype, scope="local")  # A fragments of the raw keys
-                            qb = T.sblock_alloc_buffer((4,), dtype, scope="local")  # a B fragment of Q^T
+                            qb = T.sblock_alloc_buffer((8,), dtype, scope="local")  # two B fragments of Q^T
                             sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
                             acc = T.sblock_alloc_buffer((2,), "float32", scope="local")  # mass of tokens g, g + 8
                             kscale = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -689,6 +698,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                             w: T.let[T.int32] = tx // 32
                             g: T.let[T.int32] = (tx % 32) // 4
                             qq: T.let[T.int32] = tx % 4
+                            ln: T.let[T.int32] = tx % 32
                             i0: T.let[T.int32] = c * KTM + w * 16  # the warp's first token
                             if c * KTM < last:
                                 for a in T.unroll(8):  # a: token i0 + g + 8 ((a // 2) % 2), dim 16 ks + 2 qq + 8 (a // 4) + a % 2
@@ -726,10 +736,15 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                                         for i in T.unroll(NS * 4):
                                             sacc[i] = T.float32(0)
                                         for nt in T.unroll(NS):  # sacc[nt * 4 + cc]: token g + 8 (cc // 2), row nt * 8 + 2 qq + cc % 2
-                                            for ks in T.unroll(KS):
-                                                for a2 in T.unroll(2):  # one 32-bit load per pair of dims
-                                                    qb[T.ramp(2 * a2, 1, 2)] = q_s[T.ramp((nt * 8 + g) * RS + ks * 16 + 2 * qq + 8 * a2, 1, 2)]
-                                                T.evaluate(_mma(ka, ks * 8, qb, 0, sacc, nt * 4, ab))
+                                            for k2 in T.unroll(KS // 2):  # one ldmatrix.x4: the B fragments of k-steps 2 k2, 2 k2 + 1
+                                                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", qb.data, 0, q_s.data, (nt * 8 + ln % 8) * RS
+                                                                                 + (2 * k2 + ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+                                                T.evaluate(_mma(ka, 2 * k2 * 8, qb, 0, sacc, nt * 4, ab))
+                                                T.evaluate(_mma(ka, (2 * k2 + 1) * 8, qb, 4, sacc, nt * 4, ab))
+                                            if KS % 2 == 1:
+                                                T.evaluate(T.ptx_legacy.ldmatrix(False, 2, ".b16", qb.data, 0, q_s.data, (nt * 8 + ln % 8) * RS
+                                                                                 + (KS - 1) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+                                                T.evaluate(_mma(ka, (KS - 1) * 8, qb, 0, sacc, nt * 4, ab))
                                         for nt in T.unroll(NS):
                                             for cc in T.unroll(4):
                                                 acc[cc // 2] = acc[cc // 2] + T.if_then_else(

@@ -96,7 +96,8 @@ def test_cuda_tiled_forms_emulated(seed, t1_lens, t2_pages, new):
 MMA_HEADS = [(H, HKV, D), (2, 2, 128), (8, 2, 128)]
 
 
-@pytest.mark.parametrize("heads,dtype,case", [(h, "bfloat16", c) for h in MMA_HEADS for c in (0, 3)] + [(MMA_HEADS[2], "float16", 2)])
+@pytest.mark.parametrize("heads,dtype,case", [(h, "bfloat16", c) for h in MMA_HEADS for c in (0, 3)] + [(MMA_HEADS[2], "float16", 2)]
+                         + [((4, 2, 48), "bfloat16", 0)])  # head dim 48: an odd number of k-steps (ldmatrix.x2)
 def test_tensor_core_forms_emulated(heads, dtype, case):
     """The mma.sync forms on the emulator, against numpy in float64 on queries of the operand type. Their error is
     the rounding of the probabilities (and of the tier-2 entries) to the 16-bit type: at most 1.5e-2 on outputs of
