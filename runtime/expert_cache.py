@@ -294,7 +294,8 @@ class CudaStreamCopies:
         return ev
 
     def elapsed(self, start: int, end: int) -> float:
-        """Device seconds between two marks; ``end`` must have completed (the stream was synchronised after it)."""
+        """Device seconds between two marks (waiting for ``end``: at once when the stream was synchronised after it)."""
+        self._drv.wait_event(end)
         return self._drv.elapsed(start, end)
 
 
