@@ -458,7 +458,7 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
 # two n-tiles of a k-step), where scalar 16-bit loads took four instructions a fragment; the padded rows keep
 # the eight row addresses of each matrix on distinct banks.
 #
-# Mass: a block per (row b, tile of MMA_KT tier-1 tokens, KV head), 4 warps; warp w owns 16 tokens and
+# Mass: a block per (row b, tile of 128 tier-1 tokens, KV head), 8 warps; warp w owns 16 tokens and
 # keeps their raw key fragments in registers. The row's (query, head) rows stream through shared memory
 # MMA_ROWS at a time with their statistics; each warp computes the transposed scores (K Q^T), turns them
 # into probabilities with each row's (max, sum) and sums them per token in registers. Tiles whose queries
@@ -468,6 +468,11 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
 MMA_WARPS = 4
 MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block
 MMA_KT = 64  # keys per shared-memory tile
+# the importance kernel: 8 warps of 16 tokens, so each query row staged in shared memory serves 128 tokens (every
+# block reads all of its row's queries: twice the tokens a block halves that traffic, 2 GB a layer at a 4080-token
+# chunk with 64)
+MASS_MMA_WARPS = 8
+MASS_MMA_KT = 16 * MASS_MMA_WARPS
 MMA_PAD = 8  # 16-bit elements of padding per shared row: the fragment loads hit 32 distinct banks
 
 
@@ -666,7 +671,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
     _check_mma(num_heads, num_kv_heads, head_dim, dtype)
     H, HKV, D, PS1 = num_heads, num_kv_heads, head_dim, t1_page
     G, ab = H // HKV, _MMA_TYPE[dtype]
-    NT, KTM, RS, R = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD, MMA_ROWS
+    NT, KTM, RS, R = 32 * MASS_MMA_WARPS, MASS_MMA_KT, head_dim + MMA_PAD, MMA_ROWS
     QB = R // G  # queries per tile of rows
     KS, NS = D // 16, R // 8  # k-steps, n-tiles of rows
     D4 = D // 4

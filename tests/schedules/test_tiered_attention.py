@@ -9,7 +9,8 @@ import tvm
 
 from moec.compiler.targets import make_target
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_attention import KT, MMA_KT, MMA_ROWS, QT, make_tiered_attention, make_tiered_mass
+from moec.schedules.kernels.tiered_attention import (KT, MASS_MMA_KT, MASS_MMA_WARPS, MMA_ROWS, MMA_WARPS, QT,
+                                                     make_tiered_attention, make_tiered_mass)
 
 from moec_testing import require_cuda
 
@@ -78,11 +79,13 @@ def _emulated_kernels(heads, mma_dtype=None):
     if mma_dtype is None:
         att = lambda n, b: (b, -(-n // QT), h)  # noqa: E731
         mass = lambda n, b: (b, -(-(P1 * PS1) // KT), hkv)  # noqa: E731  (the table width: P1 pages)
+        threads = (128, 128)
     else:
         att = lambda n, b: (b, -(-n // (MMA_ROWS // (h // hkv))), hkv)  # noqa: E731
-        mass = lambda n, b: (b, -(-(P1 * PS1) // MMA_KT), hkv)  # noqa: E731
-    return {"tiered_attention": (EmulatedKernel(src, "tiered_attention_kernel"), att),
-            "tiered_mass": (EmulatedKernel(src, "tiered_mass_kernel"), mass)}
+        mass = lambda n, b: (b, -(-(P1 * PS1) // MASS_MMA_KT), hkv)  # noqa: E731
+        threads = (32 * MMA_WARPS, 32 * MASS_MMA_WARPS)
+    return {"tiered_attention": (EmulatedKernel(src, "tiered_attention_kernel"), att, threads[0]),
+            "tiered_mass": (EmulatedKernel(src, "tiered_mass_kernel"), mass, threads[1])}
 
 
 @pytest.mark.parametrize("seed,t1_lens,t2_pages,new", GPU_CASES[:3])
@@ -135,7 +138,7 @@ def test_tensor_core_forms_compile():
     mod = tvm.IRModule({"tiered_attention": make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16"),
                         "tiered_mass": make_tiered_mass(16, 16, 128, 16, target="cuda", mma_dtype="bfloat16")})
     src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
-    assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("128", "tiered_attention"), ("128", "tiered_mass")}
+    assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("128", "tiered_attention"), ("256", "tiered_mass")}
     # QK (8 key tiles x 8 k-steps) and PV (4 k-steps x 16 dim tiles) of a key tile; the mass kernel's K Q^T (8 x 8)
     assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128 + 64
     assert "__shared__ alignas(64) nv_bfloat16 k_s" in src and "atomicAdd" not in src
@@ -160,11 +163,11 @@ def _check(kernels, dev, seed, t1_lens, t2_pages, new, tol=1e-5, heads=(H, HKV, 
         out, stats, mass = np.zeros((n, h, d), np.float32), np.zeros((n, h, 2), np.float32), mass0.copy()
         common = dict(q=qv, q_indptr=indptr, q_t1=q_t1, q_row=q_row, t1_table=tables["t1_table"], B=len(t1_lens),
                       M1=tables["t1_table"].shape[1], N=n, P1=lp["t1_k"].shape[1], layer=ref.LAYER, sm_scale=scale)
-        kern, grid = kernels["tiered_attention"]
-        kern(grid(n, len(t1_lens)), 128, out=out, stats=stats, **{k: lp[k] for k in ref.POOL_ORDER}, **common,
+        kern, grid, threads = kernels["tiered_attention"]
+        kern(grid(n, len(t1_lens)), threads, out=out, stats=stats, **{k: lp[k] for k in ref.POOL_ORDER}, **common,
              t2_table=tables["t2_table"], t2_np=tables["t2_np"], M2=tables["t2_table"].shape[1], P2=lp["t2_k"].shape[1])
-        kern, grid = kernels["tiered_mass"]
-        kern(grid(n, len(t1_lens)), 128, stats=stats, t1_mass=mass, t1_k=lp["t1_k"], t1_ks=lp["t1_ks"], B1=len(t1_lens) + 1,
+        kern, grid, threads = kernels["tiered_mass"]
+        kern(grid(n, len(t1_lens)), threads, stats=stats, t1_mass=mass, t1_k=lp["t1_k"], t1_ks=lp["t1_ks"], B1=len(t1_lens) + 1,
              **common)
         got, got_out, got_stats = mass, out, stats
     else:
