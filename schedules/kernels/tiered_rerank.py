@@ -125,7 +125,8 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
       into ``posw``), then its rank by counting the slots below it, then, for a demoted slot, its place in the
       two orders by counting. Ranking and ordering are quadratic in the tier-1 tokens, and after a 2048-token
       prefill chunk one sequence gives only as many (sequence, KV head) pairs as KV heads, so the slots are
-      spread over blocks too; blocks past a row's tier-1 length exit.
+      spread over blocks too; blocks past a row's tier-1 length exit. On CUDA the counted values (scores; ranks
+      and positions) pass through shared memory ``threads`` at a time, each a broadcast read for the block.
     - ``tiered_rerank_pack`` (step 3): a block per (sequence, KV head, new tier-2 page), ``max(head_dim,
       t2_page)`` threads (at most 1024): a prefill chunk demotes a dozen pages a sequence, each packed by a
       block of its own instead of one after another. A block whose page index is past ``demote[b] / t2_page``
@@ -235,8 +236,25 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                             t1_mass[layer, pg, h, i % PS1] / T.max(
                                                 hl - harmonic(T.Cast("float32", p + 1)) + T.float32(1.0) / T.Cast("float32", p + 1),
                                                 T.float32(1e-12)))
+                            elif phase == "rank" and gpu:
+                                # 2. rank by counting (ties by slot); the row's scores pass through shared memory NT at
+                                # a time, each read by the whole block (a broadcast) instead of by every thread from L1
+                                sc_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                                for tx in threads():
+                                    i: T.let[T.int32] = pi * NT + tx
+                                    mine: T.let[T.float32] = score[b, h, T.min(i, T.max(n1 - 1, 0))]
+                                    cnt[0] = 0
+                                    for jc in T.serial(T.ceildiv(n1, NT)):
+                                        T.tvm_storage_sync("shared")
+                                        if jc * NT + tx < n1:
+                                            sc_sh[tx] = score[b, h, jc * NT + tx]
+                                        T.tvm_storage_sync("shared")
+                                        if i < n1:
+                                            for jj in T.serial(T.min(NT, n1 - jc * NT)):
+                                                cnt[0] += T.Cast("int32", (sc_sh[jj] < mine) | ((sc_sh[jj] == mine) & (jc * NT + jj < i)))
+                                    if i < n1:
+                                        rank[b, h, i] = cnt[0]
                             elif phase == "rank":
-                                # 2. rank by counting (ties by slot)
                                 for tx in threads():
                                     i: T.let[T.int32] = pi * NT + tx
                                     if i < n1:
@@ -245,8 +263,32 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                             cnt[0] += T.Cast("int32", (score[b, h, j] < score[b, h, i]) |
                                                              ((score[b, h, j] == score[b, h, i]) & (j < i)))
                                         rank[b, h, i] = cnt[0]
+                            elif phase == "order" and gpu:
+                                # the demoted slots, ascending, then the same by position; ranks and positions staged
+                                # NT at a time as for the ranks
+                                rk_sh = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                                pw_sh = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                                cnt2 = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                                for tx in threads():
+                                    i: T.let[T.int32] = pi * NT + tx
+                                    dem: T.let[T.bool] = (i < n1) & (rank[b, h, T.min(i, T.max(n1 - 1, 0))] < nd)
+                                    mypos: T.let[T.int32] = posw[b, h, T.min(i, T.max(n1 - 1, 0))]
+                                    cnt[0] = 0
+                                    cnt2[0] = 0
+                                    for jc in T.serial(T.ceildiv(n1, NT)):
+                                        T.tvm_storage_sync("shared")
+                                        if jc * NT + tx < n1:
+                                            rk_sh[tx] = rank[b, h, jc * NT + tx]
+                                            pw_sh[tx] = posw[b, h, jc * NT + tx]
+                                        T.tvm_storage_sync("shared")
+                                        if dem:
+                                            for jj in T.serial(T.min(NT, n1 - jc * NT)):
+                                                cnt[0] += T.Cast("int32", (rk_sh[jj] < nd) & (jc * NT + jj < i))
+                                                cnt2[0] += T.Cast("int32", (rk_sh[jj] < nd) & (pw_sh[jj] < mypos))
+                                    if dem:
+                                        order[b, h, cnt[0]] = i
+                                        order[b, h, M1 * PS1 + cnt2[0]] = i
                             elif phase == "order":
-                                # the demoted slots, ascending, then the same by position
                                 for tx in threads():
                                     i: T.let[T.int32] = pi * NT + tx
                                     if i < n1:
