@@ -32,7 +32,10 @@ SHAPES = {"olmoe_proj": (2048, 2048), "olmoe_lm_head": (50304, 2048), "mixtral_p
 TOKENS = (1, 16, 64, 128, 4096)
 # the launch forms timed beside the default (register loads): cp.async stages (``DenseSpec.stages``), with
 # fewer warps a block (more blocks at decode sizes), or 64-token passes (the weight read once per 64 tokens)
-VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8}}
+# _s4nt2 / _s4nt1: 16- and 8-token passes, twice and four times the warps of the compiled 32 at decode batches (a
+# 2048 x 2048 projection at 128 tokens is 512 warps with 32-token passes: about 4 an SM to keep loads in flight)
+VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8},
+            "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}}
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
 QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 1024), 4096)}  # parts, K

@@ -319,3 +319,22 @@ def test_compiled_bf16_model_uses_dense_gemm(bf16_olmoe, tmp_path):
         ref = model.float()(input_ids=torch.tensor([hist[0]])).logits[0, -1].numpy()
     model.to(torch.bfloat16)
     assert np.abs(lon[-1][0] - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2, 4])
+def test_cuda_staged_form_emulated(n_tiles):
+    """The cp.async form (compiled models' default; 8-, 16- and 32-token passes) on the CPU emulation of the generated
+    CUDA code (tests/cuda_emu.py), against NumPy: one token (a pass mostly past M) and 37 (a partial last pass)."""
+    from cuda_emu import EmulatedKernel
+
+    spec = DenseSpec(out_features=96, in_features=128, stages=4, n_tiles=n_tiles)
+    src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda")}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    kern = EmulatedKernel(src, "dense_gemm_kernel")
+    cfg = launch_config(spec)
+    for m in (1, 37):
+        rng = np.random.default_rng(m)
+        x = rng.standard_normal((m, 128)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((96, 128)).astype(ml_dtypes.bfloat16)
+        y = np.zeros((m, 96), np.float32)
+        kern((-(-m // cfg["tokens_per_block"]), cfg["blocks"][1], 1), cfg["threads"], x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
+        np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
