@@ -65,6 +65,7 @@ def prepare(out: Path, threads: int = 512, stage_bytes: int | None = None) -> No
 
 def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1, posw: bool = True):
     from moec.runtime.kv_cache import POOLS, pool_specs
+    from moec.schedules.kernels.tiered_rerank import workspaces
 
     pages1 = t1 // PS1
     per_row2 = context // PS2 + 1
@@ -88,15 +89,9 @@ def _inputs(rows: int, rng, context: int = CONTEXT, t1: int = T1, pages: int = 1
             host["t1_pos"][0, table[b], h, :] = pos.reshape(pages1, PS1)
     new_t2 = (np.arange(rows, dtype=np.int32) * per_row2)[:, None] + np.arange(pages, dtype=np.int32)[None, :]
     args = [host[n] for n in POOLS] + [table, np.full(rows, t1, np.int32), np.full(rows, context, np.int32),
-                                       np.full(rows, pages * PS2, np.int32), new_t2, *_workspaces(rows, t1, posw)]
-    return args
-
-
-def _workspaces(rows: int, t1: int, posw: bool = True) -> list:
-    """Zeroed workspaces [rows, Hkv, f * t1] in argument order: score, rank, order and, since the re-rank's five
-    launches, posw (``posw=False`` for a directory prepared before)."""
-    spec = (("score", 1, "float32"), ("rank", 1, "int32"), ("order", 2, "int32")) + ((("posw", 1, "int32"),) if posw else ())
-    return [np.zeros((rows, HKV, f * t1), dt) for _, f, dt in spec]
+                                       np.full(rows, pages * PS2, np.int32), new_t2]
+    # the kernels' workspaces; a directory prepared before the five launches takes the first three (no posw)
+    return args + workspaces(rows, HKV, t1)[:None if posw else 3]
 
 
 def _check(gpu_out: dict, cpu_out: dict) -> dict:

@@ -347,9 +347,11 @@ class PrefetchGate:
     def overlap(self, rows: int = 1) -> float | None:
         """The overlap for a call of ``rows`` rows: measured at that many, else at the nearest count measured (by
         ratio), else None."""
+        rows = max(int(rows), 1)
+        if rows in self.overlaps:  # (every call after a step of this batch size: asked for each predicted expert)
+            return self.overlaps[rows]
         if not self.overlaps:
             return None
-        rows = max(int(rows), 1)
         near = min(self.overlaps, key=lambda r: abs(np.log(max(r, 1) / rows)))
         return self.overlaps[near]
 
@@ -489,9 +491,11 @@ class OffloadedExperts:
                 self.gate = PrefetchGate(sum(self._slot_bytes) / self.copy_bandwidth(repeats=2), ranks=k)
             free, q, admitted = self.cache.free_slots, self.cache.eviction_reuse(), []
             for e in sorted(want, key=best.get):  # the surest first: they take the free slots
-                if (layer, e) in self.cache or self.gate.admit(best[e], len(x), 0.0 if free > 0 else q):
+                if (layer, e) in self.cache:
                     admitted.append(e)
-                    free -= int((layer, e) not in self.cache)
+                elif self.gate.admit(best[e], len(x), 0.0 if free > 0 else q):
+                    admitted.append(e)
+                    free -= 1
             self.skipped += len(best) - len(admitted)
             want = admitted
         for expert, slot in self.cache.prefetch(layer, want):

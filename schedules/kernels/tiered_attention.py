@@ -495,6 +495,27 @@ def _check_mma(num_heads, num_kv_heads, head_dim, dtype):
         raise ValueError(f"tiered attention (tensor cores): {why}")
 
 
+def _row_tile_mma(KS: int, RS: int, dtype: str, ab: str):
+    """A macro: ``acc[nt * 4 ..]`` += A (fragments ``a``, KS k-steps of 16) times the transpose of the 8 shared-memory
+    rows ``nt * 8 ..`` of ``smem`` (stride RS elements). The B fragments come by ldmatrix into ``b`` (8 elements):
+    one .x4 for k-steps 2 k2 and 2 k2 + 1 (lanes 8 m .. 8 m + 7 address matrix m: rows nt * 8 + lane % 8, columns
+    16 (2 k2 + m // 2) + 8 (m % 2)), and an .x2 for an odd last k-step (head dim 16 x odd)."""
+
+    @T.macro
+    def row_tile_mma(a, b, smem, nt, ln, acc):
+        for k2 in T.unroll(KS // 2):
+            T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", b.data, 0, smem.data, (nt * 8 + ln % 8) * RS
+                                             + (2 * k2 + ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+            T.evaluate(_mma(a, 2 * k2 * 8, b, 0, acc, nt * 4, ab))
+            T.evaluate(_mma(a, (2 * k2 + 1) * 8, b, 4, acc, nt * 4, ab))
+        if KS % 2 == 1:
+            T.evaluate(T.ptx_legacy.ldmatrix(False, 2, ".b16", b.data, 0, smem.data, (nt * 8 + ln % 8) * RS
+                                             + (KS - 1) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
+            T.evaluate(_mma(a, (KS - 1) * 8, b, 0, acc, nt * 4, ab))
+
+    return row_tile_mma
+
+
 def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str):
     _check_mma(num_heads, num_kv_heads, head_dim, dtype)
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
@@ -504,6 +525,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
     KS, NS, PK, ND = D // 16, KTM // 8, KTM // 16, D // 8  # QK k-steps, score n-tiles, PV k-steps, output n-tiles
     LG = -(-KTM * D4 // NT)  # 4-element groups of a K (and of a V) tile each thread dequantizes
     T2T = -(-PS2 // KTM)  # key tiles per tier-2 page
+    row_tile_mma = _row_tile_mma(KS, RS, dtype, ab)
 
     @T.macro
     def body(q, t1_k, t1_v, t1_ks, t1_vs, t2_k, t2_v, t2_kmu, t2_ksig, t2_vmu, t2_vsig, t1_table, t2_table, t2_np, q_row, q_t1,
@@ -608,15 +630,7 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                     for i in T.unroll(NS * 4):
                                         sacc[i] = T.float32(0)
                                     for nt in T.unroll(NS):
-                                        for k2 in T.unroll(KS // 2):  # one ldmatrix.x4: the B fragments of k-steps 2 k2, 2 k2 + 1
-                                            T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", kb.data, 0, k_s.data, (nt * 8 + ln % 8) * RS
-                                                                             + (2 * k2 + ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-                                            T.evaluate(_mma(qa, 2 * k2 * 8, kb, 0, sacc, nt * 4, ab))
-                                            T.evaluate(_mma(qa, (2 * k2 + 1) * 8, kb, 4, sacc, nt * 4, ab))
-                                        if KS % 2 == 1:  # an odd last k-step (head dim 16 x odd): ldmatrix.x2
-                                            T.evaluate(T.ptx_legacy.ldmatrix(False, 2, ".b16", kb.data, 0, k_s.data, (nt * 8 + ln % 8) * RS
-                                                                             + (KS - 1) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-                                            T.evaluate(_mma(qa, (KS - 1) * 8, kb, 0, sacc, nt * 4, ab))
+                                        row_tile_mma(qa, kb, k_s, nt, ln, sacc)
                                     ml[4] = T.float32(-3e38)
                                     ml[5] = T.float32(-3e38)
                                     for nt in T.unroll(NS):
@@ -674,6 +688,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
     NT, KTM, RS, R = 32 * MASS_MMA_WARPS, MASS_MMA_KT, head_dim + MMA_PAD, MMA_ROWS
     QB = R // G  # queries per tile of rows
     KS, NS = D // 16, R // 8  # k-steps, n-tiles of rows
+    row_tile_mma = _row_tile_mma(KS, RS, dtype, ab)
     D4 = D // 4
     LQ4 = -(-R * D4 // NT)  # 4-element query groups each thread stages per tile
 
@@ -741,15 +756,7 @@ def _mass_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, dt
                                         for i in T.unroll(NS * 4):
                                             sacc[i] = T.float32(0)
                                         for nt in T.unroll(NS):  # sacc[nt * 4 + cc]: token g + 8 (cc // 2), row nt * 8 + 2 qq + cc % 2
-                                            for k2 in T.unroll(KS // 2):  # one ldmatrix.x4: the B fragments of k-steps 2 k2, 2 k2 + 1
-                                                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", qb.data, 0, q_s.data, (nt * 8 + ln % 8) * RS
-                                                                                 + (2 * k2 + ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-                                                T.evaluate(_mma(ka, 2 * k2 * 8, qb, 0, sacc, nt * 4, ab))
-                                                T.evaluate(_mma(ka, (2 * k2 + 1) * 8, qb, 4, sacc, nt * 4, ab))
-                                            if KS % 2 == 1:
-                                                T.evaluate(T.ptx_legacy.ldmatrix(False, 2, ".b16", qb.data, 0, q_s.data, (nt * 8 + ln % 8) * RS
-                                                                                 + (KS - 1) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-                                                T.evaluate(_mma(ka, (KS - 1) * 8, qb, 0, sacc, nt * 4, ab))
+                                            row_tile_mma(ka, qb, q_s, nt, ln, sacc)
                                         for nt in T.unroll(NS):
                                             for cc in T.unroll(4):
                                                 acc[cc // 2] = acc[cc // 2] + T.if_then_else(
