@@ -348,6 +348,16 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     return row
 
 
+def profile(root: Path, name: str, t: int, launches: int) -> None:
+    """Call the default form ``launches`` times at ``t`` tokens of shape ``name`` (for a profiler such as ncu to wrap)."""
+    shape = SHAPES[name]
+    vm, dev = _vm(root, name, shape, "cuda")
+    args = _tvm_in(_inputs(shape, t, "cuda", seed=t))
+    for _ in range(launches):
+        vm["experts"](*args)
+    dev.sync()
+
+
 def _device_name(device: str) -> str:
     if device == "cpu":
         return platform.processor() or platform.machine()
@@ -358,7 +368,7 @@ def _device_name(device: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("step", choices=["prepare", "run", "profile"])
     ap.add_argument("dir", type=Path, help="prepared kernels (prepare writes it; run --device cuda reads it)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--commit", default="unknown", help="git commit of the tree the kernels were built from")
@@ -367,9 +377,14 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="prepare: also the small shape; run: only the small shape")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--shape", default="olmoe", help="profile: the shape to call")
+    ap.add_argument("--launches", type=int, default=2, help="profile: calls at the first of --batches")
     args = ap.parse_args()
     if args.step == "prepare":
         prepare(args.dir, args.small)
+        return 0
+    if args.step == "profile":
+        profile(args.dir, args.shape, args.batches[0], args.launches)
         return 0
     import torch
 

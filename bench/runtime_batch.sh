@@ -8,8 +8,8 @@
 #   rr4, d47e776's five launches with serial row copies, was timed on the H100: tiered_rerank_h100_d47e776.json)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
-# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr5, e2e; ge too for the expert GEMMs, which add up to 200 s):
-# bash bench/runtime_batch.sh SHA
+# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr5, e2e, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
+# the expert GEMMs' bench too (up to 200 s more); ge alone is profiled under ncu
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
 # The logs come back as one archive, $OUT/logs.tgz (the device tool returns at most 8 files).
@@ -34,11 +34,23 @@ run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr
 run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
 run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
 run tiered_decode_$DEV 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
-if [ -d .devcarry/ge ]; then  # unchanged since the H100 rows (grouped_experts_prefill_h100_d47e776.json): carried only when asked
+if [ -d .devcarry/ge ] && [ -n "${GE_BENCH:-}" ]; then  # unchanged since grouped_experts_prefill_h100_d47e776.json: on asking
   run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
       --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"
 fi
 run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
+# Hardware counters (where ncu can read them) of the decode step's two heaviest kernels at the headline point:
+# the tiered decode attention (the compiled models' half2 form) and, with .devcarry/ge, the grouped expert GEMMs.
+NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
+if [ -n "$NCU_BIN" ]; then
+  NCU=("$NCU_BIN" --clock-control none --set full --launch-count 2)
+  run ncu_tiered_decode_$DEV 120 "${NCU[@]}" -k regex:tiered_decode \
+      python3 bench/tiered_decode.py profile .devcarry/td8 --variant olmoe-half2-pipe4
+  if [ -d .devcarry/ge ]; then
+    run ncu_grouped_experts_$DEV 120 "${NCU[@]}" -k 'regex:^moe_(gate_up|down)_experts_kernel$' \
+        python3 bench/grouped_experts.py profile .devcarry/ge --batches 128
+  fi
+fi
 tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs
 echo "$failed run(s) failed" >&2
 exit "$failed"

@@ -2,6 +2,7 @@
 
   python bench/tiered_decode.py prepare DIR                   # here: compile the kernels for sm_90 (fatbins)
   python3 bench/tiered_decode.py run DIR --json OUT --commit SHA   # GPU machine, runtime-only TVM
+  ncu ... python3 bench/tiered_decode.py profile DIR --variant V      # GPU machine: launches of one form, for a profiler
 
 Correctness: random K/V quantized into both tiers (NumPy formats), one decode step, output and
 importance mass against ``moec.schedules.kernels.reference`` over the same dequantized values.
@@ -220,12 +221,8 @@ def _time(fn, args, extra, dev) -> float:
     return float(np.median(runs)) * 1e3  # host-timed, launches back to back (includes launch overhead)
 
 
-def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[int, ...] = (1, 2, 4)) -> dict:
-    import torch
-    import tvm
-
-    from moec.schedules.kernels.tiered_decode import decode_workspaces
-
+def _speed_inputs(name: str):
+    """The timed point's inputs for shape ``name``: queries, pools (layer axis first) and page tables."""
     h, hkv, d, ps1, ps2 = SHAPES[name]
     b, t2p = STREAMS, (CONTEXT - T1_TOKENS) // ps2
     p1, p2 = b * (T1_TOKENS // ps1), b * t2p
@@ -246,8 +243,34 @@ def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[in
     tables = {"t1_table": perm1.reshape(b, -1), "t1_len": np.full(b, T1_TOKENS, np.int32),
               "t2_table": perm2.reshape(b, -1), "t2_np": np.full(b, t2p, np.int32)}
     qv = rng.standard_normal((b, h, d)).astype(np.float32)
+    return qv, pools, tables, np.zeros((LAYERS, p1, hkv, ps1), np.float32)
+
+
+def profile(root: Path, variant: str, launches: int) -> None:
+    """Launch one form ``launches`` times at its shape's timed point (for a profiler such as ncu to wrap)."""
+    import tvm
+
+    name = VARIANTS[variant][0] if variant in VARIANTS else variant
+    d = SHAPES[name][2]
     dev = tvm.cuda(0)
-    mass0 = np.zeros((LAYERS, p1, hkv, ps1), np.float32)
+    args = _args(tvm, dev, *_speed_inputs(name), t2_mma=_mma(variant))
+    fn = _load(root, variant, "cuda")["tiered_decode"]
+    for _ in range(launches):
+        fn(*args, LAYER, d**-0.5)
+    dev.sync()
+
+
+def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[int, ...] = (1, 2, 4)) -> dict:
+    import torch
+    import tvm
+
+    from moec.schedules.kernels.tiered_decode import decode_workspaces
+
+    h, hkv, d, ps1, ps2 = SHAPES[name]
+    b, t2p = STREAMS, (CONTEXT - T1_TOKENS) // ps2
+    p1, p2 = b * (T1_TOKENS // ps1), b * t2p
+    qv, pools, tables, mass0 = _speed_inputs(name)
+    dev = tvm.cuda(0)
     args = _args(tvm, dev, qv, pools, tables, mass0)
     splits = int(args[18].shape[2])
     fn = _load(root, name, "cuda")["tiered_decode"]
@@ -313,14 +336,19 @@ def _torch_ms(fn, iters: int = 20) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["prepare", "run"])
+    ap.add_argument("step", choices=["prepare", "run", "profile"])
     ap.add_argument("dir", type=Path)
+    ap.add_argument("--variant", default="olmoe-half2-pipe4", help="profile: the form to launch (a shape or a variant)")
+    ap.add_argument("--launches", type=int, default=2, help="profile: launches of it")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: correctness only, llvm kernels")
     args = ap.parse_args()
     if args.step == "prepare":
         prepare(args.dir)
+        return 0
+    if args.step == "profile":
+        profile(args.dir, args.variant, args.launches)
         return 0
     doc = {"benchmark": "tiered_decode", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
            "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
