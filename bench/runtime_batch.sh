@@ -28,17 +28,14 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
   echo "== $name" >&2
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || { echo "   $name failed (exit $?)" >&2; failed=$((failed + 1)); }
   tail -n 3 "$LOGS/$name.log" >&2
+  tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs  # after every run: a call stopped at its limit keeps the logs
 }
+# the first GPU check of the newest kernels' numbers first, then each new form next to the one it replaces
+run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
 run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr5 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
 run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
 run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
 run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
-run tiered_decode_$DEV 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
-if [ -d .devcarry/ge ] && [ -n "${GE_BENCH:-}" ]; then  # unchanged since grouped_experts_prefill_h100_d47e776.json: on asking
-  run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
-      --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"
-fi
-run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
 # Hardware counters (where ncu can read them) of the decode step's two heaviest kernels at the headline point:
 # the tiered decode attention (the compiled models' half2 form) and, with .devcarry/ge, the grouped expert GEMMs.
 NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
@@ -50,6 +47,11 @@ if [ -n "$NCU_BIN" ]; then
     run ncu_grouped_experts_$DEV 120 "${NCU[@]}" -k 'regex:^moe_(gate_up|down)_experts_kernel$' \
         python3 bench/grouped_experts.py profile .devcarry/ge --batches 128
   fi
+fi
+run tiered_decode_$DEV 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
+if [ -d .devcarry/ge ] && [ -n "${GE_BENCH:-}" ]; then  # unchanged since grouped_experts_prefill_h100_d47e776.json: on asking
+  run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
+      --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"
 fi
 tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs
 echo "$failed run(s) failed" >&2
