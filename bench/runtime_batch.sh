@@ -2,13 +2,13 @@
 # The runtime-only GPU runs of one round in one device call (runtime-only TVM: no compiler staging).
 #
 # Prepared here first (each writes its directory under .devcarry/, git-ignored):
-#   python bench/tiered_decode.py prepare .devcarry/td8
+#   python bench/tiered_decode.py prepare .devcarry/td9
 #   python bench/tiered_prefill.py prepare .devcarry/tp2  (and .devcarry/tp, prepared at abdd814: the serial dequantization)
 #   python bench/tiered_rerank.py prepare .devcarry/rr5   (and .devcarry/rr, prepared at abdd814: the single-launch form;
 #   rr4, d47e776's five launches with serial row copies, was timed on the H100: tiered_rerank_h100_d47e776.json)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e
-# Then there (carry .devcarry/base, td8, tp, tp2, rr, rr5, e2e, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
+# Then there (carry .devcarry/base, td9, tp, tp2, rr, rr5, e2e, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
 # the expert GEMMs' bench too (up to 200 s more); ge alone is profiled under ncu
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
@@ -41,14 +41,16 @@ run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry
 NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
 if [ -n "$NCU_BIN" ]; then
   NCU=("$NCU_BIN" --clock-control none --set full --launch-count 2)
-  run ncu_tiered_decode_$DEV 120 "${NCU[@]}" -k regex:tiered_decode \
-      python3 bench/tiered_decode.py profile .devcarry/td8 --variant olmoe-half2-pipe4
+  for v in olmoe-half2-pipe4 olmoe-half2-pipe3-mb20; do  # as compiled, and with fewer stages and registers
+    run ncu_tiered_decode_${v}_$DEV 90 "${NCU[@]}" -k regex:tiered_decode \
+        python3 bench/tiered_decode.py profile .devcarry/td9 --variant $v
+  done
   if [ -d .devcarry/ge ]; then
     run ncu_grouped_experts_$DEV 120 "${NCU[@]}" -k 'regex:^moe_(gate_up|down)_experts_kernel$' \
         python3 bench/grouped_experts.py profile .devcarry/ge --batches 128
   fi
 fi
-run tiered_decode_$DEV 120 python3 bench/tiered_decode.py run .devcarry/td8 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
+run tiered_decode_$DEV 150 python3 bench/tiered_decode.py run .devcarry/td9 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
 if [ -d .devcarry/ge ] && [ -n "${GE_BENCH:-}" ]; then  # unchanged since grouped_experts_prefill_h100_d47e776.json: on asking
   run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
       --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"

@@ -39,6 +39,13 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 # (``t1_mma``, ``-mma2``: FP8 widened to float16 pairs, the queries as a float16 high and low part), and with q' kept
 # in registers for the whole split instead of read again for each page (``t2_keep_q``, ``-q``)
 VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
+            # launch bounds (``min_blocks``: warps an SM; ptxas -v for sm_90 in the comments): 145 registers and 11.8 KB
+            # of stages take 13 warps an SM; fewer stages and a register cap take more
+            "olmoe-half2-pipe4-mb16": ("olmoe", {"half2": True, "stages": 4, "min_blocks": 16}),  # 118 regs, 17 warps
+            "olmoe-half2-pipe3-mb16": ("olmoe", {"half2": True, "stages": 3, "min_blocks": 16}),  # 118 regs, 8.8 KB
+            "olmoe-half2-pipe3-mb20": ("olmoe", {"half2": True, "stages": 3, "min_blocks": 20}),  # 96 regs, 68 B spilled
+            "olmoe-half2-pipe2-mb20": ("olmoe", {"half2": True, "stages": 2, "min_blocks": 20}),  # 96 regs, 5.9 KB
+            "olmoe-half2-pipe2-mb24": ("olmoe", {"half2": True, "stages": 2, "min_blocks": 24}),  # 80 regs, 180 B spilled
             "olmoe-mma": ("olmoe", {"t2_mma": True}),
             "olmoe-mma-pf": ("olmoe", {"t2_mma": True, "t2_prefetch": True}),
             "olmoe-mma2": ("olmoe", {"t2_mma": True, "t1_mma": True}),

@@ -405,7 +405,7 @@ def _replace_mma(m: re.Match) -> str:
 
 def _kernel_text(source: str, name: str) -> tuple[str, list[tuple[str, str]]]:
     """The definition of ``name`` in ``source`` and its parameters (type, name)."""
-    sig = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?' + re.escape(name) + r"\(([^()]*)\)\s*\{")
+    sig = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?' + re.escape(name) + r"\(([^()]*)\)\s*\{")
     m = sig.search(source)
     if m is None:
         raise ValueError(f"kernel {name} not found in the source")

@@ -397,7 +397,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
-                            t2_keep_q: bool = False):
+                            t2_keep_q: bool = False, min_blocks: int = 0):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -445,8 +445,15 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     during the previous tile), ``t2_keep_q`` (q' kept in registers for the whole split). On the H100 it was 30%
     faster than half2 with 4 query heads per KV head and 30% slower with one (bench/results/tiered_decode_h100_mma.json;
     ``decode_form`` chooses).
+
+    ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
+    caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
+    warps an SM (a 20% occupancy) hold every tile in flight; 16 blocks bound it to 117 without spills.
     """
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
+    MINB = min_blocks
+    if not isinstance(MINB, int) or isinstance(MINB, bool) or not 0 <= MINB <= 32:
+        raise ValueError(f"CUDA tiered decode: min_blocks must be 0 (no bound) or 1..32 blocks an SM, got {MINB!r}")
     G = H // HKV
     D4 = D // 4
     if D % 16 or 32 % (D // 16):
@@ -1205,6 +1212,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         cw: T.let[T.int32] = lane % LPT
                         n1: T.let[T.int32] = t1_len[b]
                         n2: T.let[T.int32] = t2_np[b]
+                        if MINB > 0:  # the split kernel's __launch_bounds__(32, MINB) (the attribute marks its kernel)
+                            with T.attr(T.int32(0), "tirx.launch_bounds_min_blocks_per_sm", MINB):
+                                pmu[0] = T.float32(0)
                         for g in T.unroll(G):
                             for i in T.unroll(16):
                                 qv[g * 16 + i] = q[b, hk * G + g, cw * 16 + i] * sm_scale * T.float32(LOG2E)

@@ -340,6 +340,25 @@ def test_cuda_half2_form_compiles(shape):
         make_tiered_decode_cuda(*shape, half2=True, fields=True)
 
 
+def test_cuda_launch_bounds_cap_the_split_kernel():
+    # min_blocks: __launch_bounds__(32, n) on the split kernel only (the merge kernel keeps its plain bound); 0 none
+    import re
+
+    from moec.compiler.targets import make_target
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    def bounds(**kw):
+        fn = make_tiered_decode_cuda(16, 16, 128, 16, 128, half2=True, **kw)
+        src = tvm.compile(tvm.IRModule({"tiered_decode": fn}), target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+        return sorted(set(re.findall(r"__launch_bounds__\(([^)]*)\) (tiered_decode_kernel\w*)\(", src)))
+
+    assert bounds(stages=3, min_blocks=20) == [("128", "tiered_decode_kernel_1"), ("32, 20", "tiered_decode_kernel")]
+    assert bounds(stages=4) == [("128", "tiered_decode_kernel_1"), ("32", "tiered_decode_kernel")]
+    for bad in (-1, 33, 2.0, True):
+        with pytest.raises(ValueError, match="min_blocks"):
+            make_tiered_decode_cuda(16, 16, 128, 16, 128, half2=True, min_blocks=bad)
+
+
 def test_cuda_prelude_only_where_called():
     from moec.schedules.cuda_prelude import HFMA2, PRELUDE, add_prelude
 
@@ -437,6 +456,12 @@ def test_half2_form_emulated():
     """The compiled models' form (half2, 4 stages; matched NumPy on the H200 within 5e-3 / 1e-3) on the emulator: a
     check of the emulation of its FP8 tier-1 loads, float16-pair helpers and cp.async ring."""
     err, merr = _emulated_decode({"half2": True, "stages": 4}, (32, 8, 128, 16, 128), [33, 16], [2, 3], None)
+    assert err < 5e-3 and merr < 1e-3, (err, merr)
+
+
+def test_half2_form_with_launch_bounds_emulated():
+    """The launch-bounded half2 variants timed on the GPU (3 stages, 20 blocks an SM) compute what the default does."""
+    err, merr = _emulated_decode({"half2": True, "stages": 3, "min_blocks": 20}, (16, 16, 128, 16, 128), [70, 0], [3, 2], 3)
     assert err < 5e-3 and merr < 1e-3, (err, merr)
 
 
