@@ -30,12 +30,13 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
   tail -n 3 "$LOGS/$name.log" >&2
   tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs  # after every run: a call stopped at its limit keeps the logs
 }
-# the first GPU check of the newest kernels' numbers first, then each new form next to the one it replaces
+# the first GPU check of the newest kernels' numbers first, then each new form next to the one it replaces (the old
+# forms, tp and rr, run where carried: on a card that timed them before, leave them out)
 run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
 run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr5 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
-run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
+[ -d .devcarry/rr ] && run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
 run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
-run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
+[ -d .devcarry/tp ] && run tiered_prefill_serial_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp --json "$OUT/tiered_prefill_serial_$DEV.json" --commit abdd814
 # Hardware counters (where ncu can read them) of the decode step's two heaviest kernels at the headline point:
 # the tiered decode attention (the compiled models' half2 form) and, with .devcarry/ge, the grouped expert GEMMs.
 NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
