@@ -33,7 +33,10 @@ new_t2 [B, M2n] int32, and the workspaces.
 
 from __future__ import annotations
 
-from tvm.script import tirx as T
+try:
+    from tvm.script import tirx as T
+except ImportError:  # runtime-only TVM (the GPU bench): WORKSPACES, workspaces and call_rerank still work
+    T = None
 
 from ...runtime.kv_quant import FITS, Q2_THRESHOLDS
 from .tiered_decode import _fp8_to_f32, q2_value
@@ -64,36 +67,38 @@ IMPORTANCE = ("mass", "keynorm", "random")
 LLOYD_ITERS = 3  # kv_quant.q2_quantize's default
 
 
-@T.macro
-def _lloyd(stat, acc, n, values):
-    """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
-    grid levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
-    holds their sum. Uses ``acc[1:5]``."""
-    for _ in T.serial(LLOYD_ITERS):
-        acc[1] = T.float32(0)
-        acc[2] = T.float32(0)
-        acc[3] = T.float32(0)
-        for j in T.serial(n):
-            acc[4] = q2_value(_q2_code((values(j) - stat[0]) / stat[1]))
-            acc[1] += acc[4]
-            acc[2] += acc[4] * acc[4]
-            acc[3] += values(j) * acc[4]
-        lm: T.let[T.float32] = acc[1] / T.float32(n)
-        xm: T.let[T.float32] = acc[0] / T.float32(n)
-        var: T.let[T.float32] = acc[2] / T.float32(n) - lm * lm
-        if var > T.float32(1e-12):
-            sg: T.let[T.float32] = T.max((acc[3] / T.float32(n) - xm * lm) / var, T.float32(2.0**-24))
-            stat[0] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
-            stat[1] = T.Cast("float32", T.Cast("float16", sg))
+if T is not None:  # (the kernels need the compiler; the bench on the GPU machine imports the rest)
+
+    @T.macro
+    def _lloyd(stat, acc, n, values):
+        """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
+        grid levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
+        holds their sum. Uses ``acc[1:5]``."""
+        for _ in T.serial(LLOYD_ITERS):
+            acc[1] = T.float32(0)
+            acc[2] = T.float32(0)
+            acc[3] = T.float32(0)
+            for j in T.serial(n):
+                acc[4] = q2_value(_q2_code((values(j) - stat[0]) / stat[1]))
+                acc[1] += acc[4]
+                acc[2] += acc[4] * acc[4]
+                acc[3] += values(j) * acc[4]
+            lm: T.let[T.float32] = acc[1] / T.float32(n)
+            xm: T.let[T.float32] = acc[0] / T.float32(n)
+            var: T.let[T.float32] = acc[2] / T.float32(n) - lm * lm
+            if var > T.float32(1e-12):
+                sg: T.let[T.float32] = T.max((acc[3] / T.float32(n) - xm * lm) / var, T.float32(2.0**-24))
+                stat[0] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
+                stat[1] = T.Cast("float32", T.Cast("float16", sg))
 
 
-@T.macro
-def _moments(stat, acc, n):
-    """``stat`` = (mean, standard deviation) of ``n`` values from their sum ``acc[0]`` and sum of squares ``acc[1]``,
-    each rounded to float16 (as stored), the deviation at least 2^-24."""
-    stat[0] = T.Cast("float32", T.Cast("float16", acc[0] / T.float32(n)))
-    stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-        acc[1] / T.float32(n) - (acc[0] / T.float32(n)) * (acc[0] / T.float32(n)), T.float32(0))), T.float32(2.0**-24))))
+    @T.macro
+    def _moments(stat, acc, n):
+        """``stat`` = (mean, standard deviation) of ``n`` values from their sum ``acc[0]`` and sum of squares ``acc[1]``,
+        each rounded to float16 (as stored), the deviation at least 2^-24."""
+        stat[0] = T.Cast("float32", T.Cast("float16", acc[0] / T.float32(n)))
+        stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+            acc[1] / T.float32(n) - (acc[0] / T.float32(n)) * (acc[0] / T.float32(n)), T.float32(0))), T.float32(2.0**-24))))
 
 
 def _hash_score(p, layer, h):

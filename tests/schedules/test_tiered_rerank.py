@@ -164,3 +164,18 @@ def test_rerank_bench_inputs_and_calls_on_cpu(monkeypatch):
             moved = out["t2_pos"][0, host[len(POOLS) + 4][b], h].reshape(-1)
             before = host[POOLS.index("t1_pos")][0, host[len(POOLS)][b], h].reshape(-1)
             assert sorted(kept.tolist() + moved.tolist()) == sorted(before.tolist())
+
+
+def test_bench_side_imports_without_the_script_layer():
+    # the GPU machine's runtime-only TVM has no working tvm.script: the kernels' modules must still give the
+    # bench their workspaces, launch names and shapes (a failed import there cost a device run)
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tvm.script'] = None\n"
+            "from moec.schedules.kernels import grouped_experts, tiered_decode, tiered_rerank\n"
+            "assert tiered_rerank.T is None and tiered_decode.T is None and grouped_experts.T is None\n"
+            "assert [w.shape for w in tiered_rerank.workspaces(2, 3, 4)] == [(2, 3, 4), (2, 3, 4), (2, 3, 8), (2, 3, 4)]\n"
+            "assert len(tiered_rerank.RERANK_KERNELS) == 5 and tiered_decode.decode_splits(4, 2, 3, 16, 2) >= 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
