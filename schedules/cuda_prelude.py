@@ -6,6 +6,12 @@ keep the pairs in ``uint32`` registers and call these helpers through ``T.call_p
 helpers are PTX, one instruction each (``fma.rn.f16x2``, ``cvt.rn.f16x2.f32``, ``cvt.f32.f16``;
 sm_80 or newer; ``cvt.rn.f16x2.e4m3x2``, sm_89 or newer). Subnormal halves are kept, not flushed (no ``.ftz``).
 
+FP8 e4m3 to bfloat16 has no conversion instruction before sm_100. The byte pair is spread into two 16-bit
+halves (``prmt``), each byte's exponent and mantissa moved under bfloat16's (``<< 4``: exponent e in the
+bfloat16 exponent field, mantissa m at its top three bits), and one ``fma.rn.bf16x2`` by 2^120 rebiases both
+(7 -> 127): 2^(e - 127) (1 + m / 8) 2^120 for e > 0, and the bfloat16 subnormal (m / 8) 2^-126 2^120 = m 2^-9 for
+e = 0, exactly the e4m3 values; the signs are put back after. Four integer operations and one FMA a pair.
+
 ``register()`` installs TVM's ``tvm_callback_cuda_postproc`` hook (chaining any hook already
 installed), which puts the helpers' definitions at the top of a generated source that calls one of
 them and leaves every other source unchanged. The source a module keeps is the processed one, so the
@@ -22,6 +28,10 @@ H2_LO = "moec_h2_lo"  # the low half as float32
 H2_HI = "moec_h2_hi"  # the high half as float32
 E4M3_LO = "moec_e4m3x2_lo"  # bytes 0, 1 (FP8 e4m3) -> the two halves, exactly (cvt.rn.f16x2.e4m3x2; sm_89 or newer)
 E4M3_HI = "moec_e4m3x2_hi"  # bytes 2, 3 likewise
+PACK_BF2 = "moec_pack_bf2"  # (lo, hi) float32 -> two bfloat16, rounded to nearest (cvt.rn.bf16x2.f32)
+E4M3_BF_LO = "moec_e4m3x2_bf16_lo"  # bytes 0, 1 (FP8 e4m3) -> two bfloat16, exactly (see below)
+E4M3_BF_HI = "moec_e4m3x2_bf16_hi"  # bytes 2, 3 likewise
+ST_B32X2 = "moec_st_b32x2"  # (address, lo, hi): one 8-byte store of two 32-bit words (the address 8-byte aligned)
 
 _GUARD = "MOEC_CUDA_PRELUDE"
 PRELUDE = rf"""#ifndef {_GUARD}
@@ -46,6 +56,25 @@ __device__ __forceinline__ float {H2_HI}(unsigned int a) {{
   asm("{{.reg .f16 l, h;\n mov.b32 {{l, h}}, %1;\n cvt.f32.f16 %0, h;}}" : "=f"(f) : "r"(a));
   return f;
 }}
+__device__ __forceinline__ unsigned int {PACK_BF2}(float lo, float hi) {{
+  unsigned int d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}}
+__device__ __forceinline__ unsigned int moec_e4m3_pair_bf16_(unsigned int p) {{  // bytes at bits 0 .. 7, 16 .. 23
+  unsigned int d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"((p & 0x007F007Fu) << 4), "r"(0x7B807B80u), "r"(0x80008000u));
+  return d | ((p & 0x00800080u) << 8);
+}}
+__device__ __forceinline__ unsigned int {E4M3_BF_LO}(unsigned int a) {{
+  return moec_e4m3_pair_bf16_(__byte_perm(a, 0u, 0x4140u));
+}}
+__device__ __forceinline__ unsigned int {E4M3_BF_HI}(unsigned int a) {{
+  return moec_e4m3_pair_bf16_(__byte_perm(a, 0u, 0x4342u));
+}}
+__device__ __forceinline__ void {ST_B32X2}(void* p, unsigned int lo, unsigned int hi) {{
+  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}}
 __device__ __forceinline__ unsigned int {E4M3_LO}(unsigned int a) {{
   unsigned int d;
   asm("{{.reg .b16 l, h;\n mov.b32 {{l, h}}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}}" : "=r"(d) : "r"(a));
@@ -59,7 +88,7 @@ __device__ __forceinline__ unsigned int {E4M3_HI}(unsigned int a) {{
 #endif
 """
 
-_CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI)))
+_CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI, PACK_BF2, E4M3_BF_LO, E4M3_BF_HI, ST_B32X2)))
 _HOOK = "tvm_callback_cuda_postproc"
 _installed = False
 

@@ -144,6 +144,14 @@ static inline float moec_h2_lo(uint a) { return (float)h_bits_((uint16_t)(a & 0x
 static inline float moec_h2_hi(uint a) { return (float)h_bits_((uint16_t)(a >> 16)); }
 static inline uint moec_e4m3x2_lo(uint a) { return (uint)half(e4m3_to_float_(a & 0xff)).x | ((uint)half(e4m3_to_float_((a >> 8) & 0xff)).x << 16); }
 static inline uint moec_e4m3x2_hi(uint a) { return moec_e4m3x2_lo(a >> 16); }
+static inline uint moec_pack_bf2(float lo, float hi) { return (uint)nv_bfloat16(lo).x | ((uint)nv_bfloat16(hi).x << 16); }
+static inline uint bf16_exact_(float f) { uint32_t u; memcpy(&u, &f, 4); return u >> 16; }  // (f exact in bfloat16)
+static inline uint moec_e4m3x2_bf16_lo(uint a) { return bf16_exact_(e4m3_to_float_(a & 0xff)) | (bf16_exact_(e4m3_to_float_((a >> 8) & 0xff)) << 16); }
+static inline uint moec_e4m3x2_bf16_hi(uint a) { return moec_e4m3x2_bf16_lo(a >> 16); }
+static inline void moec_st_b32x2(void *p, uint lo, uint hi) {
+  if ((uintptr_t)p % 8) throw std::runtime_error("moec_st_b32x2: address not 8-byte aligned");
+  uint v[2] = {lo, hi}; std::memcpy(p, v, 8);
+}
 static inline uint moec_hfma2(uint a, uint b, uint c) {  // each half: a * b + c rounded once (exact in double)
   uint r = 0;
   for (int i = 0; i < 2; ++i) {

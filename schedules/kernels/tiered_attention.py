@@ -99,12 +99,18 @@ def _mass_signature(H: int, HKV: int, D: int, PS1: int, body):
 
 
 def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                          target: str = "llvm", mma_dtype: str | None = None):
+                          target: str = "llvm", mma_dtype: str | None = None, mma_warps: int | None = None,
+                          mma_min_blocks: int = 0):
     """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda". ``mma_dtype``
-    ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``)."""
+    ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``), in
+    blocks of ``mma_warps`` warps of 16 (query, head) rows (4 or 8; default MMA_WARPS). A block dequantizes each key
+    tile once for its rows: 8 warps halve that work per query and double the registers and rows in flight.
+    ``mma_min_blocks`` > 0 declares launch bounds of that many blocks an SM (the 4-warp form takes 186 registers: 2
+    blocks, 8 warps an SM; 3 blocks cap it at 168)."""
     if target == "cuda":
         if mma_dtype is not None:
-            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype)
+            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype, mma_warps or MMA_WARPS,
+                                  mma_min_blocks)
         return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
     if mma_dtype is not None:
         raise ValueError("tiered attention: the tensor-core form is CUDA only")
@@ -476,21 +482,23 @@ MASS_MMA_KT = 16 * MASS_MMA_WARPS
 MMA_PAD = 8  # 16-bit elements of padding per shared row: the fragment loads hit 32 distinct banks
 
 
-def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str) -> str | None:
-    """Why the tensor-core forms cannot take these heads and operand dtype, or None."""
+def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str, warps: int = MMA_WARPS) -> str | None:
+    """Why the tensor-core forms (attention blocks of ``warps`` warps) cannot take these heads and operand dtype, or None."""
     if dtype not in _MMA_TYPE:
         return f"operand dtype {dtype} is not bfloat16 or float16"
     if head_dim % 16:
         return f"head dim {head_dim} is not a multiple of 16"
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads do not split into {num_kv_heads} KV heads"
-    if MMA_ROWS % (num_heads // num_kv_heads):
-        return f"{num_heads // num_kv_heads} query heads per KV head do not divide a block's {MMA_ROWS} rows"
+    if warps not in (4, 8) or isinstance(warps, bool):
+        return f"attention blocks of {warps!r} warps (4 or 8)"
+    if (16 * warps) % (num_heads // num_kv_heads):
+        return f"{num_heads // num_kv_heads} query heads per KV head do not divide a block's {16 * warps} rows"
     return None
 
 
-def _check_mma(num_heads, num_kv_heads, head_dim, dtype):
-    why = mma_supported(num_heads, num_kv_heads, head_dim, dtype)
+def _check_mma(num_heads, num_kv_heads, head_dim, dtype, warps=MMA_WARPS):
+    why = mma_supported(num_heads, num_kv_heads, head_dim, dtype, warps)
     if why is not None:
         raise ValueError(f"tiered attention (tensor cores): {why}")
 
@@ -516,12 +524,29 @@ def _row_tile_mma(KS: int, RS: int, dtype: str, ab: str):
     return row_tile_mma
 
 
-def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str):
-    _check_mma(num_heads, num_kv_heads, head_dim, dtype)
+def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str,
+                   warps: int = MMA_WARPS, min_blocks: int = 0):
+    _check_mma(num_heads, num_kv_heads, head_dim, dtype, warps)
+    if not isinstance(min_blocks, int) or isinstance(min_blocks, bool) or not 0 <= min_blocks <= 16:
+        raise ValueError(f"tiered attention (tensor cores): min_blocks must be 0 (no bound) or 1..16 blocks an SM, got {min_blocks!r}")
+    MINB = min_blocks
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
     G, D4, ab = H // HKV, head_dim // 4, _MMA_TYPE[dtype]
-    NT, KTM, RS = 32 * MMA_WARPS, MMA_KT, head_dim + MMA_PAD
-    QB = MMA_ROWS // G  # queries per block
+    NT, KTM, RS = 32 * warps, MMA_KT, head_dim + MMA_PAD
+    QB = 16 * warps // G  # queries per block
+    # a 4-element group dequantized as two 16-bit pairs and stored with one 8-byte access: FP8 pairs by the
+    # prelude's exact conversions (bfloat16: integer spread and one fma.rn.bf16x2; float16: cvt.rn.f16x2.e4m3x2),
+    # tier-2 levels computed in float32 and rounded in pairs
+    from ..cuda_prelude import E4M3_BF_HI, E4M3_BF_LO, E4M3_HI, E4M3_LO, PACK_BF2, PACK_H2, ST_B32X2, register
+
+    register()
+    E_LO, E_HI, PACK = (E4M3_BF_LO, E4M3_BF_HI, PACK_BF2) if dtype == "bfloat16" else (E4M3_LO, E4M3_HI, PACK_H2)
+
+    def pair(name, *args):
+        return T.call_pure_extern("uint32", name, *args)
+
+    def store4(smem, at, w):  # the group's two pairs w[0], w[1] at element ``at`` (a multiple of 4) of ``smem``
+        return T.call_extern("void", ST_B32X2, T.address_of(smem[at]), w[0], w[1])
     KS, NS, PK, ND = D // 16, KTM // 8, KTM // 16, D // 8  # QK k-steps, score n-tiles, PV k-steps, output n-tiles
     LG = -(-KTM * D4 // NT)  # 4-element groups of a K (and of a V) tile each thread dequantizes
     T2T = -(-PS2 // KTM)  # key tiles per tier-2 page
@@ -542,6 +567,9 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                             v_s = T.sblock_alloc_buffer((KTM * RS,), dtype, scope="shared")  # [key][dim]
                             sc_s = T.sblock_alloc_buffer((2 * KTM,), "float32", scope="shared")  # key, value scales
                             vis_s = T.sblock_alloc_buffer((QB,), "int32", scope="shared")
+                            kq = T.sblock_alloc_buffer((2,), "uint32", scope="local")  # a group's key, value pairs
+                            vq = T.sblock_alloc_buffer((2,), "uint32", scope="local")
+                            lf = T.sblock_alloc_buffer((8,), "float32", scope="local")  # a tier-2 group's values
                             qa = T.sblock_alloc_buffer((KS * 8,), dtype, scope="local")  # A fragments of Q
                             kb = T.sblock_alloc_buffer((8,), dtype, scope="local")  # two B fragments of K^T
                             pa = T.sblock_alloc_buffer((8,), dtype, scope="local")  # an A fragment of P
@@ -558,6 +586,9 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                             g: T.let[T.int32] = (tx % 32) // 4
                             qq: T.let[T.int32] = tx % 4
                             ln: T.let[T.int32] = tx % 32  # lane: with ldmatrix, lanes 8 m .. 8 m + 7 address matrix m's rows
+                            if MINB > 0:  # __launch_bounds__(threads, MINB): registers capped for MINB blocks an SM
+                                with T.attr(T.int32(0), "tirx.launch_bounds_min_blocks_per_sm", MINB):
+                                    ext[0] = 0
                             if q0 < end:
                                 if tx < QB:
                                     vis_s[tx] = T.if_then_else(q0 + tx < end, q_t1[T.min(q0 + tx, N - 1)], 0)
@@ -595,18 +626,20 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                                     kh[T.ramp(r * 8, 1, 4)] = t2_kmu[layer, pg2, hk, T.ramp(c4 * 4, 1, 4)]
                                                     kh[T.ramp(r * 8 + 4, 1, 4)] = t2_ksig[layer, pg2, hk, T.ramp(c4 * 4, 1, 4)]
                                                     for i in T.unroll(4):
-                                                        k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, T.Cast(
-                                                            "float32", kh[r * 8 + i]) + T.Cast(
-                                                            "float32", kh[r * 8 + 4 + i]) * _q2_level(
-                                                            t2_k[layer, pg2, hk, j0 + j, c4], i))
-                                                        v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, T.Cast(
-                                                            "float32", t2_vmu[layer, pg2, hk, j0 + j]) + T.Cast(
+                                                        lf[i] = T.Cast("float32", kh[r * 8 + i]) + T.Cast(
+                                                            "float32", kh[r * 8 + 4 + i]) * _q2_level(t2_k[layer, pg2, hk, j0 + j, c4], i)
+                                                        lf[4 + i] = T.Cast("float32", t2_vmu[layer, pg2, hk, j0 + j]) + T.Cast(
                                                             "float32", t2_vsig[layer, pg2, hk, j0 + j]) * _q2_level(
-                                                            t2_v[layer, pg2, hk, j0 + j, c4], i))
+                                                            t2_v[layer, pg2, hk, j0 + j, c4], i)
+                                                    for h2 in T.unroll(2):
+                                                        kq[h2] = pair(PACK, lf[2 * h2], lf[2 * h2 + 1])
+                                                        vq[h2] = pair(PACK, lf[4 + 2 * h2], lf[4 + 2 * h2 + 1])
                                                 else:
-                                                    for i in T.unroll(4):
-                                                        k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, 0)
-                                                        v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, 0)
+                                                    for h2 in T.unroll(2):
+                                                        kq[h2] = T.uint32(0)
+                                                        vq[h2] = T.uint32(0)
+                                                T.evaluate(store4(k_s, j * RS + c4 * 4, kq))
+                                                T.evaluate(store4(v_s, j * RS + c4 * 4, vq))
                                                 if c4 == 0:
                                                     sc_s[j] = sm_scale * T.float32(LOG2E)
                                                     sc_s[KTM + j] = T.float32(1)
@@ -614,14 +647,15 @@ def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: in
                                                 tok: T.let[T.int32] = T.min(j0 + j, M1 * PS1 - 1)
                                                 pg1: T.let[T.int32] = t1_table[b, tok // PS1]
                                                 sl: T.let[T.int32] = tok % PS1
-                                                # a key's 4 codes and a value's in one 32-bit load each
+                                                # a key's 4 codes and a value's in one 32-bit load each, widened in pairs
                                                 wk: T.let[T.uint32] = T.reinterpret("uint32", t1_k[layer, pg1, hk, sl, T.ramp(c4 * 4, 1, 4)])
                                                 wv: T.let[T.uint32] = T.reinterpret("uint32", t1_v[layer, pg1, hk, sl, T.ramp(c4 * 4, 1, 4)])
-                                                for i in T.unroll(4):
-                                                    k_s[j * RS + c4 * 4 + i] = T.Cast(dtype, _fp8_to_f32(
-                                                        (wk >> T.uint32(8 * i)) & T.uint32(0xFF)))
-                                                    v_s[j * RS + c4 * 4 + i] = T.Cast(dtype, _fp8_to_f32(
-                                                        (wv >> T.uint32(8 * i)) & T.uint32(0xFF)))
+                                                kq[0] = pair(E_LO, wk)
+                                                kq[1] = pair(E_HI, wk)
+                                                vq[0] = pair(E_LO, wv)
+                                                vq[1] = pair(E_HI, wv)
+                                                T.evaluate(store4(k_s, j * RS + c4 * 4, kq))
+                                                T.evaluate(store4(v_s, j * RS + c4 * 4, vq))
                                                 if c4 == 0:
                                                     sc_s[j] = T.Cast("float32", t1_ks[layer, pg1, hk, sl]) * sm_scale * T.float32(LOG2E)
                                                     sc_s[KTM + j] = T.Cast("float32", t1_vs[layer, pg1, hk, sl])

@@ -9,7 +9,7 @@ import tvm
 
 from moec.compiler.targets import make_target
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_attention import (KT, MASS_MMA_KT, MASS_MMA_WARPS, MMA_ROWS, MMA_WARPS, QT,
+from moec.schedules.kernels.tiered_attention import (KT, MASS_MMA_KT, MASS_MMA_WARPS, MMA_WARPS, QT,
                                                      make_tiered_attention, make_tiered_mass)
 
 from moec_testing import require_cuda
@@ -68,12 +68,14 @@ def test_cuda_attention_and_mass_against_numpy(cuda_kernels, seed, t1_lens, t2_p
 
 
 @functools.lru_cache(maxsize=None)
-def _emulated_kernels(heads, mma_dtype=None):
-    """The CUDA forms of ``heads`` (the tensor-core ones with ``mma_dtype``), run on the CPU by tests/cuda_emu.py."""
+def _emulated_kernels(heads, mma_dtype=None, warps=MMA_WARPS):
+    """The CUDA forms of ``heads`` (the tensor-core ones with ``mma_dtype``, attention blocks of ``warps`` warps), run
+    on the CPU by tests/cuda_emu.py."""
     from cuda_emu import EmulatedKernel
 
     h, hkv, d = heads
-    mod = tvm.IRModule({"tiered_attention": make_tiered_attention(h, hkv, d, PS1, PS2, target="cuda", mma_dtype=mma_dtype),
+    mod = tvm.IRModule({"tiered_attention": make_tiered_attention(h, hkv, d, PS1, PS2, target="cuda", mma_dtype=mma_dtype,
+                                                                  mma_warps=warps if mma_dtype else None),
                         "tiered_mass": make_tiered_mass(h, hkv, d, PS1, target="cuda", mma_dtype=mma_dtype)})
     src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
     if mma_dtype is None:
@@ -81,9 +83,9 @@ def _emulated_kernels(heads, mma_dtype=None):
         mass = lambda n, b: (b, -(-(P1 * PS1) // KT), hkv)  # noqa: E731  (the table width: P1 pages)
         threads = (128, 128)
     else:
-        att = lambda n, b: (b, -(-n // (MMA_ROWS // (h // hkv))), hkv)  # noqa: E731
+        att = lambda n, b: (b, -(-n // (16 * warps // (h // hkv))), hkv)  # noqa: E731
         mass = lambda n, b: (b, -(-(P1 * PS1) // MASS_MMA_KT), hkv)  # noqa: E731
-        threads = (32 * MMA_WARPS, 32 * MASS_MMA_WARPS)
+        threads = (32 * warps, 32 * MASS_MMA_WARPS)
     return {"tiered_attention": (EmulatedKernel(src, "tiered_attention_kernel"), att, threads[0]),
             "tiered_mass": (EmulatedKernel(src, "tiered_mass_kernel"), mass, threads[1])}
 
@@ -110,6 +112,42 @@ def test_tensor_core_forms_emulated(heads, dtype, case):
     tol = 1.5e-2 if dtype == "bfloat16" else 4e-3
     _check(_emulated_kernels(heads, dtype), "emulated", seed, t1_lens, t2_pages, new, tol=tol, heads=heads,
            q_round=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16, mass_tol=tol)
+
+
+@pytest.mark.parametrize("heads,case", [(MMA_HEADS[1], 3), (MMA_HEADS[2], 0)])
+def test_tensor_core_attention_in_8_warp_blocks_emulated(heads, case):
+    """Attention blocks of 8 warps (128 rows: a key tile dequantized once for twice the queries), same checks."""
+    seed, t1_lens, t2_pages, new = GPU_CASES[case]
+    _check(_emulated_kernels(heads, "bfloat16", warps=8), "emulated", seed, t1_lens, t2_pages, new, tol=1.5e-2, heads=heads,
+           q_round=ml_dtypes.bfloat16, mass_tol=1.5e-2)
+
+
+def test_tensor_core_attention_launch_shapes():
+    import re
+
+    def bounds(**kw):
+        mod = tvm.IRModule({"tiered_attention": make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16", **kw)})
+        src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
+        return re.findall(r"__launch_bounds__\(([^)]*)\) tiered_attention_kernel\(", src)[0]
+
+    assert bounds() == "128" and bounds(mma_warps=8) == "256" and bounds(mma_min_blocks=3) == "128, 3"
+    with pytest.raises(ValueError, match="4 or 8"):
+        make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16", mma_warps=2)
+    with pytest.raises(ValueError, match="min_blocks"):
+        make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16", mma_min_blocks=-1)
+
+
+def test_fp8_pairs_to_bfloat16_exactly():
+    # the prelude's e4m3 -> bfloat16 pair conversion, in NumPy: each byte's low 7 bits shifted under bfloat16's
+    # exponent and mantissa, times 2^120 (one bfloat16 FMA, exact: a product of a 4-bit mantissa and a power of
+    # two), the sign put back; every non-NaN code gives its e4m3 value, subnormals included
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint32)
+    mag = ((codes & 0x7F) << 4).astype(np.uint16)
+    as_bf16 = np.frombuffer(mag.tobytes(), ml_dtypes.bfloat16).astype(np.float64)
+    got = as_bf16 * 2.0**120 * np.where(codes & 0x80, -1.0, 1.0)
+    want = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+    assert (got.astype(ml_dtypes.bfloat16).astype(np.float64) == got).all()  # the products are bfloat16 values
 
 
 @pytest.fixture(scope="module")
