@@ -62,7 +62,62 @@ def prepare(out: Path) -> None:
                 sub.mkdir()
                 index[sub.name] = _compile_cuda_kernels(ex, target, sub, progress=True)
                 ex.export_library(str(sub / "lib.so"))
+        ex = tvm.compile(tvm.IRModule({"fp8_pairs": fp8_pairs_kernel()}), target=target)
+        sub = tmp / "fp8-pairs"
+        sub.mkdir()
+        index[sub.name] = _compile_cuda_kernels(ex, target, sub, progress=True)
+        ex.export_library(str(sub / "lib.so"))
         (tmp / "index.json").write_text(json.dumps(index))
+
+
+def fp8_pairs_kernel():
+    """Every FP8 e4m3 code through the prelude's pair conversions the attention uses (to bfloat16 and to float16):
+    ``codes`` [64] uint32 words of 4 codes, ``out`` [4, 64] the low and high pairs of each, bfloat16 then float16."""
+    from tvm.script import tirx as T
+
+    from moec.schedules.cuda_prelude import E4M3_BF_HI, E4M3_BF_LO, E4M3_HI, E4M3_LO, register
+
+    register()
+
+    @T.prim_func(s_tir=True)
+    def fp8_pairs(codes: T.Buffer((64,), "uint32"), out: T.Buffer((4, 64), "uint32")):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "fp8_pairs"})
+        for tx in T.thread_binding(64, thread="threadIdx.x"):
+            out[0, tx] = T.call_pure_extern("uint32", E4M3_BF_LO, codes[tx])
+            out[1, tx] = T.call_pure_extern("uint32", E4M3_BF_HI, codes[tx])
+            out[2, tx] = T.call_pure_extern("uint32", E4M3_LO, codes[tx])
+            out[3, tx] = T.call_pure_extern("uint32", E4M3_HI, codes[tx])
+
+    return fp8_pairs
+
+
+def check_fp8_pairs(mod, dev) -> dict:
+    """The pair conversions on the GPU against ml_dtypes, bit for bit, for all 256 codes (NaN codes: NaN out)."""
+    import tvm
+
+    out = tvm.runtime.tensor(np.zeros((4, 64), np.uint32), dev)
+    mod["fp8_pairs"](tvm.runtime.tensor(np.arange(256, dtype=np.uint8).view(np.uint32).copy(), dev), out)
+    res = compare_fp8_pairs(out.numpy())
+    print(json.dumps({"fp8_pairs": res}), flush=True)
+    return res
+
+
+def compare_fp8_pairs(got) -> dict:
+    """``fp8_pairs``'s output for the codes 0 .. 255 against ml_dtypes' values."""
+    import ml_dtypes
+
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    res = {}
+    for name, rows, typ in (("bfloat16", (0, 1), ml_dtypes.bfloat16), ("float16", (2, 3), np.float16)):
+        # word w's codes 4 w .. 4 w + 3: the low pair holds codes 4 w, 4 w + 1, the high pair 4 w + 2, 4 w + 3
+        vals = np.stack([got[rows[0]], got[rows[1]]], 1).reshape(-1).view(np.uint16).view(typ).astype(np.float32)
+        nan = np.isnan(want)
+        ok = bool((np.isnan(vals) == nan).all() and (vals[~nan] == want[~nan]).all()
+                  and (np.signbit(vals[~nan]) == np.signbit(want[~nan])).all())
+        res[name] = {"codes": 256, "exact": ok, "mismatches": int((vals[~nan] != want[~nan]).sum())}
+    res["passed"] = all(r["exact"] for r in res.values())
+    return res
 
 
 def _inputs(shape, case, rng) -> dict:
@@ -135,6 +190,11 @@ def run(root: Path, json_out: Path, commit: str) -> int:
     index = json.loads((root / "index.json").read_text())
     dev = tvm.cuda(0)
     rows, ok = [], True
+    pairs = None
+    if "fp8-pairs" in index:  # (directories prepared since 69bbf13)
+        _register_fatbins(root / "fp8-pairs", {"cuda_kernels": index["fp8-pairs"]})
+        pairs = check_fp8_pairs(tvm.runtime.load_module(str(root / "fp8-pairs" / "lib.so")), dev)
+        ok &= pairs["passed"]
     for shape in SHAPES:
         mods = {}
         forms = [f for f in FORMS + tuple(MMA_VARIANTS) if f"{shape}-{f}" in index]  # (variants: where prepared)
@@ -165,7 +225,7 @@ def run(root: Path, json_out: Path, commit: str) -> int:
             print(json.dumps(row), flush=True)
     result = {"benchmark": "tiered_prefill", "command": f"python3 bench/tiered_prefill.py run {root} --json {json_out} "
               f"--commit {commit}", "git_commit": commit, "device": torch.cuda.get_device_name(0), "host": platform.node(),
-              "pages": {"t1": PS1, "t2": PS2}, "tolerance": TOL, "results": rows}
+              "pages": {"t1": PS1, "t2": PS2}, "tolerance": TOL, "fp8_pairs": pairs, "results": rows}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
     return 0 if ok else 1

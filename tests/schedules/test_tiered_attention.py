@@ -137,6 +137,27 @@ def test_tensor_core_attention_launch_shapes():
         make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16", mma_min_blocks=-1)
 
 
+def test_prefill_bench_fp8_pair_check_emulated():
+    """bench/tiered_prefill.py's GPU check of the pair conversions, on the emulator (the GPU runs the PTX; the
+    emulator its C++ stand-ins), and that the check fails on a wrong value."""
+    import importlib.util
+    from pathlib import Path
+
+    from cuda_emu import EmulatedKernel
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tiered_prefill.py"
+    spec = importlib.util.spec_from_file_location("moec_bench_tiered_prefill_pairs", path)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    src = tvm.compile(tvm.IRModule({"fp8_pairs": tp.fp8_pairs_kernel()}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    out = np.zeros((4, 64), np.uint32)
+    EmulatedKernel(src, "fp8_pairs_kernel")((1, 1, 1), 64, codes=np.arange(256, dtype=np.uint8).view(np.uint32).copy(), out=out)
+    assert tp.compare_fp8_pairs(out)["passed"]
+    out[0, 5] ^= 1 << 4  # one bfloat16 off by an ulp
+    res = tp.compare_fp8_pairs(out)
+    assert not res["passed"] and res["bfloat16"]["mismatches"] == 1 and res["float16"]["exact"]
+
+
 def test_fp8_pairs_to_bfloat16_exactly():
     # the prelude's e4m3 -> bfloat16 pair conversion, in NumPy: each byte's low 7 bits shifted under bfloat16's
     # exponent and mantissa, times 2^120 (one bfloat16 FMA, exact: a product of a 4-bit mantissa and a power of
