@@ -103,13 +103,13 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
                           mma_min_blocks: int = 0):
     """The attention PrimFunc (outputs ``out`` and ``stats``) for ``target`` "llvm" or "cuda". ``mma_dtype``
     ("bfloat16" or "float16", CUDA only): the tensor-core form with operands of that type (``mma_supported``), in
-    blocks of ``mma_warps`` warps of 16 (query, head) rows (4 or 8; default MMA_WARPS). A block dequantizes each key
+    blocks of ``mma_warps`` warps of 16 (query, head) rows (4 or 8; default ATTENTION_WARPS). A block dequantizes each key
     tile once for its rows: 8 warps halve that work per query and double the registers and rows in flight.
     ``mma_min_blocks`` > 0 declares launch bounds of that many blocks an SM (the 4-warp form takes 186 registers: 2
-    blocks, 8 warps an SM; 3 blocks cap it at 168)."""
+    blocks, 8 warps an SM; 3 blocks cap it at 168, which was slower on the H100)."""
     if target == "cuda":
         if mma_dtype is not None:
-            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype, mma_warps or MMA_WARPS,
+            return _attention_mma(num_heads, num_kv_heads, head_dim, t1_page, t2_page, mma_dtype, mma_warps or ATTENTION_WARPS,
                                   mma_min_blocks)
         return _attention_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page)
     if mma_dtype is not None:
@@ -472,7 +472,12 @@ def _mass_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int):
 # 4 elements per load, all of a thread's loads of a tile unrolled, and their fragments read by ldmatrix.
 
 MMA_WARPS = 4
-MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block
+MMA_ROWS = 16 * MMA_WARPS  # (query, head) rows per block of the importance kernel's staged tiles
+# the attention's blocks: 8 warps, 128 rows, so each key tile is dequantized once for twice the queries. On the H100
+# (bench/results/tiered_prefill_h100_5611a6e.json, 2048-token chunks) against 4 warps: OLMoE 0.894 against 1.050 ms
+# for a second chunk (tier 2 to widen), 0.322 against 0.270 for a first; Mixtral 1.514 against 1.861 and 0.468
+# against 0.421. A prompt of two chunks or more gains (8% and 13% at 4080 tokens).
+ATTENTION_WARPS = 8
 MMA_KT = 64  # keys per shared-memory tile
 # the importance kernel: 8 warps of 16 tokens, so each query row staged in shared memory serves 128 tokens (every
 # block reads all of its row's queries: twice the tokens a block halves that traffic, 2 GB a layer at a 4080-token
@@ -482,7 +487,7 @@ MASS_MMA_KT = 16 * MASS_MMA_WARPS
 MMA_PAD = 8  # 16-bit elements of padding per shared row: the fragment loads hit 32 distinct banks
 
 
-def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str, warps: int = MMA_WARPS) -> str | None:
+def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str, warps: int = ATTENTION_WARPS) -> str | None:
     """Why the tensor-core forms (attention blocks of ``warps`` warps) cannot take these heads and operand dtype, or None."""
     if dtype not in _MMA_TYPE:
         return f"operand dtype {dtype} is not bfloat16 or float16"
@@ -492,12 +497,13 @@ def mma_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str, 
         return f"{num_heads} query heads do not split into {num_kv_heads} KV heads"
     if warps not in (4, 8) or isinstance(warps, bool):
         return f"attention blocks of {warps!r} warps (4 or 8)"
-    if (16 * warps) % (num_heads // num_kv_heads):
-        return f"{num_heads // num_kv_heads} query heads per KV head do not divide a block's {16 * warps} rows"
+    for rows in (16 * warps, MMA_ROWS):  # the attention's blocks, the importance kernel's staged tiles
+        if rows % (num_heads // num_kv_heads):
+            return f"{num_heads // num_kv_heads} query heads per KV head do not divide a block's {rows} rows"
     return None
 
 
-def _check_mma(num_heads, num_kv_heads, head_dim, dtype, warps=MMA_WARPS):
+def _check_mma(num_heads, num_kv_heads, head_dim, dtype, warps=ATTENTION_WARPS):
     why = mma_supported(num_heads, num_kv_heads, head_dim, dtype, warps)
     if why is not None:
         raise ValueError(f"tiered attention (tensor cores): {why}")
@@ -525,7 +531,7 @@ def _row_tile_mma(KS: int, RS: int, dtype: str, ab: str):
 
 
 def _attention_mma(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int, t2_page: int, dtype: str,
-                   warps: int = MMA_WARPS, min_blocks: int = 0):
+                   warps: int = ATTENTION_WARPS, min_blocks: int = 0):
     _check_mma(num_heads, num_kv_heads, head_dim, dtype, warps)
     if not isinstance(min_blocks, int) or isinstance(min_blocks, bool) or not 0 <= min_blocks <= 16:
         raise ValueError(f"tiered attention (tensor cores): min_blocks must be 0 (no bound) or 1..16 blocks an SM, got {min_blocks!r}")

@@ -9,7 +9,7 @@ import tvm
 
 from moec.compiler.targets import make_target
 from moec.schedules.kernels import reference as ref
-from moec.schedules.kernels.tiered_attention import (KT, MASS_MMA_KT, MASS_MMA_WARPS, MMA_WARPS, QT,
+from moec.schedules.kernels.tiered_attention import (ATTENTION_WARPS, KT, MASS_MMA_KT, MASS_MMA_WARPS, QT,
                                                      make_tiered_attention, make_tiered_mass)
 
 from moec_testing import require_cuda
@@ -68,7 +68,7 @@ def test_cuda_attention_and_mass_against_numpy(cuda_kernels, seed, t1_lens, t2_p
 
 
 @functools.lru_cache(maxsize=None)
-def _emulated_kernels(heads, mma_dtype=None, warps=MMA_WARPS):
+def _emulated_kernels(heads, mma_dtype=None, warps=ATTENTION_WARPS):
     """The CUDA forms of ``heads`` (the tensor-core ones with ``mma_dtype``, attention blocks of ``warps`` warps), run
     on the CPU by tests/cuda_emu.py."""
     from cuda_emu import EmulatedKernel
@@ -115,10 +115,10 @@ def test_tensor_core_forms_emulated(heads, dtype, case):
 
 
 @pytest.mark.parametrize("heads,case", [(MMA_HEADS[1], 3), (MMA_HEADS[2], 0)])
-def test_tensor_core_attention_in_8_warp_blocks_emulated(heads, case):
-    """Attention blocks of 8 warps (128 rows: a key tile dequantized once for twice the queries), same checks."""
+def test_tensor_core_attention_in_4_warp_blocks_emulated(heads, case):
+    """Attention blocks of 4 warps (64 rows; the default is 8: a key tile dequantized once for twice the queries)."""
     seed, t1_lens, t2_pages, new = GPU_CASES[case]
-    _check(_emulated_kernels(heads, "bfloat16", warps=8), "emulated", seed, t1_lens, t2_pages, new, tol=1.5e-2, heads=heads,
+    _check(_emulated_kernels(heads, "bfloat16", warps=4), "emulated", seed, t1_lens, t2_pages, new, tol=1.5e-2, heads=heads,
            q_round=ml_dtypes.bfloat16, mass_tol=1.5e-2)
 
 
@@ -130,7 +130,7 @@ def test_tensor_core_attention_launch_shapes():
         src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
         return re.findall(r"__launch_bounds__\(([^)]*)\) tiered_attention_kernel\(", src)[0]
 
-    assert bounds() == "128" and bounds(mma_warps=8) == "256" and bounds(mma_min_blocks=3) == "128, 3"
+    assert bounds() == "256" and bounds(mma_warps=4) == "128" and bounds(mma_warps=4, mma_min_blocks=3) == "128, 3"
     with pytest.raises(ValueError, match="4 or 8"):
         make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16", mma_warps=2)
     with pytest.raises(ValueError, match="min_blocks"):
@@ -197,7 +197,7 @@ def test_tensor_core_forms_compile():
     mod = tvm.IRModule({"tiered_attention": make_tiered_attention(16, 16, 128, 16, 128, target="cuda", mma_dtype="bfloat16"),
                         "tiered_mass": make_tiered_mass(16, 16, 128, 16, target="cuda", mma_dtype="bfloat16")})
     src = tvm.compile(mod, target=make_target("cuda")).mod.imports[0].inspect_source()
-    assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("128", "tiered_attention"), ("256", "tiered_mass")}
+    assert set(re.findall(r"__launch_bounds__\((\d+)\) (\w+)_kernel\(", src)) == {("256", "tiered_attention"), ("256", "tiered_mass")}
     # QK (8 key tiles x 8 k-steps) and PV (4 k-steps x 16 dim tiles) of a key tile; the mass kernel's K Q^T (8 x 8)
     assert src.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128 + 64
     assert "__shared__ alignas(64) nv_bfloat16 k_s" in src and "atomicAdd" not in src
