@@ -137,8 +137,12 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
       block of its own instead of one after another. A block whose page index is past ``demote[b] / t2_page``
       exits. Each page's source rows (FP8 keys, then values) are staged in shared memory when they fit in
       ``stage_bytes`` (PS2 x (head_dim + 4) bytes and the rows' scales): the statistics' passes (moments, then
-      the least-squares refits) and the codes read them there. Larger pages gather every element through the
-      slot order and the page table from global memory once per pass.
+      the least-squares refits) and the codes read them there. A staged page takes 4 threads a statistics group
+      (a key channel, a value token; up to 1024 threads), each summing every 4th member, the partial sums
+      combined through shared memory after each pass, and its codes a (token, code byte) a thread: the H100
+      spent 0.41 ms a layer packing a chunk's 13 pages with a thread a group summing all 128 members serially, 5
+      passes each. Larger pages gather every element through the slot order and the page table from global
+      memory once per pass.
     - ``tiered_rerank_compact`` (step 4): a block per (sequence, KV head). It runs after every page has read
       its source rows, since the kept tokens move into demoted slots. A moved token's key and value rows are
       copied 16 bytes an access, each row's loads all issued before its stores (the H100 took 2.9 ms for this
@@ -164,7 +168,15 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     staged = PS2 * RB + 8 * PS2 + 8 * D <= stage_bytes
     SROWS = PS2 if staged else 1
     SCOPE = "shared" if gpu else "global"
-    NP = min(max(D, PS2), 1024)  # the pack launch's threads
+    GW = max(D, PS2)  # groups of a page's statistics: D channels (keys) or PS2 tokens (values)
+    SPL = max(1, min(4, 1024 // GW)) if staged else 1  # threads a group: each sums every SPL-th member
+    NP = min(SPL * GW, 1024)  # the pack launch's threads
+
+    def ngroups(kv):  # statistics groups of keys (kv 0: channels) or values (1: tokens)
+        return T.if_then_else(kv == 0, D, PS2)
+
+    def nmembers(kv):  # the members each group's statistics run over
+        return T.if_then_else(kv == 0, PS2, D)
     CW = 16 if D % 16 == 0 else 4 if D % 4 == 0 else 1  # bytes a compaction copy moves at once (16: one 128-bit access)
 
     def build(phase):
@@ -314,7 +326,8 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                 row_s = T.sblock_alloc_buffer((SROWS * RB,), "uint8", scope=SCOPE)  # the page's FP8 rows
                                 loc_s = T.sblock_alloc_buffer((2 * SROWS,), "int32", scope=SCOPE)  # their tier-1 page, slot
                                 sc_s = T.sblock_alloc_buffer((2 * SROWS,), "float32", scope=SCOPE)  # their key, value scales
-                                st_s = T.sblock_alloc_buffer((2 * D,), "float32", scope=SCOPE)  # the page's key mu, sigma
+                                st_s = T.sblock_alloc_buffer((2 * GW,), "float32", scope=SCOPE)  # mu, sigma per group
+                                part_s = T.sblock_alloc_buffer((4 * SPL * GW,), "float32", scope=SCOPE)  # partial sums
                                 if pi < nd // PS2:
                                     page: T.let[T.int32] = new_t2[b, pi]
                                     if staged:
@@ -331,7 +344,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                     sc_s[r] = T.Cast("float32", t1_ks[layer, pg, h, src % PS1])
                                                     sc_s[PS2 + r] = T.Cast("float32", t1_vs[layer, pg, h, src % PS1])
                                                     t2_pos[layer, page, h, r] = t1_pos[layer, pg, h, src % PS1]
-                                        for kv in T.serial(2):  # 0: keys (statistics per channel), 1: values (per token)
+                                        for kv in T.unroll(2):  # 0: keys (statistics per channel over the tokens), 1: values (per token)
                                             if gpu:
                                                 T.tvm_storage_sync("shared")
                                             for tx in threads():  # unrolled: each thread's 4-byte loads all in flight
@@ -344,60 +357,80 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                         else:
                                                             row_s[T.ramp((e // D4) * RB + (e % D4) * 4, 1, 4)] = t1_v[
                                                                 layer, loc_s[e // D4], h, loc_s[PS2 + e // D4], T.ramp((e % D4) * 4, 1, 4)]
-                                            if gpu:
-                                                T.tvm_storage_sync("shared")
-                                            if kv == 0:
-                                                for tx in threads():  # key statistics: a thread per channel
-                                                    if tx < D:
-                                                        acc[0] = T.float32(0)
-                                                        acc[1] = T.float32(0)
-                                                        for r in T.serial(PS2):
-                                                            x: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r]
-                                                            acc[0] += x
-                                                            acc[1] += x * x
-                                                        _moments(stat, acc, PS2)
-                                                        if lloyd:
-                                                            _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(row_s[r * RB + tx]) * sc_s[r])
-                                                        t2_kmu[layer, page, h, tx] = T.Cast("float16", stat[0])
-                                                        t2_ksig[layer, page, h, tx] = T.Cast("float16", stat[1])
-                                                        st_s[tx] = stat[0]
-                                                        st_s[D + tx] = stat[1]
+                                            # statistics of NG groups (keys: channels; values: tokens) over NM members each, SPL threads a group, each
+                                            # summing every SPL-th member; the partial sums meet in shared memory (moments, then each refit)
+                                            for ps in T.serial(1 + LLOYD_ITERS if lloyd else 1):
                                                 if gpu:
                                                     T.tvm_storage_sync("shared")
-                                                for tx in threads():  # key codes: a thread per token
-                                                    for rr in T.serial(T.ceildiv(PS2, NP)):
-                                                        r: T.let[T.int32] = rr * NP + tx
-                                                        if r < PS2:
-                                                            for cc in T.serial(D4):
-                                                                cnt[0] = 0
-                                                                for e in T.unroll(4):
-                                                                    cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
-                                                                        (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[r] - st_s[cc * 4 + e])
-                                                                        / st_s[D + cc * 4 + e]) << T.Cast("uint32", e * 2))
-                                                                t2_k[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
-                                            else:
-                                                for tx in threads():  # values: statistics and codes per token
-                                                    for rr in T.serial(T.ceildiv(PS2, NP)):
-                                                        r: T.let[T.int32] = rr * NP + tx
-                                                        if r < PS2:
-                                                            acc[0] = T.float32(0)
-                                                            acc[1] = T.float32(0)
-                                                            for d in T.serial(D):
-                                                                y: T.let[T.float32] = _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r]
-                                                                acc[0] += y
-                                                                acc[1] += y * y
-                                                            _moments(stat, acc, D)
-                                                            if lloyd:
-                                                                _lloyd(stat, acc, D, lambda d: _fp8_to_f32(row_s[r * RB + d]) * sc_s[PS2 + r])
-                                                            t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
-                                                            t2_vsig[layer, page, h, r] = T.Cast("float16", stat[1])
-                                                            for cc in T.serial(D4):
-                                                                cnt[0] = 0
-                                                                for e in T.unroll(4):
-                                                                    cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
-                                                                        (_fp8_to_f32(row_s[r * RB + cc * 4 + e]) * sc_s[PS2 + r] - stat[0])
-                                                                        / stat[1]) << T.Cast("uint32", e * 2))
-                                                                t2_v[layer, page, h, r, cc] = T.Cast("uint8", cnt[0])
+                                                for tx in threads():
+                                                    if tx < SPL * ngroups(kv):
+                                                        g: T.let[T.int32] = tx % ngroups(kv)
+                                                        for a in T.unroll(4):
+                                                            acc[a] = T.float32(0)
+                                                        for mm in T.serial(nmembers(kv) // SPL):
+                                                            m: T.let[T.int32] = mm * SPL + tx // ngroups(kv)
+                                                            x: T.let[T.float32] = T.if_then_else(  # (kv is unrolled: one branch is left)
+                                                                kv == 0, _fp8_to_f32(row_s[m * RB + g]) * sc_s[m], _fp8_to_f32(row_s[g * RB + m]) * sc_s[PS2 + g])
+                                                            if ps == 0:
+                                                                acc[0] += x
+                                                                acc[1] += x * x
+                                                            else:
+                                                                acc[4] = q2_value(_q2_code((x - st_s[g]) / st_s[GW + g]))
+                                                                acc[0] += acc[4]
+                                                                acc[1] += acc[4] * acc[4]
+                                                                acc[2] += x * acc[4]
+                                                                acc[3] += x
+                                                        for a in T.unroll(4):
+                                                            part_s[(a * SPL + tx // ngroups(kv)) * GW + g] = acc[a]
+                                                if gpu:
+                                                    T.tvm_storage_sync("shared")
+                                                for tx in threads():
+                                                    if tx < ngroups(kv):
+                                                        for a in T.unroll(4):
+                                                            acc[a] = T.float32(0)
+                                                            for q in T.unroll(SPL):
+                                                                acc[a] += part_s[(a * SPL + q) * GW + tx]
+                                                        nm: T.let[T.float32] = T.Cast("float32", nmembers(kv))
+                                                        if ps == 0:  # the moments (as _moments)
+                                                            st_s[tx] = T.Cast("float32", T.Cast("float16", acc[0] / nm))
+                                                            st_s[GW + tx] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
+                                                                acc[1] / nm - (acc[0] / nm) * (acc[0] / nm), T.float32(0))), T.float32(2.0**-24))))
+                                                        else:  # a least-squares refit to the levels of the current codes (as _lloyd)
+                                                            lm: T.let[T.float32] = acc[0] / nm
+                                                            xm: T.let[T.float32] = acc[3] / nm
+                                                            var: T.let[T.float32] = acc[1] / nm - lm * lm
+                                                            if var > T.float32(1e-12):
+                                                                sg: T.let[T.float32] = T.max((acc[2] / nm - xm * lm) / var, T.float32(2.0**-24))
+                                                                st_s[tx] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
+                                                                st_s[GW + tx] = T.Cast("float32", T.Cast("float16", sg))
+                                            if gpu:
+                                                T.tvm_storage_sync("shared")
+                                            # the statistics out, then the codes: a (token, code byte) per thread
+                                            for tx in threads():
+                                                if tx < ngroups(kv):
+                                                    if kv == 0:
+                                                        t2_kmu[layer, page, h, tx] = T.Cast("float16", st_s[tx])
+                                                        t2_ksig[layer, page, h, tx] = T.Cast("float16", st_s[GW + tx])
+                                                    else:
+                                                        t2_vmu[layer, page, h, tx] = T.Cast("float16", st_s[tx])
+                                                        t2_vsig[layer, page, h, tx] = T.Cast("float16", st_s[GW + tx])
+                                                for it in T.serial(T.ceildiv(PS2 * D4, NP)):
+                                                    e: T.let[T.int32] = it * NP + tx
+                                                    if e < PS2 * D4:
+                                                        cnt[0] = 0
+                                                        for c in T.unroll(4):
+                                                            if kv == 0:
+                                                                cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                                    (_fp8_to_f32(row_s[(e // D4) * RB + (e % D4) * 4 + c]) * sc_s[e // D4] - st_s[(e % D4) * 4 + c])
+                                                                    / st_s[GW + (e % D4) * 4 + c]) << T.Cast("uint32", c * 2))
+                                                            else:
+                                                                cnt[0] = cnt[0] | T.Cast("int32", _q2_code(
+                                                                    (_fp8_to_f32(row_s[(e // D4) * RB + (e % D4) * 4 + c]) * sc_s[PS2 + e // D4] - st_s[e // D4])
+                                                                    / st_s[GW + e // D4]) << T.Cast("uint32", c * 2))
+                                                        if kv == 0:
+                                                            t2_k[layer, page, h, e // D4, e % D4] = T.Cast("uint8", cnt[0])
+                                                        else:
+                                                            t2_v[layer, page, h, e // D4, e % D4] = T.Cast("uint8", cnt[0])
                                     else:
                                         # the page too large to stage: key statistics a thread per channel, every element
                                         # gathered through the slot order and the page table

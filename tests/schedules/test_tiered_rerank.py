@@ -72,6 +72,11 @@ def test_cuda_form_emulated(fit, threads):
     funcs = make_tiered_rerank(HKV, D, PS1, PS2, SINK, RECENT, target="cuda", fit=fit, threads=threads)
     src = tvm.compile(tvm.IRModule(funcs), target=make_target("cuda")).mod.imports[0].inspect_source()
     kerns = [EmulatedKernel(src, f"{name}_kernel") for name in RERANK_KERNELS]
+    import re
+
+    # the packing's block: 4 threads a statistics group (channel or token) when the page is staged
+    pack_threads = int(re.search(r"__launch_bounds__\((\d+)\) tiered_rerank_pack_kernel\(", src).group(1))
+    assert pack_threads == 4 * max(D, PS2)
     names = ORDER + ("t1_table", "t1_len", "length", "demote", "new_t2", "score", "rank", "order", "posw")
 
     def run(host):
@@ -81,7 +86,7 @@ def test_cuda_form_emulated(fit, threads):
         grids = {"score": slots, "rank": slots, "order": slots, "pack": mn, "compact": 1}
         for kern, name in zip(kerns, RERANK_KERNELS):
             phase = name.rsplit("_", 1)[1]
-            grid, block = (2, HKV, grids[phase]), max(D, PS2) if phase == "pack" else nt
+            grid, block = (2, HKV, grids[phase]), pack_threads if phase == "pack" else nt
             kern(grid, block, **dict(zip(names, host)), layer=ref.LAYER, B=2, M1=m1, MN=mn, P1=P1, P2=P2)
         return host
 
