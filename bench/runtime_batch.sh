@@ -5,11 +5,11 @@
 #   python bench/tiered_decode.py prepare .devcarry/td9
 #   python bench/tiered_prefill.py prepare .devcarry/tp3  (and .devcarry/tp2, prepared at 50ad451: groups widened one
 #   element at a time; timed on the H100 at c23b99a)
-#   python bench/tiered_rerank.py prepare .devcarry/rr5   (and .devcarry/rr, prepared at abdd814: the single-launch form;
+#   python bench/tiered_rerank.py prepare .devcarry/rr6   (and .devcarry/rr, prepared at abdd814: the single-launch form;
 #   rr4, d47e776's five launches with serial row copies, was timed on the H100: tiered_rerank_h100_d47e776.json)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e2
-# Then there (carry .devcarry/base, td9, tp3, tp2, rr, rr5, e2e2, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
+# Then there (carry .devcarry/base, td9, tp3, tp2, rr, rr6, e2e2, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
 # the expert GEMMs' bench too (up to 200 s more); ge alone is profiled under ncu
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
@@ -34,7 +34,7 @@ run() {  # run NAME SECONDS COMMAND...: one bench under a time limit, its log ke
 # the first GPU check of the newest kernels' numbers first, then each new form next to the one it replaces (the old
 # forms, tp and rr, run where carried: on a card that timed them before, leave them out)
 run e2e_cuda_$DEV 120 python3 bench/e2e_cuda.py run .devcarry/e2e2 --json "$OUT/e2e_cuda_$DEV.json" --commit "$SHA"
-run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr5 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
+run tiered_rerank_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr6 --json "$OUT/tiered_rerank_$DEV.json" --commit "$SHA"
 [ -d .devcarry/rr ] && run tiered_rerank_staged_$DEV 60 python3 bench/tiered_rerank.py run .devcarry/rr --json "$OUT/tiered_rerank_staged_$DEV.json" --commit abdd814
 run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp3 --json "$OUT/tiered_prefill_$DEV.json" --commit "$SHA"
 [ -d .devcarry/tp2 ] && run tiered_prefill_pr_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp2 --json "$OUT/tiered_prefill_pr_$DEV.json" --commit 50ad451
