@@ -169,7 +169,8 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
     SROWS = PS2 if staged else 1
     SCOPE = "shared" if gpu else "global"
     GW = max(D, PS2)  # groups of a page's statistics: D channels (keys) or PS2 tokens (values)
-    SPL = max(1, min(4, 1024 // GW)) if staged else 1  # threads a group: each sums every SPL-th member
+    # threads a group, each summing every SPL-th member: 4 where they divide both member counts and fit 1024 threads
+    SPL = max(s for s in (4, 2, 1) if D % s == 0 and PS2 % s == 0 and s * GW <= 1024) if staged else 1
     NP = min(SPL * GW, 1024)  # the pack launch's threads
 
     def ngroups(kv):  # statistics groups of keys (kv 0: channels) or values (1: tokens)
