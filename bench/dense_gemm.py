@@ -34,8 +34,10 @@ TOKENS = (1, 16, 64, 128, 4096)
 # fewer warps a block (more blocks at decode sizes), or 64-token passes (the weight read once per 64 tokens)
 # _s4nt2 / _s4nt1: 16- and 8-token passes, twice and four times the warps of the compiled 32 at decode batches (a
 # 2048 x 2048 projection at 128 tokens is 512 warps with 32-token passes: about 4 an SM to keep loads in flight)
+# _tiled: the block-tiled prefill form (``make_dense_tiled``: 128 x 128 tiles, shared-memory operands, ldmatrix); on
+# the CPU dry run its place takes the llvm form of the default spec
 VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8},
-            "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}}
+            "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}, "_tiled": {"tiled": True}}
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
 QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 1024), 4096)}  # parts, K
@@ -46,13 +48,16 @@ def build_module(kind: str):
     import tvm
     from tvm import relax
 
-    from moec.schedules.kernels.dense_gemm import DenseSpec, compiled_spec, make_dense
+    from moec.schedules.kernels.dense_gemm import DenseSpec, compiled_spec, make_dense, make_dense_tiled
 
     bb = relax.BlockBuilder()
     for name, (n, k) in SHAPES.items():
         for suffix, kw in VARIANTS.items():
-            spec = DenseSpec(out_features=n, in_features=k, **kw)
-            prim = make_dense(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8)
+            if kw.get("tiled"):
+                prim = make_dense_tiled(n, k) if kind == "cuda" else make_dense(DenseSpec(out_features=n, in_features=k), kind)
+            else:
+                prim = make_dense(DenseSpec(out_features=n, in_features=k, **kw), kind)
+            prim = prim.without_attr("global_symbol").with_attr("op_pattern", 8)
             gv = bb.add_func(prim, f"dense_{name}{suffix}")
             m = tvm.tirx.Var("m", "int64")
             x = relax.Var("x", relax.TensorType((m, k), "bfloat16"))

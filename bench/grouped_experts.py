@@ -78,7 +78,9 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             # two 16-row tiles a warp (the token operand reused twice): with 4 warps in registers (two stages of gate_up
             # would need 80 KB), with 2 warps staged
             "nt8_rt2_regs": {"n_tiles": 8, "row_tiles": 2, "stages": 0},
-            "nt8_pb_w2_rt2": {"n_tiles": 8, "pass_blocks": True, "row_tiles": 2, "warps": 2}}
+            "nt8_pb_w2_rt2": {"n_tiles": 8, "pass_blocks": True, "row_tiles": 2, "warps": 2},
+            # block-tiled (``tiled``): 128 tokens x 128 weight rows a block, both operands in shared memory (prefill)
+            "tiled": {"tiled": True}}
 
 
 def build_module(shape, kind: str):

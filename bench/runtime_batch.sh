@@ -9,6 +9,8 @@
 #   rr4, d47e776's five launches with serial row copies, was timed on the H100: tiered_rerank_h100_d47e776.json)
 #   python bench/grouped_experts.py prepare .devcarry/ge
 #   python bench/e2e_cuda.py prepare .devcarry/e2e2
+#   python bench/dense_gemm.py prepare .devcarry/dg6; python bench/grouped_experts.py prepare .devcarry/ge2  (the tiled
+#   prefill GEMMs; optional: they add up to 350 s)
 # Then there (carry .devcarry/base, td9, tp3, tp2, rr, rr6, e2e2, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
 # the expert GEMMs' bench too (up to 200 s more); ge alone is profiled under ncu
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
@@ -53,6 +55,12 @@ if [ -n "$NCU_BIN" ]; then
   fi
 fi
 run tiered_decode_$DEV 150 python3 bench/tiered_decode.py run .devcarry/td9 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
+# the block-tiled prefill GEMMs against the forms the prefill entry uses (where dg6 and ge2 are carried: prepared
+# by bench/dense_gemm.py and bench/grouped_experts.py, which time the `_tiled` and `tiled` forms beside the others)
+[ -d .devcarry/dg6 ] && run dense_gemm_prefill_$DEV 150 python3 bench/dense_gemm.py run .devcarry/dg6 \
+    --shapes olmoe_proj,mixtral_proj --tokens 128 2048 4096 --json "$OUT/dense_gemm_prefill_$DEV.json" --commit "$SHA"
+[ -d .devcarry/ge2 ] && run grouped_experts_tiled_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge2 --batches 2048 \
+    --no-compile --json "$OUT/grouped_experts_tiled_$DEV.json" --commit "$SHA"
 if [ -d .devcarry/ge ] && [ -n "${GE_BENCH:-}" ]; then  # unchanged since grouped_experts_prefill_h100_d47e776.json: on asking
   run grouped_experts_prefill_$DEV 200 python3 bench/grouped_experts.py run .devcarry/ge --batches 128 2048 --no-compile \
       --json "$OUT/grouped_experts_prefill_$DEV.json" --commit "$SHA"

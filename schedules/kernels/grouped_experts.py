@@ -49,6 +49,9 @@ Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
     operands loaded straight into registers; or, with ``stages`` >= 2, staged through shared memory by
     ``cp.async`` with up to ``stages`` k-steps in flight per block (``_mma_pipe_mainloop``, ``mma_stages``: as
     many as fit in 48 KB), the tokens of a pass copied once per block.
+  * gate_up / down with ``spec.tiled`` (16-bit weights): block-tiled for prefill chunks (``_make_tiled``), a block
+    of 8 warps per (128 weight rows, expert) looping over the expert's tokens 128 at a time, both operands staged
+    through shared memory and read by ldmatrix, so a weight tile serves 128 tokens and a token row 128 rows.
   * combine: one block per token, threads over D.
 """
 
@@ -102,6 +105,8 @@ class GroupedExpertsSpec:
     #                 the GEMMs then take offsets [2E + 1], the bounds and then each expert's slot (``_weight_slot``)
     pass_blocks: bool = False  # cp.async forms: a block per weight pass (grid x: passes, y: row tiles x experts) instead
     #                 of a block looping over an expert's passes (``_pass_grid``)
+    tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
+    #                 128 output rows a tile, both operands through shared memory, ldmatrix), for prefill-sized chunks
 
     def check(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 0:
@@ -114,6 +119,10 @@ class GroupedExpertsSpec:
             raise MoecError(f"grouped_experts: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
         if not isinstance(self.pass_blocks, bool):
             raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
+        if not isinstance(self.tiled, bool):
+            raise MoecError(f"grouped_experts: tiled must be a bool, got {self.tiled!r}")
+        if self.tiled and (self.w_format != "float" or not self.tensor_cores):
+            raise MoecError("grouped_experts: tiled needs 16-bit weights on tensor cores (w_format float, tensor_cores)")
         if self.pass_blocks and not (self.stages and self.w_format == "float" and self.tensor_cores):
             raise MoecError("grouped_experts: pass_blocks needs the cp.async forms (tensor cores, float weights, stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256) or isinstance(self.l2_prefetch, bool):
@@ -180,7 +189,14 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
         raise MoecError(f"grouped_experts: target must be 'llvm' or 'cuda', got {target!r}")
     if target == "cuda" and spec.experts > 32 * 1024:
         raise MoecError(f"grouped_experts: {spec.experts} experts exceed the route_prep kernel's shared counts")
-    if target == "cuda" and _staged(spec):
+    if target == "cuda" and spec.tiled:
+        for kernel in ("gate_up", "down"):
+            if not mma_eligible(spec, kernel):
+                raise MoecError(f"grouped_experts: tiled needs the mma form of {kernel} (16-bit weights and activations of one dtype)")
+        if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % TILE_K or spec.inter % TILE_K:
+            raise MoecError(f"grouped_experts: tiled needs the expert width a multiple of {TILE_ROWS // 2} and the hidden "
+                            f"size of {TILE_ROWS} (got {spec.inter}, {spec.hidden})")
+    if target == "cuda" and _staged(spec) and not spec.tiled:
         for kernel in ("gate_up", "down"):
             if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
                 raise MoecError(f"grouped_experts: two cp.async stages of {kernel} ({2 * mma_stages(spec, kernel)[1]} bytes) "
@@ -457,6 +473,11 @@ def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
 
 
 def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
+    if spec.tiled:
+        rows = spec.inter // (TILE_ROWS // 2) if kernel == "gate_up" else spec.hidden // TILE_ROWS
+        return {"form": "mma.sync m16n8k16, 128 x 128 block tiles, cp.async stages", "blocks": (rows, spec.experts),
+                "threads": 256, "tokens_per_pass": TILE_TOKENS, "steps": (spec.hidden if kernel == "gate_up" else spec.inter) // TILE_K,
+                "stages": TILE_STAGES, "shared_bytes": 2 * TILE_STAGES * 128 * (TILE_K + TILE_PAD) * 2}
     nt, rt_gu, rt_dn = mma_tiles(spec)
     rt, rows, red = (rt_gu, spec.inter, spec.hidden) if kernel == "gate_up" else (rt_dn, spec.hidden, spec.inter)
     per_block = spec.warps * rt * 16
@@ -701,6 +722,8 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     one lane. FP8 weights: the 16 bytes of a lane are one 8-byte load per row, widened in registers
     (``_fp8_widen``) into the activations' type; the epilogue multiplies each row by its scale (and the
     widening's power of two) before the SwiGLU."""
+    if spec.tiled:
+        return _make_tiled(spec, "gate_up")
     if _staged(spec):
         return _make_gate_up_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
@@ -764,6 +787,8 @@ def _make_down_mma(spec: GroupedExpertsSpec):
     """down on tensor cores, as ``_make_gate_up_mma`` with the rows d of W2 and the SwiGLU rows h of the
     expert's tokens (contiguous in expert order) as the token operand; the epilogue scales each slot's
     row by its routing weight (and FP8 weights' rows by their scales) and writes it at the slot's place."""
+    if spec.tiled:
+        return _make_tiled(spec, "down")
     if _staged(spec):
         return _make_down_pipe(spec)
     D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
@@ -927,6 +952,137 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                                                                                       order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
 
     return _down_func(spec, wshape, wdt, body)
+
+
+# Block-tiled forms (``spec.tiled``): a block of 8 warps per (row block, expert) loops over the expert's tokens 128
+# at a time; each tile is 128 tokens x 128 weight rows, both operands staged through shared memory by cp.async 32
+# k at a time (2 stages, rows padded by 8 elements), fragments by ldmatrix. Warp (wm, wn) of the 2 x 4 grid owns
+# tokens 64 wm .. + 63 and 32 weight rows: 4 x 4 m16n8 tiles, 32 mma a k-step. gate_up's tile is 64 gate rows and
+# the same 64 up rows (warp wn: its 16 gate rows as n-tiles 0, 1 and their up rows as 2, 3), so SwiGLU meets both
+# in one lane; its token rows are gathered through ``order``. down reads the expert's rows of h in place and
+# writes each slot's row scaled by its routing weight. Each weight tile is read once per 128 of the expert's
+# tokens (the pipe forms: once per 64, by one warp), each token row once per 128 rows.
+TILE_TOKENS, TILE_ROWS, TILE_K, TILE_STAGES, TILE_PAD = 128, 128, 32, 2, 8
+
+
+def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    gate_up = kernel == "gate_up"
+    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
+    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
+    wshape, ei = _windex((spec.slots or E, 2 * I, D) if gate_up else (spec.slots or E, D, I))
+    KC = (D if gate_up else I) // TILE_K
+    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+    cp = "cp.async.cg.shared.global"
+
+    def swiglu(gv, uv):
+        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+
+    def w_row(rb, r):  # the weight row of tile row r (gate_up: 64 gate rows, then their up rows)
+        return (T.if_then_else(r < 64, g0 + rb * 64 + r, u0 + rb * 64 + r - 64)) if gate_up else rb * TILE_ROWS + r
+
+    def b_row(wn, ni):  # the tile row of warp wn's n-tile ni
+        return ((ni // 2) * 64 + wn * 16 + (ni % 2) * 8) if gate_up else wn * 32 + ni * 8
+
+    @T.macro
+    def tiles(xs, ws, af, bf, acc, tx, tok_at, w, we, rb):
+        # acc <- the tile's products: tok_at(j, k) is element k of the token row that thread tx copies as chunk j
+        ln: T.let[T.int32] = tx % 32
+        wm: T.let[T.int32] = tx // 128
+        wn: T.let[T.int32] = (tx // 32) % 4
+        for i in T.unroll(64):
+            acc[i] = T.float32(0)
+        for s0 in T.unroll(2):  # k-steps 0 and 1 in flight (KC >= 2: check_supported)
+            for j in T.unroll(2):
+                T.evaluate(T.ptx[cp](T.address_of(xs[(s0 * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                     T.address_of(tok_at(j, s0 * TILE_K + tx % 4 * 8)), 16))
+                T.evaluate(T.ptx[cp](T.address_of(ws[(s0 * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                     T.address_of(w[ei(we), w_row(rb, (j * 256 + tx) // 4), s0 * TILE_K + tx % 4 * 8]), 16))
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kc in T.serial(KC):
+            T.evaluate(T.ptx["cp.async.wait_group"](1))
+            T.tvm_storage_sync("shared")
+            for ni in T.unroll(4):  # both k16 steps of n-tile ni: matrix m at rows + lane % 8, columns 16 (m // 2) + 8 (m % 2)
+                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, ni * 8, ws.data, ((kc % ST) * TILE_ROWS + b_row(wn, ni)
+                                                 + ln % 8) * RS + (ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=wdt))
+            for kk in T.unroll(2):
+                for mi in T.unroll(4):  # token rows + lane % 16, columns 16 kk + 8 (lane // 16)
+                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, mi * 8, xs.data, ((kc % ST) * TILE_TOKENS + wm * 64
+                                                     + mi * 16 + ln % 16) * RS + kk * 16 + (ln // 16) * 8, dtype=wdt))
+                for mi in T.unroll(4):
+                    for ni in T.unroll(4):
+                        T.evaluate(_mma(af, mi * 8, bf, ni * 8 + kk * 4, acc, (mi * 4 + ni) * 4, ab))
+            T.tvm_storage_sync("shared")  # (the copies below overwrite the stage just read)
+            if kc + 2 < KC:
+                for j in T.unroll(2):
+                    T.evaluate(T.ptx[cp](T.address_of(xs[((kc % ST) * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                         T.address_of(tok_at(j, (kc + 2) * TILE_K + tx % 4 * 8)), 16))
+                    T.evaluate(T.ptx[cp](T.address_of(ws[((kc % ST) * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                         T.address_of(w[ei(we), w_row(rb, (j * 256 + tx) // 4), (kc + 2) * TILE_K + tx % 4 * 8]), 16))
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    @T.macro
+    def body_gate_up(x, w, s1, offsets, order, h):
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for rb in T.thread_binding(I // 64, thread="blockIdx.x"):
+                for tx in T.thread_binding(256, thread="threadIdx.x"):
+                    with T.sblock("gate_up_tiled"):
+                        T.reads()
+                        T.writes()
+                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), wdt, scope="shared")
+                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), wdt, scope="shared")
+                        af = T.sblock_alloc_buffer((32,), wdt, scope="local")
+                        bf = T.sblock_alloc_buffer((32,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((64,), "float32", scope="local")
+                        ltok = T.sblock_alloc_buffer((2,), "int32", scope="local")  # the token rows this thread copies
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
+                        ln: T.let[T.int32] = tx % 32
+                        for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
+                            for j in T.unroll(2):  # (rows past the expert's tokens copy its last one, never stored)
+                                ltok[j] = order[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1)] // K
+                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[ltok[j], k], w, we, rb)
+                            for mi in T.unroll(4):
+                                for ni in T.unroll(2):
+                                    for c in T.unroll(4):  # c: token row g + 8 (c // 2), column 2 q + c % 2 of the n-tile
+                                        if tb * TILE_TOKENS + (tx // 128) * 64 + mi * 16 + ln // 4 + 8 * (c // 2) < cnt:
+                                            h[lo + tb * TILE_TOKENS + (tx // 128) * 64 + mi * 16 + ln // 4 + 8 * (c // 2),
+                                              rb * 64 + ((tx // 32) % 4) * 16 + ni * 8 + 2 * (ln % 4) + c % 2] = swiglu(
+                                                acc[(mi * 4 + ni) * 4 + c], acc[(mi * 4 + ni + 2) * 4 + c])
+
+    @T.macro
+    def body_down(h, w, s2, offsets, order, rw, y):
+        for e in T.thread_binding(E, thread="blockIdx.y"):
+            for rb in T.thread_binding(D // TILE_ROWS, thread="blockIdx.x"):
+                for tx in T.thread_binding(256, thread="threadIdx.x"):
+                    with T.sblock("down_tiled"):
+                        T.reads()
+                        T.writes()
+                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), wdt, scope="shared")
+                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), wdt, scope="shared")
+                        af = T.sblock_alloc_buffer((32,), wdt, scope="local")
+                        bf = T.sblock_alloc_buffer((32,), wdt, scope="local")
+                        acc = T.sblock_alloc_buffer((64,), "float32", scope="local")
+                        lo: T.let[T.int32] = offsets[e]
+                        cnt: T.let[T.int32] = offsets[e + 1] - lo
+                        we: T.let[T.int32] = _weight_slot(spec, offsets, e)
+                        ln: T.let[T.int32] = tx % 32
+                        for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
+                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: h[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1), k],
+                                  w, we, rb)
+                            for mi in T.unroll(4):
+                                for ni in T.unroll(4):
+                                    for c in T.unroll(4):
+                                        if tb * TILE_TOKENS + (tx // 128) * 64 + mi * 16 + ln // 4 + 8 * (c // 2) < cnt:
+                                            sl: T.let[T.int32] = order[lo + tb * TILE_TOKENS + (tx // 128) * 64 + mi * 16 + ln // 4
+                                                                       + 8 * (c // 2)]
+                                            y[sl, rb * TILE_ROWS + ((tx // 32) % 4) * 32 + ni * 8 + 2 * (ln % 4) + c % 2] = (
+                                                acc[(mi * 4 + ni) * 4 + c] * _f32(rw[sl // K, sl % K]))
+
+    if gate_up:
+        return _gate_up_func(spec, wshape, wdt, body_gate_up)
+    return _down_func(spec, wshape, wdt, body_down)
 
 
 # ---------------------------------------------------------------------------- gate_up (+ SwiGLU) and down

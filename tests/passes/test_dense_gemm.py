@@ -338,3 +338,26 @@ def test_cuda_staged_form_emulated(n_tiles):
         y = np.zeros((m, 96), np.float32)
         kern((-(-m // cfg["tokens_per_block"]), cfg["blocks"][1], 1), cfg["threads"], x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
         np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_cuda_tiled_form_emulated():
+    """The block-tiled prefill form (128 x 128 tiles, cp.async stages, ldmatrix fragments) on the CPU emulation of its
+    generated code, against NumPy: two feature blocks, 3 k-steps, a full and a partial token block, and one token."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.schedules.kernels.dense_gemm import TILE_M, make_dense_tiled, tiled_eligible
+
+    n, k = 256, 96
+    src = tvm.compile(tvm.IRModule({"dense_gemm_tiled": make_dense_tiled(n, k)}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert "ldmatrix" in src and "cp.async" in src and "__launch_bounds__(256)" in src
+    kern = EmulatedKernel(src, "dense_gemm_tiled_kernel")
+    for m in (1, 150):
+        rng = np.random.default_rng(m)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+        y = np.full((m, n), np.nan, np.float32)  # every element must be written
+        kern((-(-m // TILE_M), n // 128, 1), 256, x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
+        np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
+    assert tiled_eligible(2048, 2048, "bfloat16") is None and "multiples" in tiled_eligible(2000, 2048, "bfloat16")
+    with pytest.raises(MoecError, match="operand dtype"):
+        make_dense_tiled(256, 96, dtype="float32")

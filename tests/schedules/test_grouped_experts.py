@@ -519,7 +519,8 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
 
 @pytest.mark.parametrize("t,launch", [(37, {"stages": 0}), (300, {"stages": 0}), (300, {"stages": 4, "row_tiles": 1}),
                                       (300, {"stages": 4, "row_tiles": 1, "n_tiles": 2, "pass_blocks": True}),
-                                      (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True})])
+                                      (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True}),
+                                      (37, {"tiled": True}), (700, {"tiled": True})])
 def test_mma_forms_emulated(t, launch):
     """The mma.sync kernels on the CPU emulation of tests/cuda_emu.py. The register form and the cp.async form (4
     stages) matched numpy on the H200 (``test_cuda_matches_numpy_on_gpu``, ``test_cuda_pipe_form_matches_numpy_on_gpu``):
