@@ -26,7 +26,8 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
-from .grouped_experts import _MMA_TYPE, MMA_K, SMEM_LIMIT, _mma_mainloop, _mma_pipe_mainloop
+from .grouped_experts import (_MMA_TYPE, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
+                              _mma_pipe_mainloop, _tile_mainloop)
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -360,25 +361,23 @@ def reference(x, w, out_dtype="float32"):
     return (np.asarray(x, np.float32) @ np.asarray(w, np.float32).T).astype(out_dtype)
 
 
-__all__ = ["DenseSpec", "eligible", "launch_config", "make_dense", "reference"]
+__all__ = ["DenseSpec", "eligible", "launch_config", "make_dense", "make_dense_tiled", "reference", "tiled_eligible"]
 
 
-# A block-tiled form for prefill-sized token counts: a block of 8 warps computes 128 tokens x 128 output features,
-# its operands staged through shared memory by cp.async 32 k at a time (2 stages), so each weight element read into
-# shared memory serves 128 tokens and each token element 128 features (the per-warp form streams a weight row per
-# warp, 64 tokens a pass). Warp (wm, wn) of the 2 x 4 grid owns tokens 64 wm .. + 63 and features 32 wn .. + 31:
-# 4 x 4 m16n8 tiles, 32 mma a k-step, their A fragments (tokens) and B fragments (weight rows, k contiguous as the
-# weight is stored) by ldmatrix. Rows of shared memory are padded by 8 elements (80 bytes apart: the 8 rows an
-# ldmatrix phase reads fall in distinct banks). Tokens past M copy row M - 1 and are not stored.
-TILE_M, TILE_N, TILE_K, TILE_STAGES, TILE_PAD = 128, 128, 32, 2, 8
+# A block-tiled form for prefill-sized token counts: a block of 8 warps computes 128 tokens x 128 output features, its
+# operands staged through shared memory by cp.async 32 k at a time (2 stages; ``grouped_experts._tile_mainloop``, the
+# expert GEMMs' tiled forms' loop), so each weight element read into shared memory serves 128 tokens and each token
+# element 128 features (the per-warp form streams a weight row per warp, 64 tokens a pass). Warp (wm, wn) of the
+# 2 x 4 grid owns tokens 64 wm .. + 63 and features 32 wn .. + 31: 4 x 4 m16n8 tiles, 32 mma a k-step, fragments by
+# ldmatrix (the weight's rows, k contiguous as stored, are the B operand). Tokens past M copy row M - 1, never stored.
 
 
 def tiled_eligible(out_features: int, in_features: int, dtype: str) -> str | None:
     """Why the block-tiled form cannot take this layer, or None."""
     if dtype not in _MMA_TYPE:
         return f"operand dtype {dtype} is not bfloat16 or float16"
-    if out_features % TILE_N or in_features % TILE_K:
-        return f"features {out_features} x {in_features} are not multiples of {TILE_N} x {TILE_K}"
+    if out_features % TILE_ROWS or in_features % TILE_K or in_features < 2 * TILE_K:
+        return f"features {out_features} x {in_features} are not multiples of {TILE_ROWS} x {TILE_K} (at least {2 * TILE_K} in)"
     return None
 
 
@@ -390,23 +389,8 @@ def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16
     if out_dtype not in DTYPES:
         raise MoecError(f"dense_gemm (tiled): out_dtype must be one of {', '.join(DTYPES)}, got {out_dtype!r}")
     N, K = out_features, in_features
-    RS = TILE_K + TILE_PAD  # elements of a shared row
-    ST = TILE_STAGES
-    KC = K // TILE_K
-    ab = _MMA_TYPE[dtype]
-    from .grouped_experts import _mma
-
-    cp = "cp.async.cg.shared.global"
-
-    @T.macro
-    def issue(x, w, xs, ws, st, kc, m0, n0, tx, M):
-        # stage st <- k-step kc: 128 token rows and 128 weight rows of 32 elements, 4 chunks of 16 bytes each
-        for j in T.unroll(2):
-            c: T.let[T.int32] = j * 256 + tx
-            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_M + c // 4) * RS + (c % 4) * 8]),
-                                 T.address_of(x[T.min(m0 + c // 4, M - 1), kc * TILE_K + (c % 4) * 8]), 16))
-            T.evaluate(T.ptx[cp](T.address_of(ws[(st * TILE_N + c // 4) * RS + (c % 4) * 8]),
-                                 T.address_of(w[n0 + c // 4, kc * TILE_K + (c % 4) * 8]), 16))
+    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
+    tiles = _tile_mainloop(dtype, K // TILE_K, lambda wn, ni: wn * 32 + ni * 8)
 
     @T.prim_func(s_tir=True)
     def dense_gemm_tiled(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -415,50 +399,28 @@ def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16
         x = T.match_buffer(x_h, (M, K), dtype)
         w = T.match_buffer(w_h, (N, K), dtype)
         y = T.match_buffer(y_h, (M, N), out_dtype)
-        for bm in T.thread_binding((M + TILE_M - 1) // TILE_M, thread="blockIdx.x"):
-            for bn in T.thread_binding(N // TILE_N, thread="blockIdx.y"):
+        for bm in T.thread_binding((M + TILE_TOKENS - 1) // TILE_TOKENS, thread="blockIdx.x"):
+            for bn in T.thread_binding(N // TILE_ROWS, thread="blockIdx.y"):
                 for tx in T.thread_binding(256, thread="threadIdx.x"):
                     with T.sblock("dense_tiled"):
                         T.reads()
                         T.writes()
-                        xs = T.sblock_alloc_buffer((ST * TILE_M * RS,), dtype, scope="shared")
-                        ws = T.sblock_alloc_buffer((ST * TILE_N * RS,), dtype, scope="shared")
-                        af = T.sblock_alloc_buffer((4 * 8,), dtype, scope="local")  # [mi][8]: one k16's A fragments
-                        bf = T.sblock_alloc_buffer((4 * 8,), dtype, scope="local")  # [ni][k16 0, 1][4]
+                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), dtype, scope="shared")
+                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), dtype, scope="shared")
+                        af = T.sblock_alloc_buffer((32,), dtype, scope="local")  # [mi][8]: one k16's A fragments
+                        bf = T.sblock_alloc_buffer((32,), dtype, scope="local")  # [ni][k16 0, 1][4]
                         acc = T.sblock_alloc_buffer((64,), "float32", scope="local")  # [mi][ni][4]
-                        m0: T.let[T.int32] = T.Cast("int32", bm) * TILE_M
-                        n0: T.let[T.int32] = bn * TILE_N
+                        m0: T.let[T.int32] = T.Cast("int32", bm) * TILE_TOKENS
+                        n0: T.let[T.int32] = bn * TILE_ROWS
                         mi32: T.let[T.int32] = T.Cast("int32", M)
                         ln: T.let[T.int32] = tx % 32
-                        wm: T.let[T.int32] = tx // 128
-                        wn: T.let[T.int32] = (tx // 32) % 4
-                        for i in T.unroll(64):
-                            acc[i] = T.float32(0)
-                        issue(x, w, xs, ws, 0, 0, m0, n0, tx, mi32)
-                        T.evaluate(T.ptx["cp.async.commit_group"]())
-                        for kc in T.serial(KC):
-                            if kc + 1 < KC:
-                                issue(x, w, xs, ws, (kc + 1) % ST, kc + 1, m0, n0, tx, mi32)
-                            T.evaluate(T.ptx["cp.async.commit_group"]())
-                            T.evaluate(T.ptx["cp.async.wait_group"](1))
-                            T.tvm_storage_sync("shared")
-                            for ni in T.unroll(4):  # both k16 steps of feature tile ni: matrix m at rows + lane % 8,
-                                # columns 16 (m // 2) + 8 (m % 2)
-                                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, ni * 8, ws.data, ((kc % ST) * TILE_N
-                                           + wn * 32 + ni * 8 + ln % 8) * RS + (ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-                            for kk in T.unroll(2):
-                                for mi in T.unroll(4):  # token rows + lane % 16, columns 16 kk + 8 (lane // 16)
-                                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, mi * 8, xs.data, ((kc % ST) * TILE_M
-                                               + wm * 64 + mi * 16 + ln % 16) * RS + kk * 16 + (ln // 16) * 8, dtype=dtype))
-                                for mi in T.unroll(4):
-                                    for ni in T.unroll(4):
-                                        T.evaluate(_mma(af, mi * 8, bf, ni * 8 + kk * 4, acc, (mi * 4 + ni) * 4, ab))
-                            T.tvm_storage_sync("shared")  # (the next k-step's copies overwrite this stage)
+                        tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[T.min(m0 + (j * 256 + tx) // 4, mi32 - 1), k],
+                              lambda r, k: w[n0 + r, k])
                         for mi in T.unroll(4):
                             for ni in T.unroll(4):
                                 for c in T.unroll(4):  # c: token row g + 8 (c // 2), feature 2 q + c % 2 of the tile
-                                    if m0 + wm * 64 + mi * 16 + ln // 4 + 8 * (c // 2) < mi32:
-                                        y[m0 + wm * 64 + mi * 16 + ln // 4 + 8 * (c // 2), n0 + wn * 32 + ni * 8 + 2 * (ln % 4)
-                                          + c % 2] = T.Cast(out_dtype, acc[(mi * 4 + ni) * 4 + c])
+                                    if m0 + (tx // 128) * 64 + mi * 16 + ln // 4 + 8 * (c // 2) < mi32:
+                                        y[m0 + (tx // 128) * 64 + mi * 16 + ln // 4 + 8 * (c // 2), n0 + ((tx // 32) % 4) * 32 + ni * 8
+                                          + 2 * (ln % 4) + c % 2] = T.Cast(out_dtype, acc[(mi * 4 + ni) * 4 + c])
 
     return dense_gemm_tiled

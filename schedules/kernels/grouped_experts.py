@@ -965,61 +965,76 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
 TILE_TOKENS, TILE_ROWS, TILE_K, TILE_STAGES, TILE_PAD = 128, 128, 32, 2, 8
 
 
-def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
-    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
-    gate_up = kernel == "gate_up"
-    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    wshape, ei = _windex((spec.slots or E, 2 * I, D) if gate_up else (spec.slots or E, D, I))
-    KC = (D if gate_up else I) // TILE_K
-    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+def _tile_mainloop(dtype: str, steps: int, b_row):
+    """The k loop of the block-tiled forms (``_make_tiled``, ``dense_gemm.make_dense_tiled``), as a TIR macro
+    ``tiles(xs, ws, af, bf, acc, tx, tok_at, w_at)``: acc [mi][ni][4] (float32) <- the 128 x 128 tile's products over
+    ``steps`` k-steps of TILE_K. ``tok_at(j, k)`` is element k of the token row that thread tx copies as its chunk j
+    (tile row (256 j + tx) // 4), ``w_at(r, k)`` element k of the weight row of tile row r, ``b_row(wn, ni)`` the
+    tile row of warp wn's n-tile ni. Steps 0 and 1 are in flight before the loop; step kc + 2 refills kc's stage
+    once every warp has read it."""
+    RS, ST, ab = TILE_K + TILE_PAD, TILE_STAGES, _MMA_TYPE[dtype]
     cp = "cp.async.cg.shared.global"
-
-    def swiglu(gv, uv):
-        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
-
-    def w_row(rb, r):  # the weight row of tile row r (gate_up: 64 gate rows, then their up rows)
-        return (T.if_then_else(r < 64, g0 + rb * 64 + r, u0 + rb * 64 + r - 64)) if gate_up else rb * TILE_ROWS + r
-
-    def b_row(wn, ni):  # the tile row of warp wn's n-tile ni
-        return ((ni // 2) * 64 + wn * 16 + (ni % 2) * 8) if gate_up else wn * 32 + ni * 8
+    if steps < 2:
+        raise MoecError(f"tiled GEMM: the reduction needs at least 2 steps of {TILE_K}, got {steps}")
 
     @T.macro
-    def tiles(xs, ws, af, bf, acc, tx, tok_at, w, we, rb):
-        # acc <- the tile's products: tok_at(j, k) is element k of the token row that thread tx copies as chunk j
+    def issue(xs, ws, st, kc, tx, tok_at, w_at):
+        for j in T.unroll(2):  # 128 token rows and 128 weight rows of TILE_K elements: 4 chunks of 16 bytes a row
+            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                 T.address_of(tok_at(j, kc * TILE_K + tx % 4 * 8)), 16))
+            T.evaluate(T.ptx[cp](T.address_of(ws[(st * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
+                                 T.address_of(w_at((j * 256 + tx) // 4, kc * TILE_K + tx % 4 * 8)), 16))
+
+    @T.macro
+    def tiles(xs, ws, af, bf, acc, tx, tok_at, w_at):
         ln: T.let[T.int32] = tx % 32
         wm: T.let[T.int32] = tx // 128
         wn: T.let[T.int32] = (tx // 32) % 4
         for i in T.unroll(64):
             acc[i] = T.float32(0)
-        for s0 in T.unroll(2):  # k-steps 0 and 1 in flight (KC >= 2: check_supported)
-            for j in T.unroll(2):
-                T.evaluate(T.ptx[cp](T.address_of(xs[(s0 * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                     T.address_of(tok_at(j, s0 * TILE_K + tx % 4 * 8)), 16))
-                T.evaluate(T.ptx[cp](T.address_of(ws[(s0 * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                     T.address_of(w[ei(we), w_row(rb, (j * 256 + tx) // 4), s0 * TILE_K + tx % 4 * 8]), 16))
+        for s0 in T.unroll(2):
+            issue(xs, ws, s0, s0, tx, tok_at, w_at)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-        for kc in T.serial(KC):
+        for kc in T.serial(steps):
             T.evaluate(T.ptx["cp.async.wait_group"](1))
             T.tvm_storage_sync("shared")
             for ni in T.unroll(4):  # both k16 steps of n-tile ni: matrix m at rows + lane % 8, columns 16 (m // 2) + 8 (m % 2)
                 T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, ni * 8, ws.data, ((kc % ST) * TILE_ROWS + b_row(wn, ni)
-                                                 + ln % 8) * RS + (ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=wdt))
+                                                 + ln % 8) * RS + (ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
             for kk in T.unroll(2):
                 for mi in T.unroll(4):  # token rows + lane % 16, columns 16 kk + 8 (lane // 16)
                     T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, mi * 8, xs.data, ((kc % ST) * TILE_TOKENS + wm * 64
-                                                     + mi * 16 + ln % 16) * RS + kk * 16 + (ln // 16) * 8, dtype=wdt))
+                                                     + mi * 16 + ln % 16) * RS + kk * 16 + (ln // 16) * 8, dtype=dtype))
                 for mi in T.unroll(4):
                     for ni in T.unroll(4):
                         T.evaluate(_mma(af, mi * 8, bf, ni * 8 + kk * 4, acc, (mi * 4 + ni) * 4, ab))
             T.tvm_storage_sync("shared")  # (the copies below overwrite the stage just read)
-            if kc + 2 < KC:
-                for j in T.unroll(2):
-                    T.evaluate(T.ptx[cp](T.address_of(xs[((kc % ST) * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                         T.address_of(tok_at(j, (kc + 2) * TILE_K + tx % 4 * 8)), 16))
-                    T.evaluate(T.ptx[cp](T.address_of(ws[((kc % ST) * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                         T.address_of(w[ei(we), w_row(rb, (j * 256 + tx) // 4), (kc + 2) * TILE_K + tx % 4 * 8]), 16))
+            if kc + 2 < steps:
+                issue(xs, ws, kc % ST, kc + 2, tx, tok_at, w_at)
             T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    return tiles
+
+
+def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
+    D, I, E, K = spec.hidden, spec.inter, spec.experts, spec.top_k
+    gate_up = kernel == "gate_up"
+    wdt = spec.w_dtype
+    wshape, ei = _windex((spec.slots or E, 2 * I, D) if gate_up else (spec.slots or E, D, I))
+    KC = (D if gate_up else I) // TILE_K
+    g0, u0 = (0, I) if spec.gate_first else (I, 0)
+
+    def swiglu(gv, uv):
+        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+
+    def w_row(rb, r):  # gate_up's weight row of tile row r: 64 gate rows, then their up rows
+        return T.if_then_else(r < 64, g0 + rb * 64 + r, u0 + rb * 64 + r - 64)
+
+    def b_row(wn, ni):  # the tile row of warp wn's n-tile ni
+        return ((ni // 2) * 64 + wn * 16 + (ni % 2) * 8) if gate_up else wn * 32 + ni * 8
+
+    tiles = _tile_mainloop(wdt, KC, b_row)
+    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
 
     @T.macro
     def body_gate_up(x, w, s1, offsets, order, h):
@@ -1042,7 +1057,8 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
                         for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
                             for j in T.unroll(2):  # (rows past the expert's tokens copy its last one, never stored)
                                 ltok[j] = order[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1)] // K
-                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[ltok[j], k], w, we, rb)
+                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[ltok[j], k],
+                                  lambda r, k: w[ei(we), w_row(rb, r), k])
                             for mi in T.unroll(4):
                                 for ni in T.unroll(2):
                                     for c in T.unroll(4):  # c: token row g + 8 (c // 2), column 2 q + c % 2 of the n-tile
@@ -1070,7 +1086,7 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
                         ln: T.let[T.int32] = tx % 32
                         for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
                             tiles(xs, ws, af, bf, acc, tx, lambda j, k: h[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1), k],
-                                  w, we, rb)
+                                  lambda r, k: w[ei(we), rb * TILE_ROWS + r, k])
                             for mi in T.unroll(4):
                                 for ni in T.unroll(4):
                                     for c in T.unroll(4):

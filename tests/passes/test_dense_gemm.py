@@ -345,7 +345,7 @@ def test_cuda_tiled_form_emulated():
     generated code, against NumPy: two feature blocks, 3 k-steps, a full and a partial token block, and one token."""
     from cuda_emu import EmulatedKernel
 
-    from moec.schedules.kernels.dense_gemm import TILE_M, make_dense_tiled, tiled_eligible
+    from moec.schedules.kernels.dense_gemm import TILE_TOKENS, make_dense_tiled, tiled_eligible
 
     n, k = 256, 96
     src = tvm.compile(tvm.IRModule({"dense_gemm_tiled": make_dense_tiled(n, k)}), target=make_target("cuda")).mod.imports[0].inspect_source()
@@ -356,7 +356,7 @@ def test_cuda_tiled_form_emulated():
         x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
         w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
         y = np.full((m, n), np.nan, np.float32)  # every element must be written
-        kern((-(-m // TILE_M), n // 128, 1), 256, x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
+        kern((-(-m // TILE_TOKENS), n // 128, 1), 256, x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
         np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
     assert tiled_eligible(2048, 2048, "bfloat16") is None and "multiples" in tiled_eligible(2000, 2048, "bfloat16")
     with pytest.raises(MoecError, match="operand dtype"):
