@@ -113,6 +113,14 @@ def test_refusals():
         make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 5))
     with pytest.raises(MoecError, match="target must be"):
         make_grouped_experts(GroupedExpertsSpec(16, 8, 4, 2), "rocm")
+    # the block-tiled forms: 16-bit weights on tensor cores, the expert width a multiple of 64, the hidden size of 128
+    bf16 = {k: "bfloat16" for k in ("x_dtype", "w_dtype", "h_dtype")}
+    with pytest.raises(MoecError, match="tiled needs 16-bit weights"):
+        make_grouped_experts(GroupedExpertsSpec(256, 128, 4, 2, **bf16, w_format="fp8", tiled=True), "cuda")
+    with pytest.raises(MoecError, match="hidden size of 128"):
+        make_grouped_experts(GroupedExpertsSpec(192, 128, 4, 2, **bf16, tiled=True), "cuda")
+    with pytest.raises(MoecError, match="tiled needs the mma form"):
+        make_grouped_experts(GroupedExpertsSpec(256, 128, 4, 2, x_dtype="float32", w_dtype="bfloat16", tiled=True), "cuda")
 
 
 # ---------------------------------------------------------------------------- CUDA forms (build only here)
