@@ -70,10 +70,30 @@ LLOYD_ITERS = 3  # kv_quant.q2_quantize's default
 if T is not None:  # (the kernels need the compiler; the bench on the GPU machine imports the rest)
 
     @T.macro
+    def _moments(out, i0, i1, n, s1, s2):
+        """``out[i0]``, ``out[i1]`` = (mean, standard deviation) of ``n`` (float32) values from their sum ``s1`` and sum
+        of squares ``s2``, each rounded to float16 (as stored), the deviation at least 2^-24."""
+        out[i0] = T.Cast("float32", T.Cast("float16", s1 / n))
+        out[i1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(s2 / n - (s1 / n) * (s1 / n), T.float32(0))),
+                                                             T.float32(2.0**-24))))
+
+    @T.macro
+    def _refit(out, i0, i1, n, sl, sll, sxl, sx):
+        """One least-squares refit of (mu, sigma) = ``out[i0]``, ``out[i1]`` (float16-rounded float32) to the grid levels
+        l of the current codes of ``n`` (float32) values x, from the sums of l, l^2, x l and x; kept where the levels
+        do not vary."""
+        lm: T.let[T.float32] = sl / n
+        xm: T.let[T.float32] = sx / n
+        var: T.let[T.float32] = sll / n - lm * lm
+        if var > T.float32(1e-12):
+            sg: T.let[T.float32] = T.max((sxl / n - xm * lm) / var, T.float32(2.0**-24))
+            out[i0] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
+            out[i1] = T.Cast("float32", T.Cast("float16", sg))
+
+    @T.macro
     def _lloyd(stat, acc, n, values):
-        """Refit ``stat`` = (mu, sigma) (float16-rounded float32) of ``n`` values by least squares to the
-        grid levels of their codes, ``LLOYD_ITERS`` times. ``values(j)`` is the j-th value; ``acc[0]``
-        holds their sum. Uses ``acc[1:5]``."""
+        """Refit ``stat`` = (mu, sigma) of ``n`` values ``LLOYD_ITERS`` times (``_refit``). ``values(j)`` is the j-th
+        value; ``acc[0]`` holds their sum. Uses ``acc[1:5]``."""
         for _ in T.serial(LLOYD_ITERS):
             acc[1] = T.float32(0)
             acc[2] = T.float32(0)
@@ -83,22 +103,7 @@ if T is not None:  # (the kernels need the compiler; the bench on the GPU machin
                 acc[1] += acc[4]
                 acc[2] += acc[4] * acc[4]
                 acc[3] += values(j) * acc[4]
-            lm: T.let[T.float32] = acc[1] / T.float32(n)
-            xm: T.let[T.float32] = acc[0] / T.float32(n)
-            var: T.let[T.float32] = acc[2] / T.float32(n) - lm * lm
-            if var > T.float32(1e-12):
-                sg: T.let[T.float32] = T.max((acc[3] / T.float32(n) - xm * lm) / var, T.float32(2.0**-24))
-                stat[0] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
-                stat[1] = T.Cast("float32", T.Cast("float16", sg))
-
-
-    @T.macro
-    def _moments(stat, acc, n):
-        """``stat`` = (mean, standard deviation) of ``n`` values from their sum ``acc[0]`` and sum of squares ``acc[1]``,
-        each rounded to float16 (as stored), the deviation at least 2^-24."""
-        stat[0] = T.Cast("float32", T.Cast("float16", acc[0] / T.float32(n)))
-        stat[1] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-            acc[1] / T.float32(n) - (acc[0] / T.float32(n)) * (acc[0] / T.float32(n)), T.float32(0))), T.float32(2.0**-24))))
+            _refit(stat, 0, 1, T.float32(n), acc[1], acc[2], acc[3], acc[0])
 
 
 def _hash_score(p, layer, h):
@@ -392,18 +397,10 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                             for q in T.unroll(SPL):
                                                                 acc[a] += part_s[(a * SPL + q) * GW + tx]
                                                         nm: T.let[T.float32] = T.Cast("float32", nmembers(kv))
-                                                        if ps == 0:  # the moments (as _moments)
-                                                            st_s[tx] = T.Cast("float32", T.Cast("float16", acc[0] / nm))
-                                                            st_s[GW + tx] = T.Cast("float32", T.Cast("float16", T.max(T.sqrt(T.max(
-                                                                acc[1] / nm - (acc[0] / nm) * (acc[0] / nm), T.float32(0))), T.float32(2.0**-24))))
-                                                        else:  # a least-squares refit to the levels of the current codes (as _lloyd)
-                                                            lm: T.let[T.float32] = acc[0] / nm
-                                                            xm: T.let[T.float32] = acc[3] / nm
-                                                            var: T.let[T.float32] = acc[1] / nm - lm * lm
-                                                            if var > T.float32(1e-12):
-                                                                sg: T.let[T.float32] = T.max((acc[2] / nm - xm * lm) / var, T.float32(2.0**-24))
-                                                                st_s[tx] = T.Cast("float32", T.Cast("float16", xm - sg * lm))
-                                                                st_s[GW + tx] = T.Cast("float32", T.Cast("float16", sg))
+                                                        if ps == 0:
+                                                            _moments(st_s, tx, GW + tx, nm, acc[0], acc[1])
+                                                        else:  # a refit to the levels of the current codes
+                                                            _refit(st_s, tx, GW + tx, nm, acc[0], acc[1], acc[2], acc[3])
                                             if gpu:
                                                 T.tvm_storage_sync("shared")
                                             # the statistics out, then the codes: a (token, code byte) per thread
@@ -445,7 +442,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                         T.Cast("float32", t1_ks[layer, t1_table[b, src // PS1], h, src % PS1])
                                                     acc[0] += x
                                                     acc[1] += x * x
-                                                _moments(stat, acc, PS2)
+                                                _moments(stat, 0, 1, T.float32(PS2), acc[0], acc[1])
                                                 if lloyd:
                                                     _lloyd(stat, acc, PS2, lambda r: _fp8_to_f32(
                                                         t1_k[layer, t1_table[b, order[b, h, M1 * PS1 + pi * PS2 + r] // PS1], h,
@@ -479,7 +476,7 @@ def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_p
                                                         row[d] = _fp8_to_f32(t1_v[layer, pg2, h, sl2, d]) * T.Cast("float32", t1_vs[layer, pg2, h, sl2])
                                                         acc[0] += row[d]
                                                         acc[1] += row[d] * row[d]
-                                                    _moments(stat, acc, D)
+                                                    _moments(stat, 0, 1, T.float32(D), acc[0], acc[1])
                                                     if lloyd:
                                                         _lloyd(stat, acc, D, lambda d: row[d])
                                                     t2_vmu[layer, page, h, r] = T.Cast("float16", stat[0])
