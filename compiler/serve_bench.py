@@ -322,6 +322,7 @@ class _Moec:
             seqs, logits = e.prefill([list(p) for p in prompts])
             ttft = time.perf_counter() - t
             nxt = logits.argmax(-1)
+        prefill_host = {k: round(v * 1e3, 3) for k, v in e.experts.host_s.items()} if e.experts is not None else None
         try:
             # one untimed step first: the first call of each kernel loads it and the VM's first allocations are
             # made, which would otherwise be the point's slowest step (HF's compiled system warms up likewise)
@@ -371,7 +372,7 @@ class _Moec:
         if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
             # device rate of the timed decode steps' copies over their time, and the copy rate measured on its own
             x = e.experts
-            out["experts"] = {**x.counts(), "decode_copy_bytes": copied,
+            out["experts"] = {**x.counts(), "prefill_host_ms": prefill_host, "decode_copy_bytes": copied,
                               "decode_copy_gbps": copied / sum(times) / 1e9 if times else None,
                               "copy_gbps": x.copy_bandwidth() / 1e9}
         return out

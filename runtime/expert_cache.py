@@ -429,15 +429,20 @@ class OffloadedExperts:
         self.skipped = 0
         self._predicted: dict = {}  # (gated) layer -> {expert: best rank} of the prediction made for it
         self._timed = None  # (the copier's mark as it returned, layer) of the last residency call: the gate's overlap
+        # host seconds spent in residency calls, by part: waiting for the router's ids (the compute stream), reading the
+        # expert input and predicting the next layer's experts (the gate's one-time copy-bandwidth measurement included,
+        # also counted alone)
+        self.host_s = {"ids": 0.0, "predict": 0.0, "gate_setup": 0.0, "total": 0.0}
 
     def reset_counts(self) -> None:
         self.cache.stats = CacheStats()
         self.copies = self.copy_bytes = self.waits = self.ready = self.skipped = 0
+        self.host_s = dict.fromkeys(self.host_s, 0.0)
 
     def counts(self) -> dict:
         out = {"slots": self.cache.capacity, "copies": self.copies, "copy_bytes": self.copy_bytes,
                "copy_waits": self.waits, "copies_ready": self.ready, "prefetch_skipped": self.skipped,
-               **self.cache.stats.as_dict()}
+               **self.cache.stats.as_dict(), "host_ms": {k: round(v * 1e3, 3) for k, v in self.host_s.items()}}
         if self.gate is not None:
             out["gate"] = {"copy_ms": self.gate.copy_s * 1e3,
                            "overlap_ms_by_rows": {str(r): round(v * 1e3, 4) for r, v in sorted(self.gate.overlaps.items())},
@@ -488,7 +493,9 @@ class OffloadedExperts:
         if self._gated:
             self._predicted[layer] = best  # scored against the layer's routing at its residency
             if self.gate is None:
+                t = time.perf_counter()
                 self.gate = PrefetchGate(sum(self._slot_bytes) / self.copy_bandwidth(repeats=2), ranks=k)
+                self.host_s["gate_setup"] += time.perf_counter() - t
             free, q, admitted = self.cache.free_slots, self.cache.eviction_reuse(), []
             for e in sorted(want, key=best.get):  # the surest first: they take the free slots
                 if (layer, e) in self.cache:
@@ -504,6 +511,13 @@ class OffloadedExperts:
     def residency(self, ids, x, layer: int):
         if not 0 <= layer < len(self.layers):
             raise MoecError(f"offloaded experts: layer {layer} of {len(self.layers)}")
+        t0 = time.perf_counter()
+        try:
+            return self._residency(ids, x, layer, t0)
+        finally:
+            self.host_s["total"] += time.perf_counter() - t0
+
+    def _residency(self, ids, x, layer: int, t0: float):
         if self._last is not None and self._last != layer:
             self.cache.release(self._last)
         self._last = layer
@@ -512,6 +526,7 @@ class OffloadedExperts:
         routed = ids.numpy().astype(np.int64).reshape(-1)  # (synchronises the compute stream)
         routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
         routed = np.unique(routed[(routed >= 0) & (routed < e)])
+        self.host_s["ids"] += time.perf_counter() - t0
         if self._gated:
             if self._timed is not None and self._timed[1] == layer - 1 and self.gate is not None:
                 # the compute between the previous layer's residency (after its wait for copies) and this router
@@ -520,7 +535,9 @@ class OffloadedExperts:
             if self.gate is not None and layer in self._predicted:
                 self.gate.observe(self._predicted.pop(layer), routed.tolist())
         predict = self.predictors is not None and layer + 1 < len(self.layers)
+        t = time.perf_counter()
         xs = x.numpy().astype(np.float32).reshape(-1, x.shape[-1]) if predict else None
+        self.host_s["predict"] += time.perf_counter() - t
         _, copies = self.cache.require(layer, routed.tolist())
         table = np.zeros(e, np.int32)  # experts with no token are never read: any slot will do
         for expert in routed.tolist():
@@ -536,7 +553,9 @@ class OffloadedExperts:
                 self.waits += 1
             self._inflight.clear()
         if predict:
+            t = time.perf_counter()
             self._prefetch(xs, layer + 1)
+            self.host_s["predict"] += time.perf_counter() - t
         if self._gated:
             self._timed = (self.copier.mark(), layer)
         return out

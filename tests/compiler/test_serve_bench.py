@@ -195,6 +195,8 @@ def test_bench_offloaded_experts(tmp_path):
         assert p["experts"]["copy_bytes"] == p["experts"]["copies"] * (3 * d * i + 4 * (2 * i + d) if fp8 else 3 * d * i * 2)
         assert p["tokens_sha256"] == pt["moec-bf16-fp8experts" if fp8 else "moec-bf16"]["tokens_sha256"], s
         assert p["experts"]["prefetched"] > 0 if "-prefetch" in s else p["experts"]["prefetched"] == 0
+        pre, host = p["experts"]["prefill_host_ms"], p["experts"]["host_ms"]  # prefill's residency host time, then all
+        assert 0 < pre["total"] <= host["total"] and (pre["predict"] > 0) == ("-prefetch" in s)
     assert pt["moec-bf16-offload"]["tokens_vs"] == {"system": "moec-bf16", "agree": 1.0}
     assert pt["moec-bf16-fp8experts"]["floor_ms"] < pt["moec-bf16"]["floor_ms"]
     assert pt["moec-bf16-offload-fp8"]["floor_ms"] == pytest.approx(pt["moec-bf16-fp8experts"]["floor_ms"])

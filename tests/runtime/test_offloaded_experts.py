@@ -283,8 +283,11 @@ def test_finished_copies_are_not_waited_for(arts):
     counts = e.experts.counts()
     assert counts["copies_ready"] > 0 and counts["copy_waits"] == 0 and counts["copies"] == counts["stalls"] + counts["prefetched"]
     assert e.experts.copy_bandwidth(repeats=2) > 0
+    host = counts["host_ms"]  # the residency calls' host time, by part (predicting includes the gate's measurement)
+    assert host["total"] + 0.01 >= host["ids"] + host["predict"] and host["predict"] > 0 and host["ids"] > 0
     e.experts.reset_counts()
     assert e.experts.counts()["copies"] == 0 and e.experts.cache.stats.stalls == 0
+    assert set(e.experts.counts()["host_ms"].values()) == {0.0}
 
 
 def test_prefetch_gate(arts):
