@@ -39,25 +39,19 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 # (``t1_mma``, ``-mma2``: FP8 widened to float16 pairs, the queries as a float16 high and low part), and with q' kept
 # in registers for the whole split instead of read again for each page (``t2_keep_q``, ``-q``)
 VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
+            # tier 1 in float16 pairs too (``t1_half2``: FP8 widened to pairs, 16 paired FMAs a token and lane)
+            "olmoe-half2-pipe4-t1h2": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True}),
             # launch bounds (``min_blocks``: warps an SM; ptxas -v for sm_90 in the comments): 145 registers and 11.8 KB
-            # of stages take 13 warps an SM; fewer stages and a register cap take more
+            # of stages take 13 warps an SM; a register cap takes more (the other caps and stage counts, and earlier
+            # mma variants: bench/results/tiered_decode_h100_c23b99a.json, prepared at 6b90584)
             "olmoe-half2-pipe4-mb16": ("olmoe", {"half2": True, "stages": 4, "min_blocks": 16}),  # 118 regs, 17 warps
-            "olmoe-half2-pipe3-mb16": ("olmoe", {"half2": True, "stages": 3, "min_blocks": 16}),  # 118 regs, 8.8 KB
-            "olmoe-half2-pipe3-mb20": ("olmoe", {"half2": True, "stages": 3, "min_blocks": 20}),  # 96 regs, 68 B spilled
-            "olmoe-half2-pipe2-mb20": ("olmoe", {"half2": True, "stages": 2, "min_blocks": 20}),  # 96 regs, 5.9 KB
-            "olmoe-half2-pipe2-mb24": ("olmoe", {"half2": True, "stages": 2, "min_blocks": 24}),  # 80 regs, 180 B spilled
-            "olmoe-mma": ("olmoe", {"t2_mma": True}),
-            "olmoe-mma-pf": ("olmoe", {"t2_mma": True, "t2_prefetch": True}),
-            "olmoe-mma2": ("olmoe", {"t2_mma": True, "t1_mma": True}),
+            "olmoe-half2-pipe4-t1h2-mb16": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "min_blocks": 16}),
             "olmoe-mma2-pf": ("olmoe", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True}),
-            "olmoe-mma2-pf-q": ("olmoe", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
             "mixtral-half2-pipe4": ("mixtral", {"half2": True, "stages": 4}),
-            "mixtral-mma": ("mixtral", {"t2_mma": True}),
-            "mixtral-mma-pf": ("mixtral", {"t2_mma": True, "t2_prefetch": True}),
-            "mixtral-mma2": ("mixtral", {"t2_mma": True, "t1_mma": True}),
+            "mixtral-half2-pipe4-t1h2": ("mixtral", {"half2": True, "stages": 4, "t1_half2": True}),
             "mixtral-mma2-pf": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True}),
-            "mixtral-mma2-pf-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
             "check-half2": ("check", {"half2": True}),
+            "check-half2-t1h2": ("check", {"half2": True, "t1_half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
 MMA_SPLITS = (2, 3, 5)  # the tensor-core variants are also timed at these splits (tier 1 takes S // 4, at least 1)
 OTHER_SPLITS = (2, 4)  # and the others at these

@@ -397,7 +397,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
-                            t2_keep_q: bool = False, min_blocks: int = 0):
+                            t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -446,6 +446,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     faster than half2 with 4 query heads per KV head and 30% slower with one (bench/results/tiered_decode_h100_mma.json;
     ``decode_form`` chooses).
 
+    ``t1_half2`` takes the tier-1 sums in float16 pairs too (registers, not ``t1_stages``): each 16-byte row of FP8 is
+    widened to eight float16 pairs (``cvt.rn.f16x2.e4m3x2``, exact), the key scores are eight ``fma.rn.f16x2`` a token
+    against the lane's q scaled into [-1, 1] (its largest magnitude applied after, in float32), and the values are
+    summed per tile in float16 pairs against p / max(p of the lane's tile), then into ``acc`` in float32: per token and
+    lane 16 paired FMAs instead of 32 float32 FMAs and 32 half-to-float conversions. The products of FP8 values (at
+    most 448) by factors in [-1, 1], summed over 8 pairs or 8 tokens, stay far inside the float16 range; float16's
+    rounding (2^-11) is far below the FP8 values' own (2^-4).
+
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
     warps an SM (a 20% occupancy) hold every tile in flight; 16 blocks bound it to 117 without spills.
@@ -467,7 +475,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     W2 = D4 // 4  # uint32 words of a tier-2 row (= LPT)
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
-    PF, T1MMA, KQ = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q)
+    PF, T1MMA, KQ, T1H2 = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q), bool(t1_half2)
+    if T1H2 and (T1MMA or t1_stages):
+        raise ValueError("CUDA tiered decode: t1_half2 takes tier 1 straight into registers on CUDA cores "
+                         "(not with t1_mma or t1_stages)")
     if (PF or T1MMA or KQ) and not MMA:
         raise ValueError("CUDA tiered decode: t2_prefetch, t1_mma and t2_keep_q are options of the tensor-core tier 2 (t2_mma)")
     if T1MMA and (PS1 != 16 or t1_stages):
@@ -504,8 +515,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
         def hx(w, j):  # pair j of word w (codes j, j + 8) as two subnormal halves
             return T.if_then_else(_tab(j, HSRC, "int32") == 0, w, w >> T.uint32(H2_SHIFT)) & _tab(j, HMASK, "uint32")
-    if HALF2 or MMA:  # float16 pairs in uint32 registers, through schedules/cuda_prelude.py's helpers
-        from ..cuda_prelude import H2_HI, H2_LO, HFMA2, PACK_H2, register
+    if HALF2 or MMA or T1H2:  # float16 pairs in uint32 registers, through schedules/cuda_prelude.py's helpers
+        from ..cuda_prelude import E4M3_HI, E4M3_LO, H2_HI, H2_LO, HFMA2, PACK_H2, register
 
         register()  # the generated source gets the helpers' definitions
 
@@ -520,6 +531,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
         def h2hi(a):
             return T.call_pure_extern("float32", H2_HI, a)
+
+        def e4m3_lo(w):  # FP8 bytes 0, 1 of word w (channels 4 i, 4 i + 1 of its row) as two float16 halves
+            return T.call_pure_extern("uint32", E4M3_LO, w)
+
+        def e4m3_hi(w):  # bytes 2, 3 (channels 4 i + 2, 4 i + 3)
+            return T.call_pure_extern("uint32", E4M3_HI, w)
     NT2 = min(D, 128)  # threads of the merge kernel
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -667,28 +684,61 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         return T.evaluate(T.call_extern("void", "__syncwarp"))
 
     @T.macro
-    def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps):
+    def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps,
+                     k8w, v8w, qh, ksc, vr, vacc, hxb):
         # one tier-1 tile (bytes in k8 / v8, scales in sc16 / vs16, first token of the lane's group tok0)
         for k in T.unroll(KSTEP):
-            for j in T.unroll(4):
-                kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
+            if T1H2:  # eight pairs: q' (in [-1, 1]) against the widened FP8 pairs, then max |q| in float32
+                for g in T.unroll(G):
+                    for c in T.unroll(2):  # two chains of four pairs (fewer float16 roundings a sum)
+                        hxb[c] = hfma2(qh[g * 8 + 4 * c], e4m3_lo(k8w[k * 4 + 2 * c]), T.uint32(0))
+                        hxb[c] = hfma2(qh[g * 8 + 4 * c + 1], e4m3_hi(k8w[k * 4 + 2 * c]), hxb[c])
+                        hxb[c] = hfma2(qh[g * 8 + 4 * c + 2], e4m3_lo(k8w[k * 4 + 2 * c + 1]), hxb[c])
+                        hxb[c] = hfma2(qh[g * 8 + 4 * c + 3], e4m3_hi(k8w[k * 4 + 2 * c + 1]), hxb[c])
+                    s_l[g * KSTEP + k] = ksc[g] * ((h2lo(hxb[0]) + h2hi(hxb[0])) + (h2lo(hxb[1]) + h2hi(hxb[1])))
+                    lane_sum(s_l, g * KSTEP + k)
+            else:
+                for j in T.unroll(4):
+                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
+                for g in T.unroll(G):
+                    s_l[g * KSTEP + k] = T.float32(0)
+                    for i in T.unroll(16):
+                        s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
+                    lane_sum(s_l, g * KSTEP + k)
             for g in T.unroll(G):
-                s_l[g * KSTEP + k] = T.float32(0)
-                for i in T.unroll(16):
-                    s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
-                lane_sum(s_l, g * KSTEP + k)
                 s_l[g * KSTEP + k] = T.if_then_else(
                     tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
                 if tok0 + k < n1 and cw == k % LPT:
                     scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
         softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
-        for k in T.unroll(KSTEP):
-            for j in T.unroll(4):
-                kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
+        if T1H2:  # per query head: p' = p vs / max(p vs of the lane's tile) as halves; the tile's sums in float16 pairs
             for g in T.unroll(G):
-                p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                for i in T.unroll(16):
-                    acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
+                for k in T.unroll(KSTEP):
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                vr[g] = p_l[g * KSTEP]
+                for k in T.unroll(KSTEP - 1):
+                    vr[g] = T.max(vr[g], p_l[g * KSTEP + k + 1])
+                vr[G + g] = T.if_then_else(vr[g] > T.float32(0), T.float32(1) / vr[g], T.float32(0))
+                for j in T.unroll(8):
+                    vacc[g * 8 + j] = T.uint32(0)
+            for k in T.unroll(KSTEP):
+                for g in T.unroll(G):
+                    hxb[8] = pack_h2(p_l[g * KSTEP + k] * vr[G + g], p_l[g * KSTEP + k] * vr[G + g])
+                    for j in T.unroll(4):
+                        vacc[g * 8 + 2 * j] = hfma2(hxb[8], e4m3_lo(v8w[k * 4 + j]), vacc[g * 8 + 2 * j])
+                        vacc[g * 8 + 2 * j + 1] = hfma2(hxb[8], e4m3_hi(v8w[k * 4 + j]), vacc[g * 8 + 2 * j + 1])
+            for g in T.unroll(G):
+                for j in T.unroll(8):
+                    acc[g * 16 + 2 * j] = acc[g * 16 + 2 * j] + h2lo(vacc[g * 8 + j]) * vr[g]
+                    acc[g * 16 + 2 * j + 1] = acc[g * 16 + 2 * j + 1] + h2hi(vacc[g * 8 + j]) * vr[g]
+        else:
+            for k in T.unroll(KSTEP):
+                for j in T.unroll(4):
+                    kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", v8[T.ramp(k * 16 + j * 4, 1, 4)])
+                for g in T.unroll(G):
+                    p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
+                    for i in T.unroll(16):
+                        acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * T.Cast("float32", kf[i])
 
     @T.macro
     def t2_page_setup(b, hk, cw, q, sm_scale, h16, h16b, ck, qs, qs2, qh, ksc):
@@ -1165,6 +1215,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         k8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         v8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         kf = T.sblock_alloc_buffer((16,), "float16", scope="local")
+                        if T1H2:  # the bytes as words
+                            k8w = T.decl_buffer((KSTEP * 4,), "uint32", data=k8.data, scope="local")
+                            v8w = T.decl_buffer((KSTEP * 4,), "uint32", data=v8.data, scope="local")
+                        else:  # (unused: an alias of a buffer no statement uses fails to compile)
+                            k8w = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                            v8w = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                         lv = T.sblock_alloc_buffer((16,), "float32", scope="local")
                         bk = T.sblock_alloc_buffer((len(BASES),), "uint32", scope="local")
                         a0 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
@@ -1232,6 +1288,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             for j in T.unroll(len(BASES)):
                                 bk[j] = _tab(j, BASES, "uint32") | (T.Cast("uint32", layer) >> T.uint32(31))
 
+                        if T1H2:  # tier 1's q' in pairs of halves: q / max |q| of the lane's channels (ksc: max |q|)
+                            for g in T.unroll(G):
+                                ksc[g] = T.abs(qv[g * 16])
+                                for i in T.unroll(15):
+                                    ksc[g] = T.max(ksc[g], T.abs(qv[g * 16 + i + 1]))
+                                ksc[G + g] = T.if_then_else(ksc[g] > T.float32(0), T.float32(1) / ksc[g], T.float32(0))
+                                for j in T.unroll(8):
+                                    qh[g * 8 + j] = pack_h2(qv[g * 16 + 2 * j] * ksc[G + g], qv[g * 16 + 2 * j + 1] * ksc[G + g])
                         if not T1MMA:
                             # ---- tier 1: tiles of TILE FP8 tokens, every S-th
                             nt1: T.let[T.int32] = T.if_then_else(sp < ST1, (T.ceildiv(n1, TILE) - sp + ST1 - 1) // ST1, 0)
@@ -1267,7 +1331,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                     for k in T.unroll(KSTEP):
                                         sc16[k] = t1_ks1[row0 + k]
                                         vs16[k] = t1_vs1[row0 + k]
-                                t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps)
+                                t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps,
+                                             k8w, v8w, qh, ksc, vr, vacc, hxb)
 
                         if FIELDS:  # the value sums move to the bit-float domain of the tier-2 fields
                             for g in T.unroll(G):

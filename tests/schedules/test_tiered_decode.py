@@ -465,6 +465,28 @@ def test_half2_form_with_launch_bounds_emulated():
     assert err < 5e-3 and merr < 1e-3, (err, merr)
 
 
+@pytest.mark.parametrize("shape,t1_lens,t2_pages,splits,qscale", [
+    ((16, 16, 128, 16, 128), [70, 33], [3, 2], 3, 1.0),  # OLMoE's heads, partial tier-1 tiles, three splits
+    ((32, 8, 128, 16, 128), [100, 16], [1, 3], None, 2.0)])  # Mixtral's (4 query heads per KV head), peakier queries
+def test_half2_tier1_emulated(shape, t1_lens, t2_pages, splits, qscale):
+    """``t1_half2``: tier 1's sums in float16 pairs (FP8 widened exactly, q / max |q| and p / max p of the tile as
+    halves) against NumPy, next to the float32 tier 1 on the same inputs."""
+    err, merr = _emulated_decode({"half2": True, "stages": 4, "t1_half2": True}, shape, t1_lens, t2_pages, splits,
+                                 qscale=qscale)
+    base, bmerr = _emulated_decode({"half2": True, "stages": 4}, shape, t1_lens, t2_pages, splits, qscale=qscale)
+    # the output as the float32 tier 1 gives it; the mass (from the scores, float16 sums of two chains of four pairs)
+    # within twice the float32 tier 1's error (1.5e-4 -> 1.5e-4 at qscale 1, 7e-4 -> 1.2e-3 at 2 on the emulator)
+    assert err < base + 1e-4 and merr < max(2 * bmerr, 5e-4), (err, base, merr, bmerr)
+
+
+def test_half2_tier1_refuses_staged_or_tensor_core_tier1():
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    for extra in ({"t1_stages": 2}, {"t2_mma": True, "t1_mma": True}):
+        with pytest.raises(ValueError, match="t1_half2"):
+            make_tiered_decode_cuda(16, 16, 128, t1_half2=True, **extra)
+
+
 PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
 
 
