@@ -45,7 +45,7 @@ run tiered_prefill_$DEV 100 python3 bench/tiered_prefill.py run .devcarry/tp3 --
 NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
 if [ -n "$NCU_BIN" ]; then
   NCU=("$NCU_BIN" --clock-control none --set full --launch-count 2)
-  for v in olmoe-half2-pipe4 olmoe-half2-pipe4-t1h2; do  # as compiled, and with tier 1 in float16 pairs
+  for v in olmoe-half2-pipe4 olmoe-half2-pipe4-t1h2-scat; do  # as compiled, and with tier 1 in pairs and scattered scores
     run ncu_tiered_decode_${v}_$DEV 90 "${NCU[@]}" -k regex:tiered_decode \
         python3 bench/tiered_decode.py profile .devcarry/td10 --variant $v
   done

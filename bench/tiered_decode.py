@@ -41,6 +41,9 @@ STREAMS, CONTEXT, T1_TOKENS = 128, 4096, 640
 VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             # tier 1 in float16 pairs too (``t1_half2``: FP8 widened to pairs, 16 paired FMAs a token and lane)
             "olmoe-half2-pipe4-t1h2": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True}),
+            # one reduce-scatter of a tile's scores (``scatter_scores``), alone and with tier 1 in pairs
+            "olmoe-half2-pipe4-scat": ("olmoe", {"half2": True, "stages": 4, "scatter_scores": True}),
+            "olmoe-half2-pipe4-t1h2-scat": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True}),
             # launch bounds (``min_blocks``: warps an SM; ptxas -v for sm_90 in the comments): 145 registers and 11.8 KB
             # of stages take 13 warps an SM; a register cap takes more (the other caps and stage counts, and earlier
             # mma variants: bench/results/tiered_decode_h100_c23b99a.json, prepared at 6b90584)

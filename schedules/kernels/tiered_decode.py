@@ -397,7 +397,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             bitsplit_keys: bool | None = None, kstep: int | None = None, stages: int = 0,
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
-                            t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False):
+                            t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False,
+                            scatter_scores: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -454,6 +455,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     most 448) by factors in [-1, 1], summed over 8 pairs or 8 tokens, stay far inside the float16 range; float16's
     rounding (2^-11) is far below the FP8 values' own (2^-4).
 
+    ``scatter_scores`` (one query head per KV head, as many tokens a lane's group takes a tile as lanes a token, OLMoE's
+    8) ends a tile's scores with one reduce-scatter over the token's lanes instead of a sum per token: in log2(LPT)
+    rounds each lane sends half of its partial sums and keeps the other half, so that lane c ends with the whole score
+    of its group's token c (7 shuffles and adds for 8 tokens instead of 24 each). The online softmax then runs on
+    that one score per lane (the tile max over the warp, one exp2 a lane rather than one a token), and the lanes of a
+    group fetch the tile's probabilities back with one shuffle each. The probability sums then differ by lane and
+    are summed over all 32 lanes at the end.
+
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
     warps an SM (a 20% occupancy) hold every tile in flight; 16 blocks bound it to 117 without spills.
@@ -476,6 +485,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     BITSPLIT = (G == 1) if bitsplit_keys is None else bitsplit_keys
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
     PF, T1MMA, KQ, T1H2 = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q), bool(t1_half2)
+    SCAT = bool(scatter_scores)
+    if SCAT and (G != 1 or KSTEP != LPT or MMA or T1MMA or VSPLIT):
+        raise ValueError(f"CUDA tiered decode: scatter_scores takes one query head per KV head (got {G}) and as many tokens "
+                         f"a tile's group as lanes a token (KSTEP {KSTEP}, {LPT} lanes), not the tensor-core or split-value forms")
     if T1H2 and (T1MMA or t1_stages):
         raise ValueError("CUDA tiered decode: t1_half2 takes tier 1 straight into registers on CUDA cores "
                          "(not with t1_mma or t1_stages)")
@@ -605,6 +618,36 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_left(1, r))
 
     @T.macro
+    def scatter_sum(s_l, cw, mt):  # reduce-scatter of s_l[0 .. LPT - 1] over the token's lanes: s_l[0] = token cw's sum
+        for r in T.unroll(LPT.bit_length() - 1):
+            for i in T.unroll(LPT // 2):
+                if i < (LPT >> (r + 1)):  # (constant once unrolled)
+                    # lanes with the round's bit keep the upper half, the others the lower; each sends what it drops
+                    mt[0] = T.if_then_else((cw & (LPT >> (r + 1))) != 0, s_l[i], s_l[i + (LPT >> (r + 1))])
+                    s_l[i] = T.if_then_else((cw & (LPT >> (r + 1))) != 0, s_l[i + (LPT >> (r + 1))], s_l[i]) + \
+                        shfl(mt[0], LPT >> (r + 1))
+
+    @T.macro
+    def softmax_own(s_l, m_l, l_l, acc, pmu, p_l, mt, ps, lane):
+        # online softmax over one tile with each lane's own token score s_l[0] (one query head): the warp-wide tile
+        # max rescales the state when it grows; p of the lane's token, then the group's KSTEP probabilities by shuffles
+        mt[0] = s_l[0]
+        for r in T.unroll(5):
+            mt[0] = T.max(mt[0], shfl(mt[0], T.shift_left(1, r)))
+        if mt[0] > m_l[0]:
+            mt[1] = T.exp2(m_l[0] - mt[0])
+            l_l[0] = l_l[0] * mt[1]
+            pmu[0] = pmu[0] * mt[1]
+            for i in T.unroll(16):
+                acc[i] = acc[i] * mt[1]
+            ps[0] = ps[0] * mt[1]
+            m_l[0] = mt[0]
+        mt[1] = T.exp2(s_l[0] - m_l[0])
+        l_l[0] = l_l[0] + mt[1]
+        for k in T.unroll(KSTEP):
+            p_l[k] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), mt[1], (lane - lane % LPT) + k, 32, 32)
+
+    @T.macro
     def softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps):
         # online softmax over one tile: s_l[g * KSTEP + k] (log2 domain) -> p_l; the warp-wide tile max
         # rescales the running state only when it grows (a warp-uniform branch)
@@ -685,7 +728,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
     @T.macro
     def t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps,
-                     k8w, v8w, qh, ksc, vr, vacc, hxb):
+                     k8w, v8w, qh, ksc, vr, vacc, hxb, lane):
         # one tier-1 tile (bytes in k8 / v8, scales in sc16 / vs16, first token of the lane's group tok0)
         for k in T.unroll(KSTEP):
             if T1H2:  # eight pairs: q' (in [-1, 1]) against the widened FP8 pairs, then max |q| in float32
@@ -696,7 +739,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         hxb[c] = hfma2(qh[g * 8 + 4 * c + 2], e4m3_lo(k8w[k * 4 + 2 * c + 1]), hxb[c])
                         hxb[c] = hfma2(qh[g * 8 + 4 * c + 3], e4m3_hi(k8w[k * 4 + 2 * c + 1]), hxb[c])
                     s_l[g * KSTEP + k] = ksc[g] * ((h2lo(hxb[0]) + h2hi(hxb[0])) + (h2lo(hxb[1]) + h2hi(hxb[1])))
-                    lane_sum(s_l, g * KSTEP + k)
+                    if not SCAT:
+                        lane_sum(s_l, g * KSTEP + k)
             else:
                 for j in T.unroll(4):
                     kf[T.ramp(j * 4, 1, 4)] = T.Cast("float16x4", k8[T.ramp(k * 16 + j * 4, 1, 4)])
@@ -704,13 +748,24 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     s_l[g * KSTEP + k] = T.float32(0)
                     for i in T.unroll(16):
                         s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qv[g * 16 + i] * T.Cast("float32", kf[i])
-                    lane_sum(s_l, g * KSTEP + k)
-            for g in T.unroll(G):
-                s_l[g * KSTEP + k] = T.if_then_else(
-                    tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
-                if tok0 + k < n1 and cw == k % LPT:
-                    scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
-        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
+                    if not SCAT:
+                        lane_sum(s_l, g * KSTEP + k)
+            if SCAT:  # the token's scale on the partial sums (the lane holds every token's), the sum after the loop
+                s_l[k] = s_l[k] * T.Cast("float32", sc16[k])
+            else:
+                for g in T.unroll(G):
+                    s_l[g * KSTEP + k] = T.if_then_else(
+                        tok0 + k < n1, s_l[g * KSTEP + k] * T.Cast("float32", sc16[k]), T.float32(NEG))
+                    if tok0 + k < n1 and cw == k % LPT:
+                        scores[b, hk * G + g, tok0 + k] = s_l[g * KSTEP + k]
+        if SCAT:  # lane cw: its group's token cw
+            scatter_sum(s_l, cw, mt)
+            s_l[0] = T.if_then_else(tok0 + cw < n1, s_l[0], T.float32(NEG))
+            if tok0 + cw < n1:
+                scores[b, hk, tok0 + cw] = s_l[0]
+            softmax_own(s_l, m_l, l_l, acc, pmu, p_l, mt, ps, lane)
+        else:
+            softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         if T1H2:  # per query head: p' = p vs / max(p vs of the lane's tile) as halves; the tile's sums in float16 pairs
             for g in T.unroll(G):
                 for k in T.unroll(KSTEP):
@@ -770,7 +825,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 ksc[g] = ksc[g] * T.float32(STEP * 2.0 ** (24 - H2_KEY_EXP))
 
     @T.macro
-    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb):
+    def t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb,
+                     cw, lane):
         # one tier-2 tile (codes in kw / vw, value mu / sigma in sc16 / vs16)
         for k in T.unroll(KSTEP):
             for g in T.unroll(G):
@@ -797,9 +853,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     lv[i] = lev(xs(kw[k], i), i, bk)
                     for g in T.unroll(G):
                         s_l[g * KSTEP + k] = s_l[g * KSTEP + k] + qs[g * 16 + i] * lv[i]
-            for g in T.unroll(G):
-                lane_sum(s_l, g * KSTEP + k)
-        softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
+            if not SCAT:
+                for g in T.unroll(G):
+                    lane_sum(s_l, g * KSTEP + k)
+        if SCAT:
+            scatter_sum(s_l, cw, mt)
+            softmax_own(s_l, m_l, l_l, acc, pmu, p_l, mt, ps, lane)
+        else:
+            softmax_tile(s_l, m_l, l_l, acc, pmu, p_l, mt, a0, a1, ps)
         if HALF2:
             # per query head: p' = p / max(p of the lane's tile) 2^14 as halves; per pair, sums of p' c 2^(p - 24)
             # in float16 over the tile, then into acc (level domain: step sum(p c); lo sum(p) after the loop)
@@ -1332,7 +1393,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         sc16[k] = t1_ks1[row0 + k]
                                         vs16[k] = t1_vs1[row0 + k]
                                 t1_tile_math(tok0, n1, b, hk, cw, qv, k8, v8, kf, sc16, vs16, s_l, p_l, acc, m_l, l_l, pmu, mt, scores, a0, a1, ps,
-                                             k8w, v8w, qh, ksc, vr, vacc, hxb)
+                                             k8w, v8w, qh, ksc, vr, vacc, hxb, lane)
 
                         if FIELDS:  # the value sums move to the bit-float domain of the tier-2 fields
                             for g in T.unroll(G):
@@ -1372,7 +1433,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                             ((ip * NSUB + st) % S2 * STG2 + OFF_VMU) // 2 + tg * KSTEP, 1, KSTEP)]
                                         vs16[T.ramp(0, 1, KSTEP)] = sh16[T.ramp(
                                             ((ip * NSUB + st) % S2 * STG2 + OFF_VSIG) // 2 + tg * KSTEP, 1, KSTEP)]
-                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
+                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb,
+                                                     cw, lane)
                             else:
                                 for ip in T.serial(np2):
                                     page2: T.let[T.int32] = t2_table[b, sp + ip * S]
@@ -1388,7 +1450,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                             vw[k] = t2_v32[wrow + k * W2]
                                         sc16[T.ramp(0, 1, KSTEP)] = t2_vmu[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
                                         vs16[T.ramp(0, 1, KSTEP)] = t2_vsig[layer, page2, hk, T.ramp(r0, 1, KSTEP)]
-                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb)
+                                        t2_tile_math(ck, qs, qs2, kw, vw, sc16, vs16, lv, s_l, p_l, acc, m_l, l_l, pmu, mt, bk, a0, a1, ps, qh, ksc, vr, vacc, hxb,
+                                                     cw, lane)
 
                         if HALF2:  # the levels' offset, once: acc += lo sum(p) over the tier-2 tokens
                             for g in T.unroll(G):
@@ -1405,6 +1468,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                         _tab(i, C0, "float32") * a0[g * 16 + i] + _tab(i, C1, "float32") * a1[g * 16 + i]
                         if sp < ST1 and not T1MMA:  # (every split but the tensor-core ones)
                             # ---- sum the token groups, write this split's partial result
+                            if SCAT:  # each lane's probability sum is its own tokens': first over the token's lanes
+                                for r in T.unroll(LPT.bit_length() - 1):
+                                    l_l[0] = l_l[0] + shfl(l_l[0], T.shift_left(1, r))
                             for g in T.unroll(G):
                                 for r in T.unroll(TPS.bit_length() - 1):
                                     l_l[g] = l_l[g] + shfl(l_l[g], T.shift_left(LPT, r))

@@ -479,6 +479,24 @@ def test_half2_tier1_emulated(shape, t1_lens, t2_pages, splits, qscale):
     assert err < base + 1e-4 and merr < max(2 * bmerr, 5e-4), (err, base, merr, bmerr)
 
 
+@pytest.mark.parametrize("extra", [{}, {"t1_half2": True}])
+def test_scatter_scores_emulated(extra):
+    """``scatter_scores`` (one reduce-scatter a tile, the softmax on each lane's own token) computes what the sum per
+    token does: the same errors against NumPy, to float32 rounding, on OLMoE's heads with partial tiles and splits."""
+    shape, t1_lens, t2_pages = (16, 16, 128, 16, 128), [70, 33], [3, 2]
+    got = _emulated_decode({"half2": True, "stages": 4, "scatter_scores": True, **extra}, shape, t1_lens, t2_pages, 3)
+    want = _emulated_decode({"half2": True, "stages": 4, **extra}, shape, t1_lens, t2_pages, 3)
+    assert got[0] < 5e-3 and got[1] < 1e-3, got
+    assert abs(got[0] - want[0]) < 1e-5 and abs(got[1] - want[1]) < 1e-5, (got, want)
+
+
+def test_scatter_scores_refuses_grouped_heads():
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    with pytest.raises(ValueError, match="scatter_scores takes one query head per KV head"):
+        make_tiered_decode_cuda(32, 8, 128, half2=True, stages=4, scatter_scores=True)
+
+
 def test_half2_tier1_refuses_staged_or_tensor_core_tier1():
     from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
 
