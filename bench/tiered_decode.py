@@ -44,6 +44,8 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             # one reduce-scatter of a tile's scores (``scatter_scores``), alone and with tier 1 in pairs
             "olmoe-half2-pipe4-scat": ("olmoe", {"half2": True, "stages": 4, "scatter_scores": True}),
             "olmoe-half2-pipe4-t1h2-scat": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True}),
+            "olmoe-half2-pipe4-t1h2-scat-mb20": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True,
+                                                           "min_blocks": 20}),  # 126 registers unbounded; 20 warps: 102
             # launch bounds (``min_blocks``: warps an SM; ptxas -v for sm_90 in the comments): 145 registers and 11.8 KB
             # of stages take 13 warps an SM; a register cap takes more (the other caps and stage counts, and earlier
             # mma variants: bench/results/tiered_decode_h100_c23b99a.json, prepared at 6b90584)

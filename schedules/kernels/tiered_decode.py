@@ -1276,12 +1276,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         k8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         v8 = T.sblock_alloc_buffer((KSTEP * 16,), "float8_e4m3fn", scope="local")
                         kf = T.sblock_alloc_buffer((16,), "float16", scope="local")
-                        if T1H2:  # the bytes as words
-                            k8w = T.decl_buffer((KSTEP * 4,), "uint32", data=k8.data, scope="local")
-                            v8w = T.decl_buffer((KSTEP * 4,), "uint32", data=v8.data, scope="local")
-                        else:  # (unused: an alias of a buffer no statement uses fails to compile)
-                            k8w = T.sblock_alloc_buffer((1,), "uint32", scope="local")
-                            v8w = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        # t1_half2: the tier-1 rows loaded as words (an alias of k8 / v8 would put them on the stack)
+                        k8w = T.sblock_alloc_buffer((KSTEP * 4 if T1H2 else 1,), "uint32", scope="local")
+                        v8w = T.sblock_alloc_buffer((KSTEP * 4 if T1H2 else 1,), "uint32", scope="local")
                         lv = T.sblock_alloc_buffer((16,), "float32", scope="local")
                         bk = T.sblock_alloc_buffer((len(BASES),), "uint32", scope="local")
                         a0 = T.sblock_alloc_buffer((G * 16,), "float32", scope="local")
@@ -1387,8 +1384,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                     page: T.let[T.int32] = t1_table[b, T.min(tok0, n1 - 1) // PS1]
                                     row0: T.let[T.int64] = ((layer * P1 + page) * HKV + hk) * PS1 + tok0 % PS1
                                     for k in T.unroll(KSTEP):
-                                        k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
-                                        v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                        if T1H2:
+                                            k8w[T.ramp(k * 4, 1, 4)] = t1_k32[T.ramp(((row0 + k) * D + cw * 16) // 4, 1, 4)]
+                                            v8w[T.ramp(k * 4, 1, 4)] = t1_v32[T.ramp(((row0 + k) * D + cw * 16) // 4, 1, 4)]
+                                        else:
+                                            k8[T.ramp(k * 16, 1, 16)] = t1_k8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
+                                            v8[T.ramp(k * 16, 1, 16)] = t1_v8[T.ramp((row0 + k) * D + cw * 16, 1, 16)]
                                     for k in T.unroll(KSTEP):
                                         sc16[k] = t1_ks1[row0 + k]
                                         vs16[k] = t1_vs1[row0 + k]
