@@ -256,10 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--importance", choices=["mass", "keynorm", "random"], default="mass",
                    help="re-rank score: attention mass over the uniform share, the cached key's norm, or random "
                         "(a baseline for comparison)")
-    g.add_argument("--decode-kernel", choices=["split", "split-half2", "split-fields", "split-mma", "ragged"], default="split",
+    g.add_argument("--decode-kernel", choices=["split", "split-half2", "split-fields", "split-mma", "split-paired", "ragged"],
+                   default="split",
                    help="decode attention: the split kernel in the CUDA form measured faster for the model's heads (tensor "
                         "cores from 4 query heads per KV head, else half2), or that kernel with the 2-bit codes summed in "
-                        "float16 pairs, in float32, or on tensor cores (head_dim 128); or the prefill kernels")
+                        "float16 pairs, in float32, or on tensor cores (head_dim 128), or both tiers in float16 pairs "
+                        "(split-paired); or the prefill kernels")
     g.add_argument("--prefill-kernel", choices=["auto", "tensor-cores", "tiled"], default="auto",
                    help="CUDA prefill attention and importance sums: tensor cores (mma.sync, the model's bfloat16 or "
                         "float16 as operands), tiled float32 dot products, or auto: tensor cores for 16-bit models")
@@ -435,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
                         "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident), "
                         "moec-tiered-fields (--decode-kernel "
-                        "split-fields), moec-tiered-half2 / -mma (--decode-kernel split-half2 / split-mma), hf-eager, hf-compile")
+                        "split-fields), moec-tiered-half2 / -mma / -paired (--decode-kernel split-half2 / split-mma / "
+                        "split-paired), hf-eager, hf-compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point")

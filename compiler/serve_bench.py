@@ -91,7 +91,8 @@ def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
     return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "hf-eager", "hf-compile") + tuple(
+           "moec-tiered-graph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager",
+           "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered"))
 # moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
@@ -101,7 +102,8 @@ SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-gra
 # the same with the experts stored and copied as FP8 (--expert-weights fp8: half the bytes); moec-tiered-fields: the
 # tiered cache with the decode kernel's 2-bit sums in float32 (--decode-kernel split-fields, the form before the half2 one);
 # moec-tiered-half2 / -mma: the decode kernel in the half2 form / on tensor cores (--decode-kernel split-half2 /
-# split-mma), whatever the model's heads (moec-tiered takes the form measured faster for them)
+# split-mma), whatever the model's heads (moec-tiered takes the form measured faster for them); moec-tiered-paired: both
+# tiers' sums in float16 pairs (--decode-kernel split-paired)
 
 
 def build_hf(shape: str, dtype: str = "float32", device: str = "cpu", seed: int = 0, layers: int | None = None,
@@ -268,7 +270,8 @@ class _Moec:
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
         fp8_experts = _fp8_experts(kind)
-        decode_kernel = {"fields": "split-fields", "half2": "split-half2", "mma": "split-mma"}.get(kind.rsplit("-", 1)[-1])
+        decode_kernel = {"fields": "split-fields", "half2": "split-half2", "mma": "split-mma",
+                         "paired": "split-paired"}.get(kind.rsplit("-", 1)[-1])
         tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
             ("-fp8" if offload else "-fp8experts") if fp8_experts else "")
         art = work / f"art-{cache}{tag}-{device}"

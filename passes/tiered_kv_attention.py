@@ -59,7 +59,9 @@ class TieredOptions:
     # "split": tiered_decode (flash-decoding splits) in the CUDA form measured faster for the model's heads (tensor
     # cores from 4 query heads per KV head, else half2: ``schedules.kernels.tiered_decode.decode_form``);
     # "split-half2": the 2-bit codes summed in float16 pairs; "split-fields": in float32 (the form before 449cc97);
-    # "split-mma": both tiers on tensor cores (mma.sync, head_dim 128); on llvm all four are one kernel; "ragged": the
+    # "split-mma": both tiers on tensor cores (mma.sync, head_dim 128); "split-paired": the half2 form with tier 1 in
+    # float16 pairs too and, with one query head per KV head, one reduce-scatter of a tile's scores; on llvm all five
+    # are one kernel; "ragged": the
     # prefill kernels
     decode_kernel: str = "split"
     t2_fit: str = "lloyd"  # 2-bit statistics at a demotion: "lloyd" (least-squares refit) or "moments" (mean, std)
@@ -72,9 +74,9 @@ class TieredOptions:
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
-        if self.decode_kernel not in ("split", "split-half2", "split-fields", "split-mma", "ragged"):
+        if self.decode_kernel not in ("split", "split-half2", "split-fields", "split-mma", "split-paired", "ragged"):
             raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-half2, split-fields, "
-                            "split-mma or ragged")
+                            "split-mma, split-paired or ragged")
         if self.prefill_kernel not in ("auto", "tensor-cores", "tiled"):
             raise MoecError(f"unknown prefill kernel {self.prefill_kernel!r}: expected auto, tensor-cores or tiled")
         if self.t2_fit not in ("lloyd", "moments"):
@@ -122,7 +124,8 @@ def prefill_mma_dtype(structure: MoEStructure, opts: TieredOptions, kind: str) -
 
 
 DECODE_FORMS = {"half2": "split, 2-bit sums in float16 pairs", "fields": "split, 2-bit sums in float32",
-                "mma": "split, both tiers on tensor cores (mma.sync over float16)"}
+                "mma": "split, both tiers on tensor cores (mma.sync over float16)",
+                "paired": "split, both tiers' sums in float16 pairs"}
 
 
 def decode_form(structure: MoEStructure, opts: TieredOptions, kind: str) -> tuple[str, str | None]:
@@ -163,7 +166,7 @@ class _Kernels:
         form = decode_form(structure, opts, kind)[1]  # (refuses split-mma where it cannot serve)
         self.t2_mma = form == "mma"
         decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=form == "fields",
-                                               t2_mma=self.t2_mma) \
+                                               t2_mma=self.t2_mma, paired=form == "paired") \
             if kind == "cuda" else make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page)
         self.split_decode = opts.decode_kernel != "ragged"
         if self.split_decode:

@@ -169,12 +169,12 @@ def t2_mma_unsupported(num_heads: int, num_kv_heads: int, head_dim: int, t2_page
     return None
 
 
-DECODE_KERNELS = ("split", "split-half2", "split-fields", "split-mma")
+DECODE_KERNELS = ("split", "split-half2", "split-fields", "split-mma", "split-paired")
 MMA_MIN_GROUP = 4  # "split" takes the tensor-core form from this many query heads per KV head
 
 
 def decode_form(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int, kernel: str = "split") -> str:
-    """The CUDA decode form of ``kernel`` (one of DECODE_KERNELS) for these heads: "half2", "fields" or "mma".
+    """The CUDA decode form of ``kernel`` (one of DECODE_KERNELS) for these heads: "half2", "fields", "mma" or "paired".
 
     "split" picks the faster measured form: on the H100 at 128 x 4096 (bench/results/tiered_decode_h100_mma.json), the
     tensor-core form took Mixtral's layer (4 query heads per KV head) in 0.316 ms against the half2 form's 0.450, and
@@ -185,11 +185,11 @@ def decode_form(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int, 
     if kernel == "split":
         mma = num_heads // num_kv_heads >= MMA_MIN_GROUP and t2_mma_unsupported(num_heads, num_kv_heads, head_dim, t2_page) is None
         return "mma" if mma else "half2"
-    return {"split-half2": "half2", "split-fields": "fields", "split-mma": "mma"}[kernel]
+    return {"split-half2": "half2", "split-fields": "fields", "split-mma": "mma", "split-paired": "paired"}[kernel]
 
 
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
-                                  t2_page: int = 128, fields: bool = False, t2_mma: bool = False):
+                                  t2_page: int = 128, fields: bool = False, t2_mma: bool = False, paired: bool = False):
     """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
     against NumPy there; bench/results/tiered_decode_h200_fields.json): 2-bit fields (one LOP3 and one
     FFMA a code), bases in registers, tier-2 tiles staged in 4 cp.async stages. OLMoE (one query head
@@ -201,7 +201,15 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
     OLMoE 0.320 ms a layer, Mixtral 0.447 (bench/results/tiered_decode_h200_half2.json). ``fields`` (the
     ``split-fields`` decode kernel) keeps the float32 fields form above. ``t2_mma`` (the ``split-mma`` decode
     kernel) takes tier 2 on tensor cores (``make_tiered_decode_cuda(t2_mma=True)``), and tier 1 too where its pages
-    are of 16 tokens (``t1_mma``), which needs ``decode_splits(..., t2_mma=True)`` splits."""
+    are of 16 tokens (``t1_mma``), which needs ``decode_splits(..., t2_mma=True)`` splits. ``paired`` (the
+    ``split-paired`` decode kernel) is the half2 form with tier 1 in float16 pairs too (``t1_half2``) and, with one
+    query head per KV head and as many tokens a tile's group as lanes a token, one reduce-scatter of a tile's scores
+    (``scatter_scores``)."""
+    if paired:
+        g, lpt = num_heads // num_kv_heads, head_dim // 16
+        scatter = g == 1 and min(8, t1_page, t2_page // (32 // lpt)) == lpt  # (the tile's KSTEP for one query head)
+        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True,
+                                       t1_half2=True, scatter_scores=scatter)
     if t2_mma:  # (tier 1 on tensor cores too where its pages are of 16 tokens; each tile's words loaded a tile ahead)
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True,
                                        t1_mma=t1_page == 16, t2_prefetch=True)

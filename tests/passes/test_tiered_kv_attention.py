@@ -200,11 +200,11 @@ def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
     assert engine.decode(seqs, [5]).shape == (1, engine.vocab_size)  # still usable
 
 
-@pytest.mark.parametrize("decode_kernel", ["split", "split-fields"])
+@pytest.mark.parametrize("decode_kernel", ["split", "split-fields", "split-paired"])
 def test_cuda_pipeline_builds(zoo, decode_kernel):
     """The whole model through the "moec" pipeline for CUDA: every tiered kernel is in the device code; with
     split (the default) the decode kernel sums the 2-bit codes in float16 pairs (fma.rn.f16x2), with split-fields in
-    float32."""
+    float32; split-paired widens the FP8 tier to float16 pairs too (cvt.rn.f16x2.e4m3x2)."""
     from moec.compiler.build import _cuda_modules
     from moec.compiler.targets import make_target
     from moec.passes.pipeline import moec_pipeline
@@ -216,7 +216,10 @@ def test_cuda_pipeline_builds(zoo, decode_kernel):
     src = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
     for kernel in ("tiered_append", "tiered_attention", "tiered_mass", "tiered_decode", "tiered_rerank"):
         assert kernel in src, kernel
-    assert ("fma.rn.f16x2" in src) == (decode_kernel == "split")
+    assert ("fma.rn.f16x2" in src) == (decode_kernel != "split-fields")
+    decode = src[src.rindex(" tiered_decode_kernel("):]  # the split kernel's definition, up to the next kernel
+    decode = decode[:decode.find("__global__") if "__global__" in decode else None]
+    assert ("moec_e4m3x2_lo(" in decode) == (decode_kernel == "split-paired")
 
 
 @pytest.mark.parametrize("name", ["hf-olmoe", "hf-mixtral", "hf-qwen2_moe"])
