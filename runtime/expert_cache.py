@@ -535,9 +535,11 @@ class OffloadedExperts:
             if self.gate is not None and layer in self._predicted:
                 self.gate.observe(self._predicted.pop(layer), routed.tolist())
         predict = self.predictors is not None and layer + 1 < len(self.layers)
-        t = time.perf_counter()
-        xs = x.numpy().astype(np.float32).reshape(-1, x.shape[-1]) if predict else None
-        self.host_s["predict"] += time.perf_counter() - t
+        xs = None
+        if predict:
+            t = time.perf_counter()
+            xs = x.numpy().astype(np.float32).reshape(-1, x.shape[-1])
+            self.host_s["predict"] += time.perf_counter() - t
         _, copies = self.cache.require(layer, routed.tolist())
         table = np.zeros(e, np.int32)  # experts with no token are never read: any slot will do
         for expert in routed.tolist():
