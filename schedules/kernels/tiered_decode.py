@@ -457,7 +457,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
     ``t1_half2`` takes the tier-1 sums in float16 pairs too (registers, not ``t1_stages``): each 16-byte row of FP8 is
     widened to eight float16 pairs (``cvt.rn.f16x2.e4m3x2``, exact), the key scores are eight ``fma.rn.f16x2`` a token
-    against the lane's q scaled into [-1, 1] (its largest magnitude applied after, in float32), and the values are
+    in two chains of four (fewer roundings a sum) against the lane's q scaled into [-1, 1] (its largest magnitude applied after, in float32), and the values are
     summed per tile in float16 pairs against p / max(p of the lane's tile), then into ``acc`` in float32: per token and
     lane 16 paired FMAs instead of 32 float32 FMAs and 32 half-to-float conversions. The products of FP8 values (at
     most 448) by factors in [-1, 1], summed over 8 pairs or 8 tokens, stay far inside the float16 range; float16's
