@@ -270,8 +270,10 @@ class _Moec:
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
         fp8_experts = _fp8_experts(kind)
-        decode_kernel = {"fields": "split-fields", "half2": "split-half2", "mma": "split-mma",
-                         "paired": "split-paired"}.get(kind.rsplit("-", 1)[-1])
+        from ..schedules.kernels.tiered_decode import DECODE_KERNELS
+
+        decode_kernel = f"split-{kind.rsplit('-', 1)[-1]}"  # moec-tiered-<form>: --decode-kernel split-<form>
+        decode_kernel = decode_kernel if decode_kernel in DECODE_KERNELS else None
         tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
             ("-fp8" if offload else "-fp8experts") if fp8_experts else "")
         art = work / f"art-{cache}{tag}-{device}"

@@ -74,9 +74,10 @@ class TieredOptions:
             raise MoecError(f"unknown tiered KV mode {self.mode!r}: expected 'tiered' or 'fp8'")
         if not 0 <= self.tier1_fraction <= 1:
             raise MoecError("tier-1 fraction must be in [0, 1]")
-        if self.decode_kernel not in ("split", "split-half2", "split-fields", "split-mma", "split-paired", "ragged"):
-            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected split, split-half2, split-fields, "
-                            "split-mma, split-paired or ragged")
+        from ..schedules.kernels.tiered_decode import DECODE_KERNELS
+
+        if self.decode_kernel not in (*DECODE_KERNELS, "ragged"):
+            raise MoecError(f"unknown decode kernel {self.decode_kernel!r}: expected {', '.join(DECODE_KERNELS)} or ragged")
         if self.prefill_kernel not in ("auto", "tensor-cores", "tiled"):
             raise MoecError(f"unknown prefill kernel {self.prefill_kernel!r}: expected auto, tensor-cores or tiled")
         if self.t2_fit not in ("lloyd", "moments"):

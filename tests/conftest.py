@@ -43,10 +43,12 @@ def trained_tiny(tmp_path_factory):
     if os.environ.get("MOEC_TEST_TRAINED_TINY"):
         return Path(os.environ["MOEC_TEST_TRAINED_TINY"])
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.mktemp("trained")
+    def train(root: Path) -> Path:
         build_corpus(root / "corpus", "bytes")
         return train_reference("tiny", root / "model", corpus_dir=root / "corpus", steps=TRAINED_TINY_STEPS, progress=False)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return train(tmp_path_factory.mktemp("trained"))
     # under pytest-xdist: the first worker to ask trains it into the run's shared temporary root, the others wait
     from filelock import FileLock
 
@@ -54,7 +56,6 @@ def trained_tiny(tmp_path_factory):
     with FileLock(str(root) + ".lock"):
         if not (root / "done").exists():
             root.mkdir(parents=True, exist_ok=True)
-            build_corpus(root / "corpus", "bytes")
-            train_reference("tiny", root / "model", corpus_dir=root / "corpus", steps=TRAINED_TINY_STEPS, progress=False)
+            train(root)
             (root / "done").write_text("")
     return root / "model"

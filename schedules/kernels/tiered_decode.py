@@ -626,6 +626,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_left(1, r))
 
     @T.macro
+    def max_recip(vals, base, n, out, g, top, absolute):
+        # out[g] = the largest of vals[base .. base + n - 1] (magnitudes when absolute); out[G + g] = top / out[g], or 0
+        out[g] = T.abs(vals[base]) if absolute else vals[base]
+        for i in T.unroll(n - 1):
+            out[g] = T.max(out[g], T.abs(vals[base + i + 1]) if absolute else vals[base + i + 1])
+        out[G + g] = T.if_then_else(out[g] > T.float32(0), T.float32(top) / out[g], T.float32(0))
+
+    @T.macro
     def scatter_sum(s_l, cw, mt):  # reduce-scatter of s_l[0 .. LPT - 1] over the token's lanes: s_l[0] = token cw's sum
         for r in T.unroll(LPT.bit_length() - 1):
             for i in T.unroll(LPT // 2):
@@ -778,10 +786,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             for g in T.unroll(G):
                 for k in T.unroll(KSTEP):
                     p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
-                vr[g] = p_l[g * KSTEP]
-                for k in T.unroll(KSTEP - 1):
-                    vr[g] = T.max(vr[g], p_l[g * KSTEP + k + 1])
-                vr[G + g] = T.if_then_else(vr[g] > T.float32(0), T.float32(1) / vr[g], T.float32(0))
+                max_recip(p_l, g * KSTEP, KSTEP, vr, g, 1.0, False)
                 for j in T.unroll(8):
                     vacc[g * 8 + j] = T.uint32(0)
             for k in T.unroll(KSTEP):
@@ -822,10 +827,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     qs2[g * 16 + i] = qs[g * 16 + i] * _tab(i, C1, "float32")
                     qs[g * 16 + i] = qs[g * 16 + i] * _tab(i, C0, "float32")
             if HALF2:  # u = q sigma / max |q sigma| in [-1, 1]; q' = u KMUL per pair, as halves
-                ksc[g] = T.abs(qs[g * 16])
-                for i in T.unroll(15):
-                    ksc[g] = T.max(ksc[g], T.abs(qs[g * 16 + i + 1]))
-                ksc[G + g] = T.if_then_else(ksc[g] > T.float32(0), T.float32(1) / ksc[g], T.float32(0))
+                max_recip(qs, g * 16, 16, ksc, g, 1.0, True)
                 for j in T.unroll(8):
                     qh[g * 8 + j] = pack_h2(qs[g * 16 + j] * ksc[G + g] * _tab(j, KMUL, "float32"),
                                             qs[g * 16 + j + 8] * ksc[G + g] * _tab(j, KMUL, "float32"))
@@ -877,10 +879,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     pmu[g] = pmu[g] + p_l[g * KSTEP + k] * T.Cast("float32", sc16[k])
                     p_l[g * KSTEP + k] = p_l[g * KSTEP + k] * T.Cast("float32", vs16[k])
                     ps[g] = ps[g] + p_l[g * KSTEP + k]
-                vr[g] = p_l[g * KSTEP]
-                for k in T.unroll(KSTEP - 1):
-                    vr[g] = T.max(vr[g], p_l[g * KSTEP + k + 1])
-                vr[G + g] = T.if_then_else(vr[g] > T.float32(0), T.float32(H2_VALUE_MAX) / vr[g], T.float32(0))
+                max_recip(p_l, g * KSTEP, KSTEP, vr, g, H2_VALUE_MAX, False)
                 for j in T.unroll(8):
                     vacc[g * 8 + j] = T.uint32(0)
             for k in T.unroll(KSTEP):
@@ -1356,10 +1355,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
                         if T1H2:  # tier 1's q' in pairs of halves: q / max |q| of the lane's channels (ksc: max |q|)
                             for g in T.unroll(G):
-                                ksc[g] = T.abs(qv[g * 16])
-                                for i in T.unroll(15):
-                                    ksc[g] = T.max(ksc[g], T.abs(qv[g * 16 + i + 1]))
-                                ksc[G + g] = T.if_then_else(ksc[g] > T.float32(0), T.float32(1) / ksc[g], T.float32(0))
+                                max_recip(qv, g * 16, 16, ksc, g, 1.0, True)
                                 for j in T.unroll(8):
                                     qh[g * 8 + j] = pack_h2(qv[g * 16 + 2 * j] * ksc[G + g], qv[g * 16 + 2 * j + 1] * ksc[G + g])
                         if not T1MMA:
