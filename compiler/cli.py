@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="moec systems: the last decode step of each point runs untimed with every kernel timed alone "
                         "(the point's 'profile': top kernels, VM helpers, host share), and so does one prefill chunk of a fresh "
-                        "stream after the point")
+                        "stream after the point; on CUDA one more step and chunk run under the device activity tracer "
+                        "('trace': each kernel's own time, the device's busy and idle time in the step)")
     p.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="moec-<cache>-offload and -prefetch systems: the device slots of the offloaded experts")
     p.add_argument("--sync-steps", action="store_true",

@@ -251,6 +251,68 @@ def summarize_profile(acc: dict, wall_s: float, step_s: float | None, top: int =
     return out
 
 
+def _profiled_steps(profile: bool, device: str) -> int:
+    """Untimed decode steps that --profile adds to each point: one with every VM call timed alone and, on CUDA,
+    one under the device tracer (``trace_device``)."""
+    return (2 if device == "cuda" else 1) if profile else 0
+
+
+def summarize_trace(events: list, top: int = 30) -> dict:
+    """A device activity trace of one step (Chrome trace events as ``torch.profiler`` exports them: ``cat``
+    "kernel", "gpu_memcpy" or "gpu_memset", ``ts`` and ``dur`` in microseconds) as the JSON keeps it. Unlike
+    ``summarize_profile`` nothing is synchronised between calls, so these are the kernels' own times as a timed
+    step runs them: ``kernels_ms`` their sum, ``span_ms`` from the first activity's start to the last one's end,
+    ``busy_ms`` the union of all activities in it and ``idle_ms`` the rest of the span (the device waiting for
+    launches or the host), ``top`` the kernels by summed time."""
+    acts = [(e["name"], e["cat"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not any(a[1] == "kernel" for a in acts):
+        raise MoecError("the device trace holds no kernel: the activity tracer did not see this process's launches")
+    acts.sort(key=lambda a: a[2])
+    busy, cur_s, cur_e = 0.0, acts[0][2], acts[0][3]
+    for _, _, s, e in acts[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(a[3] for a in acts) - acts[0][2]
+    by = {}
+    for name, cat, s, e in acts:
+        if cat == "kernel":
+            n, t = by.get(name, (0, 0.0))
+            by[name] = (n + 1, t + e - s)
+    kernels = sum(t for _, t in by.values())
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_ms": kernels / 1e3, "kernel_launches": sum(n for n, _ in by.values()),
+            "copies_ms": sum(e - s for _, c, s, e in acts if c != "kernel") / 1e3,
+            "copies": sum(1 for a in acts if a[1] != "kernel"),
+            "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "top": [{"name": k, "calls": n, "ms": t / 1e3, "us_per_call": t / n, "share": t / kernels if kernels else 0.0}
+                    for k, (n, t) in rows[:top]],
+            "rest_ms": sum(t for _, (_, t) in rows[top:]) / 1e3}
+
+
+def trace_device(fn):
+    """``fn()`` once under the CUDA activity tracer (CUPTI through ``torch.profiler``, which records every kernel
+    the process launches, TVM's included); returns ``(fn's result, summarize_trace(...))``."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return out, summarize_trace(events)
+
+
 class _Moec:
     def __init__(self, kind: str, model, source, work: Path, device: str, max_streams: int, max_tokens: int,
                  profile: bool = False, max_context: int | None = None, synthetic_kv: bool = False,
@@ -260,6 +322,7 @@ class _Moec:
 
         self.pipelined = pipelined
         self.kind = kind
+        self.device = device
         self.profile = profile
         self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
@@ -335,7 +398,8 @@ class _Moec:
             nxt = e.decode_greedy(seqs, list(nxt))
             copied = e.experts.copy_bytes if e.experts is not None else 0  # after the prefill and the warm-up
             times = []
-            timed = steps - 2 if self.profile else steps - 1
+            # untimed: the warm-up step and, with --profile, a step with every call timed alone and (CUDA) a traced one
+            timed = steps - 1 - _profiled_steps(self.profile, self.device)
             self.phase = "decode steps"
             t = time.perf_counter()
             tokens = []
@@ -360,6 +424,9 @@ class _Moec:
                 with e.kernel_profile() as acc:
                     nxt = e.decode_greedy(seqs, list(nxt))
                 profile = summarize_profile(acc, time.perf_counter() - t, np.median(times) if times else None)
+                if self.device == "cuda":  # one more step, unsynchronised as the timed ones, under the device tracer
+                    self.phase = f"traced decode step {timed + 1}"
+                    nxt, profile["trace"] = trace_device(lambda: e.decode_greedy(seqs, list(nxt)))
             kv = self.kv_bytes_per_token()
         finally:
             for s in seqs:
@@ -372,6 +439,10 @@ class _Moec:
                 (seq,), _ = e.prefill([list(prompts[0][:n])])
             profile["prefill_chunk"] = {"tokens": n, **summarize_profile(acc, time.perf_counter() - t, None)}
             e.release(seq)
+            if self.device == "cuda":
+                self.phase = "traced prefill chunk"
+                ((seq,), _), profile["prefill_chunk"]["trace"] = trace_device(lambda: e.prefill([list(prompts[0][:n])]))
+                e.release(seq)
         out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile,
                "tokens": np.stack(tokens) if tokens and not self.synthetic_kv else None}
         if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
@@ -479,9 +550,10 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
             raise MoecError(f"{s}: give --expert-slots (the device slots of the offloaded experts)")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoecError("--device cuda: no CUDA device is visible to torch")
-    if steps < (3 if profile else 2):
-        raise MoecError(f"--steps must be at least {3 if profile else 2}: one untimed warm-up step, "
-                        f"{'one profiled step, ' if profile else ''}and one timed step or more")
+    if steps < 2 + _profiled_steps(profile, device):
+        raise MoecError(f"--steps must be at least {2 + _profiled_steps(profile, device)}: one untimed warm-up step, "
+                        f"{'one profiled step, ' if profile else ''}{'one traced step, ' if _profiled_steps(profile, device) > 1 else ''}"
+                        "and one timed step or more")
     if min(contexts) <= steps:
         raise MoecError(f"every context must exceed the decode steps ({steps})")
     if prefill_chunk is not None and prefill_chunk < 1:

@@ -247,3 +247,27 @@ def test_bench_merge_joins_runs_and_refuses_mismatches(tmp_path, capsys):
             bad.write_text(json.dumps({"benchmark": "tiered_decode"}))
         assert main(["bench-merge", str(a), str(bad), "--json", str(tmp_path / "n.json")]) == 2
         assert why in capsys.readouterr().err and not (tmp_path / "n.json").exists()
+
+
+def test_summarize_trace_busy_idle_and_top():
+    """The device trace's summary: kernels summed by name, copies apart, overlapping activities counted once in
+    the busy time, the gaps between them as idle time; a trace without kernels is refused."""
+    from moec.compiler.errors import MoecError
+    from moec.compiler.serve_bench import summarize_trace
+
+    ev = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0.0, "dur": 10.0},
+          {"ph": "X", "cat": "kernel", "name": "b", "ts": 5.0, "dur": 10.0},  # overlaps a: busy 0-15
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 20.0, "dur": 2.0},  # idle 15-20
+          {"ph": "X", "cat": "kernel", "name": "a", "ts": 30.0, "dur": 4.0},  # idle 22-30
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 100.0},  # host side: ignored
+          {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1.0}]
+    t = summarize_trace(ev, top=1)
+    assert t["kernel_launches"] == 3 and t["copies"] == 1
+    assert t["kernels_ms"] == pytest.approx(24e-3) and t["copies_ms"] == pytest.approx(2e-3)
+    assert t["span_ms"] == pytest.approx(34e-3)
+    assert t["busy_ms"] == pytest.approx((15 + 2 + 4) * 1e-3) and t["idle_ms"] == pytest.approx(13e-3)
+    assert t["top"] == [{"name": "a", "calls": 2, "ms": pytest.approx(14e-3), "us_per_call": pytest.approx(7.0),
+                         "share": pytest.approx(14 / 24)}]
+    assert t["rest_ms"] == pytest.approx(10e-3)
+    with pytest.raises(MoecError, match="no kernel"):
+        summarize_trace([e for e in ev if e["cat"] != "kernel"])
