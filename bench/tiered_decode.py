@@ -46,6 +46,10 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "olmoe-half2-pipe4-t1h2-scat": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True}),
             "olmoe-half2-pipe4-t1h2-scat-mb20": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True,
                                                            "min_blocks": 20}),  # 126 registers unbounded; 20 warps: 102
+            # more bytes in flight a warp (6 and 8 tile stages) with the fewer registers of the scattered scores: whether
+            # the H200, which ran the 4-stage form no faster than the H100, is bound by the bytes a warp keeps in flight
+            "olmoe-half2-pipe6-t1h2-scat": ("olmoe", {"half2": True, "stages": 6, "t1_half2": True, "scatter_scores": True}),
+            "olmoe-half2-pipe8-t1h2-scat": ("olmoe", {"half2": True, "stages": 8, "t1_half2": True, "scatter_scores": True}),
             # launch bounds (``min_blocks``: warps an SM; ptxas -v for sm_90 in the comments): 145 registers and 11.8 KB
             # of stages take 13 warps an SM; a register cap takes more (the other caps and stage counts, and earlier
             # mma variants: bench/results/tiered_decode_h100_c23b99a.json, prepared at 6b90584)
