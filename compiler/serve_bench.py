@@ -380,6 +380,7 @@ class _Moec:
         e = self.engine
         if e.experts is not None:  # counts per point
             e.experts.reset_counts()
+        prefill_calls = None
         if self.synthetic_kv:  # caches filled with random entries: the decode steps read what they would after prefill
             self.phase = f"synthetic KV fill of {len(prompts)} x {prompts.shape[1]} tokens"
             seqs, ttft = e.fill_synthetic([prompts.shape[1]] * len(prompts)), None
@@ -389,6 +390,8 @@ class _Moec:
             t = time.perf_counter()
             seqs, logits = e.prefill([list(p) for p in prompts])
             ttft = time.perf_counter() - t
+            if e.experts is not None:  # where the prefill's host time went between the residency calls
+                prefill_calls = e.experts.timeline(t)
             nxt = logits.argmax(-1)
         prefill_host = {k: round(v * 1e3, 3) for k, v in e.experts.host_s.items()} if e.experts is not None else None
         try:
@@ -448,7 +451,8 @@ class _Moec:
         if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
             # device rate of the timed decode steps' copies over their time, and the copy rate measured on its own
             x = e.experts
-            out["experts"] = {**x.counts(), "prefill_host_ms": prefill_host, "decode_copy_bytes": copied,
+            out["experts"] = {**x.counts(), "prefill_host_ms": prefill_host,
+                              "prefill_calls_ms": prefill_calls, "decode_copy_bytes": copied,
                               "decode_copy_gbps": copied / sum(times) / 1e9 if times else None,
                               "copy_gbps": x.copy_bandwidth() / 1e9}
         return out

@@ -433,11 +433,22 @@ class OffloadedExperts:
         # expert input and predicting the next layer's experts (the gate's one-time copy-bandwidth measurement included,
         # also counted alone)
         self.host_s = {"ids": 0.0, "predict": 0.0, "gate_setup": 0.0, "total": 0.0}
+        # the residency calls since the counts were reset, as (layer, entered, ids read, returned, copies made (the
+        # prefetches included), waited) with host clock times (time.perf_counter): where a prefill's host time goes
+        self.calls: list = []
+
+    CALLS_KEPT = 512
 
     def reset_counts(self) -> None:
         self.cache.stats = CacheStats()
         self.copies = self.copy_bytes = self.waits = self.ready = self.skipped = 0
         self.host_s = dict.fromkeys(self.host_s, 0.0)
+        self.calls = []
+
+    def timeline(self, since: float) -> list:
+        """The residency calls kept (at most ``CALLS_KEPT`` since the counts were reset), times in ms from ``since``
+        (a ``time.perf_counter()`` reading): ``[layer, entered, ids read, returned, copies made, waited (0/1)]``."""
+        return [[c[0], *(round(1e3 * (t - since), 3) for t in c[1:4]), c[4], c[5]] for c in self.calls]
 
     def counts(self) -> dict:
         out = {"slots": self.cache.capacity, "copies": self.copies, "copy_bytes": self.copy_bytes,
@@ -512,10 +523,14 @@ class OffloadedExperts:
         if not 0 <= layer < len(self.layers):
             raise MoecError(f"offloaded experts: layer {layer} of {len(self.layers)}")
         t0 = time.perf_counter()
+        copies, waits, self._ids_at = self.copies, self.waits, t0
         try:
             return self._residency(ids, x, layer, t0)
         finally:
-            self.host_s["total"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.host_s["total"] += t1 - t0
+            if len(self.calls) < self.CALLS_KEPT:
+                self.calls.append((layer, t0, self._ids_at, t1, self.copies - copies, int(self.waits > waits)))
 
     def _residency(self, ids, x, layer: int, t0: float):
         if self._last is not None and self._last != layer:
@@ -526,7 +541,8 @@ class OffloadedExperts:
         routed = ids.numpy().astype(np.int64).reshape(-1)  # (synchronises the compute stream)
         routed = np.where(routed < 0, routed + e, routed)  # the kernels' wrap of negative ids
         routed = np.unique(routed[(routed >= 0) & (routed < e)])
-        self.host_s["ids"] += time.perf_counter() - t0
+        self._ids_at = time.perf_counter()
+        self.host_s["ids"] += self._ids_at - t0
         if self._gated:
             if self._timed is not None and self._timed[1] == layer - 1 and self.gate is not None:
                 # the compute between the previous layer's residency (after its wait for copies) and this router

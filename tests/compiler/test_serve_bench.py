@@ -197,6 +197,8 @@ def test_bench_offloaded_experts(tmp_path):
         assert p["experts"]["prefetched"] > 0 if "-prefetch" in s else p["experts"]["prefetched"] == 0
         pre, host = p["experts"]["prefill_host_ms"], p["experts"]["host_ms"]  # prefill's residency host time, then all
         assert 0 < pre["total"] <= host["total"] and (pre["predict"] > 0) == ("-prefetch" in s)
+        calls = p["experts"]["prefill_calls_ms"]  # the prefill's residency calls, from its start, in order
+        assert [c[0] for c in calls] == list(range(len(calls))) and 0 < calls[0][1] <= calls[-1][3] <= p["ttft_ms"]
     assert pt["moec-bf16-offload"]["tokens_vs"] == {"system": "moec-bf16", "agree": 1.0}
     assert pt["moec-bf16-fp8experts"]["floor_ms"] < pt["moec-bf16"]["floor_ms"]
     assert pt["moec-bf16-offload-fp8"]["floor_ms"] == pytest.approx(pt["moec-bf16-fp8experts"]["floor_ms"])

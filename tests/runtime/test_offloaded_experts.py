@@ -285,8 +285,14 @@ def test_finished_copies_are_not_waited_for(arts):
     assert e.experts.copy_bandwidth(repeats=2) > 0
     host = counts["host_ms"]  # the residency calls' host time, by part (predicting includes the gate's measurement)
     assert host["total"] + 0.01 >= host["ids"] + host["predict"] and host["predict"] > 0 and host["ids"] > 0
+    calls = e.experts.timeline(e.experts.calls[0][1])  # one row per residency call: layer, entered, ids read, returned
+    layers = len(e.experts.layers)
+    assert [c[0] for c in calls] == list(range(layers)) * (len(calls) // layers) and len(calls) % layers == 0
+    assert calls[0][1] == 0 and all(c[1] <= c[2] <= c[3] for c in calls)
+    assert all(a[3] <= b[1] for a, b in zip(calls, calls[1:]))  # one after the other
+    assert sum(c[4] for c in calls) == counts["copies"] and all(c[5] == 0 for c in calls)  # prefetches included
     e.experts.reset_counts()
-    assert e.experts.counts()["copies"] == 0 and e.experts.cache.stats.stalls == 0
+    assert e.experts.counts()["copies"] == 0 and e.experts.cache.stats.stalls == 0 and e.experts.calls == []
     assert set(e.experts.counts()["host_ms"].values()) == {0.0}
 
 
