@@ -10,7 +10,9 @@ projection (4096 x 4096) and LM head (32000 x 4096); tokens M of 1, 16, 64, 128 
 The q, k and v projections of one input (OLMoE 3 x 2048, Mixtral 4096 + 2 x 1024) also run as one
 ``dense_gemm_x3`` launch against three one-weight launches (``olmoe_qkv``, ``mixtral_qkv``).
 Correctness: against float32 torch over the same bf16 inputs, relative to the output's scale. Timing:
-the VM's ``time_evaluator`` for TVM, CUDA events for torch; medians of repeats.
+the VM's ``time_evaluator`` for TVM, CUDA events for torch; medians of repeats (``ms``: a warm loop, where a
+weight of up to ~40 MB stays in the L2). On CUDA also ``cold_us``: each call right after a 256 MB write, its
+kernels' own time from the device trace, as a model's step meets them (weights from HBM).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +39,16 @@ TOKENS = (1, 16, 64, 128, 4096)
 # 2048 x 2048 projection at 128 tokens is 512 warps with 32-token passes: about 4 an SM to keep loads in flight)
 # _tiled: the block-tiled prefill form (``make_dense_tiled``: 128 x 128 tiles, shared-memory operands, ldmatrix); on
 # the CPU dry run its place takes the llvm form of the default spec
+# _s8d, _s12d, _s16d: 8 to 16 stages in dynamic shared memory (96 to 192 KB a block), so a block keeps more of its
+# weight rows in flight (a 2048-deep projection is 32 k-steps: 4 stages leave a block waiting on memory latency when
+# the weights come from HBM, as in a model's step, rather than from the L2, as in a warm loop); _s8dnt8: 8 stages of
+# 64-token passes (the weight read twice at 128 tokens instead of four times)
 VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8},
-            "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}, "_tiled": {"tiled": True}}
+            "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}, "_tiled": {"tiled": True},
+            "_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
+            "_s16d": {"stages": 16, "dyn_shared": 16 * 12288}, "_s8dnt8": {"stages": 8, "n_tiles": 8, "dyn_shared": 8 * 16384}}
+QKV_ALL = ("merged", "separate", "merged_s8d", "merged_s12d")
+QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288}}
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
 QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 1024), 4096)}  # parts, K
@@ -68,17 +79,21 @@ def build_module(kind: str):
                 bb.emit_func_output(y)
     for name, (parts, k) in QKV.items():
         multi = make_dense(compiled_spec(sum(parts), k), kind, parts).without_attr("global_symbol").with_attr("op_pattern", 8)
-        gm = bb.add_func(multi, f"dense_{name}_x3")
+        gms = {"merged": bb.add_func(multi, f"dense_{name}_x3")}
+        for form, kw in QKV_FORMS.items():
+            spec = replace(compiled_spec(sum(parts), k), **(kw if kind == "cuda" else {}))
+            gms[form] = bb.add_func(make_dense(spec, kind, parts).without_attr("global_symbol").with_attr("op_pattern", 8),
+                                    f"dense_{name}_x3_{form}")
         singles = [bb.add_func(make_dense(compiled_spec(n, k), kind).without_attr("global_symbol").with_attr("op_pattern", 8),
                                f"dense_{name}_{i}") for i, n in enumerate(parts)]
         m = tvm.tirx.Var("m", "int64")
-        for form in ("merged", "separate"):
+        for form in QKV_ALL:
             x = relax.Var("x", relax.TensorType((m, k), "bfloat16"))
             ws = [relax.Var(f"w{i}", relax.TensorType((n, k), "bfloat16")) for i, n in enumerate(parts)]
             with bb.function(f"{name}_{form}", [x] + ws):
                 with bb.dataflow():
-                    if form == "merged":
-                        y = bb.emit(relax.call_tir(gm, [x] + ws, out_ty=[relax.TensorType([m, n], "float32") for n in parts]))
+                    if form != "separate":
+                        y = bb.emit(relax.call_tir(gms[form], [x] + ws, out_ty=[relax.TensorType([m, n], "float32") for n in parts]))
                     else:
                         y = relax.Tuple([bb.emit(relax.call_tir(g1, [x, w1], out_ty=relax.TensorType([m, n], "float32")))
                                          for g1, w1, n in zip(singles, ws, parts)])
@@ -93,7 +108,7 @@ def compile_module(target):
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    names = [n + s for n in SHAPES for s in VARIANTS] + [f"{n}_{f}" for n in QKV for f in ("merged", "separate")]
+    names = [n + s for n in SHAPES for s in VARIANTS] + [f"{n}_{f}" for n in QKV for f in QKV_ALL]
     return tvm.compile(build_module(kind), target=target, relax_pipeline=lowering_pipeline(target, names))
 
 
@@ -123,6 +138,43 @@ def _vm(root: Path, device: str):
     return VirtualMachine(tvm.runtime.load_module(str(root / "lib.so")), tvm.cuda(0)), tvm.cuda(0)
 
 
+COLD_REPS = 15
+FLUSH_BYTES = 256 << 20  # written between calls: more than the L2 (50 MB) several times over
+
+
+def cold_us(calls: dict, reps: int = COLD_REPS) -> dict:
+    """Device time (us, median over ``reps``) of each call in ``calls`` (name -> function of no arguments), each
+    made right after a ``FLUSH_BYTES`` write, so its weights come from HBM as in a model's step rather than from
+    the L2 as in a warm loop. Times are the kernels' own (the CUPTI trace), summed over the kernels a call launches."""
+    import torch
+
+    from moec.compiler.serve_bench import device_events
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    names = list(calls)
+
+    def go():
+        for _ in range(reps):
+            for n in names:
+                flush.zero_()
+                calls[n]()
+
+    flush.zero_()  # (the fill kernel's first launch is not traced)
+    _, events = device_events(go)
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    fill = kernels[0]["name"]  # the first traced kernel is a flush: every kernel of its name marks a call's start
+    segments, cur = [], None
+    for e in kernels:
+        if e["name"] == fill:
+            cur = []
+            segments.append(cur)
+        else:
+            cur.append(float(e["dur"]))
+    if len(segments) != reps * len(names) or any(not seg for seg in segments):
+        raise RuntimeError(f"cold timing: {len(segments)} traced calls for {reps} x {len(names)} ({names})")
+    return {n: float(np.median([sum(segments[r * len(names) + i]) for r in range(reps)])) for i, n in enumerate(names)}
+
+
 def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
     import torch
     import tvm
@@ -143,11 +195,19 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
         res = vm.time_evaluator(f"{name}{suffix}_timed", dev, number=number, repeat=repeat)()
         ms["moec_dense_gemm" + suffix] = float(np.median(np.asarray(res.results))) * 1e3
     ms["torch_linear"] = _torch_ms(lambda a, b: F.linear(a, b), (x, w), device, number, repeat)
+    cold = None
+    if device == "cuda":
+        cold = {"moec_dense_gemm" + sx: (lambda f=vm[name + sx]: f(*args)) for sx in VARIANTS}
+        cold["torch_linear"] = lambda: F.linear(x, w)
+        cold = cold_us(cold)
     err = max(errs.values())
     wbytes = n * k * 2
     row = {"shape": name, "N": n, "K": k, "tokens": m, "max_rel_error_vs_fp32": err, "errors": errs, "passed": err < 1e-2, "ms": ms,
            "weight_bytes": wbytes, "GBps_weights": {s: wbytes / v / 1e6 for s, v in ms.items()},
            "TFLOPs": {s: 2 * m * n * k / v / 1e9 for s, v in ms.items()}}
+    if cold:
+        row["cold_us"] = cold
+        row["cold_GBps_weights"] = {s: wbytes / v / 1e3 for s, v in cold.items()}
     print(json.dumps(row), flush=True)
     return row
 
@@ -164,7 +224,7 @@ def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -
     args = [tvm.runtime.from_dlpack(t) for t in [x] + ws]
     refs = [x.float() @ w.float().T for w in ws]
     ms, errs = {}, {}
-    for form in ("merged", "separate"):
+    for form in QKV_ALL:
         outs = vm[f"{name}_{form}"](*args)
         errs[form] = max(float((torch.from_dlpack(o) - r).abs().max()) / (float(r.abs().max()) or 1.0) for o, r in zip(outs, refs))
         vm.save_function(f"{name}_{form}", f"{name}_{form}_timed", *args)
@@ -174,6 +234,9 @@ def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -
     row = {"shape": name, "parts": list(parts), "K": k, "tokens": m, "errors": errs, "passed": max(errs.values()) < 1e-2,
            "ms": ms, "weight_bytes": wbytes, "GBps_weights": {f: wbytes / v / 1e6 for f, v in ms.items()},
            "merged_speedup": ms["separate"] / ms["merged"]}
+    if device == "cuda":
+        row["cold_us"] = cold_us({f: (lambda fn=vm[f"{name}_{f}"]: fn(*args)) for f in QKV_ALL})
+        row["cold_GBps_weights"] = {f: wbytes / v / 1e3 for f, v in row["cold_us"].items()}
     print(json.dumps(row), flush=True)
     return row
 

@@ -294,9 +294,9 @@ def summarize_trace(events: list, top: int = 30) -> dict:
             "rest_ms": sum(t for _, (_, t) in rows[top:]) / 1e3}
 
 
-def trace_device(fn):
+def device_events(fn) -> tuple:
     """``fn()`` once under the CUDA activity tracer (CUPTI through ``torch.profiler``, which records every kernel
-    the process launches, TVM's included); returns ``(fn's result, summarize_trace(...))``."""
+    the process launches, TVM's included); returns ``(fn's result, the trace's Chrome events)``."""
     import tempfile
 
     import torch
@@ -309,7 +309,12 @@ def trace_device(fn):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+        return out, json.loads(path.read_text()).get("traceEvents", [])
+
+
+def trace_device(fn):
+    """``fn()`` once under the device tracer (``device_events``); returns ``(fn's result, summarize_trace(...))``."""
+    out, events = device_events(fn)
     return out, summarize_trace(events)
 
 

@@ -36,6 +36,7 @@ _PRELUDE = r"""
 #include <string>
 typedef unsigned char uchar;
 typedef unsigned short ushort;
+#define DYN_SHARED_BYTES 232448  // the most dynamic shared memory a block takes on sm_90
 typedef unsigned int uint;
 struct dim3_ { int x, y, z; };
 static dim3_ blockIdx, blockDim, gridDim;
@@ -449,6 +450,9 @@ class EmulatedKernel:
         for bad in ("asm", "atomic", "tvm_builtin_ptx"):
             if re.search({"asm": r"\b__asm__\b|\basm\b", "atomic": r"\batomic\w*\(", "tvm_builtin_ptx": r"\btvm_builtin_ptx\w*"}[bad], body):
                 raise ValueError(f"kernel {name}: the emulation does not support {bad} in the generated code")
+        # dynamic shared memory (``extern __shared__ T name[];``): a static array of the largest size a block may take
+        body = re.sub(r"extern\s+__shared__\s+__align__\((\d+)\)\s+(\w+)\s+(\w+)\[\];",
+                      r"alignas(\1) static \2 \3[DYN_SHARED_BYTES];", body)
         body = re.sub(r"__shared__\s+(alignas\(\d+\)\s+)?", lambda m: (m.group(1) or "") + "static ", body).replace("exp2f(", "exp2f_(")
         decl = ", ".join(f"{t} {n}" for t, n in self.params)
         unpack = ", ".join(f"*({t}*)args[{i}]" for i, (t, _) in enumerate(self.params))

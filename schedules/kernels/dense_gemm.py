@@ -46,6 +46,8 @@ class DenseSpec:
     n_tiles: int = 4  # NT: 8-token tiles per block
     stages: int = 0  # 0: operands loaded into registers; 2..8: cp.async stages through shared memory (as fit)
     l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
+    dyn_shared: int = 0  # cp.async stages: 0, static shared memory (at most SMEM_LIMIT bytes); else the stages live in
+    #                      dynamic shared memory of at most this many bytes (sm_90: up to DYN_SMEM_LIMIT), for more in flight
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -57,12 +59,16 @@ class DenseSpec:
                 raise MoecError(f"dense_gemm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
         if self.n_tiles > 8 or self.row_tiles > 4:
             raise MoecError(f"dense_gemm: at most 8 token tiles and 4 row tiles (registers), got {self.n_tiles}, {self.row_tiles}")
-        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
-            raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 16:
+            raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..16, got {self.stages!r}")
+        if not isinstance(self.dyn_shared, int) or isinstance(self.dyn_shared, bool) or not (
+                self.dyn_shared == 0 or SMEM_LIMIT < self.dyn_shared <= DYN_SMEM_LIMIT):
+            raise MoecError(f"dense_gemm: dyn_shared must be 0 (static shared memory) or {SMEM_LIMIT + 1}..{DYN_SMEM_LIMIT} "
+                            f"bytes, got {self.dyn_shared!r}")
         if self.l2_prefetch not in (0, 64, 128, 256):
             raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         if self.stages and pipe_stages(self)[0] < 2:
-            raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {SMEM_LIMIT} bytes "
+            raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
 
     def to_dict(self) -> dict:
@@ -97,14 +103,22 @@ def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16"
                      out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4)
 
 
+DYN_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
+
+
+def shared_limit(spec: DenseSpec) -> int:
+    """Bytes of shared memory the cp.async stages may take: ``spec.dyn_shared`` (dynamic) or ``SMEM_LIMIT`` (static)."""
+    return spec.dyn_shared or SMEM_LIMIT
+
+
 def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
     """``(stages, shared bytes per stage)`` of the cp.async form: at most ``spec.stages``, as many as fit in
-    ``SMEM_LIMIT`` (0: the register form). A stage is one k-step of 64: each warp's RT tiles of 16 rows x
+    ``shared_limit(spec)`` (0: the register form). A stage is one k-step of 64: each warp's RT tiles of 16 rows x
     128 bytes and the pass's 8 NT token rows x 128 bytes."""
     per_stage = spec.warps * spec.row_tiles * 16 * MMA_K * 2 + 8 * spec.n_tiles * MMA_K * 2
     if not spec.stages:
         return 0, per_stage
-    n = min(spec.stages, SMEM_LIMIT // per_stage)
+    n = min(spec.stages, shared_limit(spec) // per_stage)
     return (n if n >= 2 else 0), per_stage
 
 
@@ -112,7 +126,8 @@ def launch_config(spec: DenseSpec) -> dict:
     rows = spec.warps * spec.row_tiles * 16
     if spec.stages:
         st, per = pipe_stages(spec)
-        return {"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per,
+        form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
+        return {"form": form, "stages": st, "shared_bytes": st * per,
                 "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)), "threads": 32 * spec.warps,
                 "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles, "steps": spec.in_features // MMA_K}
     return {"form": "mma.sync m16n8k16", "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
@@ -180,7 +195,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step (staged form)
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch) if S else _mma_mainloop()
     XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
-    SSC = "shared" if S else "local"  # the cp.async stages (a one-element placeholder in the register form)
+    # the cp.async stages (a one-element placeholder in the register form); past 48 KB in dynamic shared memory
+    SSC = ("shared.dyn" if spec.dyn_shared else "shared") if S else "local"
     SW = S * NW * RT * 1024 if S else 1  # [stage][warp][tile][rh][c][lane][8]
     SX = S * TOK * 64 if S else 1  # [stage][token][chunk (swizzled)][8]
 

@@ -361,3 +361,41 @@ def test_cuda_tiled_form_emulated():
     assert tiled_eligible(2048, 2048, "bfloat16") is None and "multiples" in tiled_eligible(2000, 2048, "bfloat16")
     with pytest.raises(MoecError, match="operand dtype"):
         make_dense_tiled(256, 96, dtype="float32")
+
+
+@pytest.mark.parametrize("stages, n_tiles", [(8, 8), (12, 2), (16, 4)])
+def test_cuda_dynamic_shared_stages_emulated(stages, n_tiles):
+    """More cp.async stages than 48 KB of static shared memory hold (``dyn_shared``: the stages in dynamic shared
+    memory, up to 227 KB on sm_90): the generated code declares them ``extern __shared__`` and waits for the group
+    ``stages - 2`` back, nvcc accepts it, and on the CPU emulation it matches NumPy with fewer and more k-steps (2,
+    10, 20) than stages."""
+    from cuda_emu import EmulatedKernel
+    from tvm.support import nvcc
+
+    from moec.schedules.kernels.dense_gemm import pipe_stages
+
+    per = 4 * 16 * 64 * 2 + 8 * n_tiles * 64 * 2
+    for k in (128, 640, 1280):
+        spec = DenseSpec(out_features=96, in_features=k, stages=stages, n_tiles=n_tiles, dyn_shared=stages * per)
+        assert pipe_stages(spec) == (stages, per) and launch_config(spec)["shared_bytes"] == stages * per
+        src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda")}), target=make_target("cuda")).mod.imports[0].inspect_source()
+        assert "extern __shared__" in src and f"cp.async.wait_group {stages - 2}" in src
+        if k == 640:
+            with make_target("cuda", "sm_90"):
+                assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+        kern = EmulatedKernel(src, "dense_gemm_kernel")
+        cfg = launch_config(spec)
+        for m in (1, 37):
+            rng = np.random.default_rng(m + k)
+            x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+            w = rng.standard_normal((96, k)).astype(ml_dtypes.bfloat16)
+            y = np.zeros((m, 96), np.float32)
+            kern((-(-m // cfg["tokens_per_block"]), cfg["blocks"][1], 1), cfg["threads"], x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
+            np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-3)
+    with pytest.raises(MoecError, match="dyn_shared must be"):
+        DenseSpec(64, 64, stages=8, dyn_shared=1024).check()  # at most 48 KB is static shared memory
+    with pytest.raises(MoecError, match="dyn_shared must be"):
+        DenseSpec(64, 64, stages=8, dyn_shared=300000).check()
+    with pytest.raises(MoecError, match="stages must be"):
+        DenseSpec(64, 64, stages=17, dyn_shared=100000).check()
+    assert pipe_stages(DenseSpec(64, 64, stages=16, n_tiles=n_tiles, dyn_shared=5 * per)) == (5, per)  # as many as fit
