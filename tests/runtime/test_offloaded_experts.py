@@ -15,12 +15,17 @@ from moec_testing import require_cuda
 
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
-    """Tiny HF OLMoE (2 layers, 8 experts, top-2): all experts resident, and offloaded into 8 slots."""
+    """Tiny HF OLMoE (2 layers, 8 experts, top-2): all experts resident (compiled from the module itself), and
+    offloaded into 8 slots; then the model as imported once for the file (``moec.compile`` takes it as it takes the
+    module: the export is most of a compile's time here, so the other builds of this file start from it)."""
+    from moec.compiler.importers import import_model
+
     torch.manual_seed(0)
     model = tiny_hf_model("olmoe")
     root = tmp_path_factory.mktemp("offload")
-    return model, moec.compile(model, root / "resident", target="llvm"), moec.compile(model, root / "slots8", target="llvm",
-                                                                                     expert_slots=8)
+    resident = moec.compile(model, root / "resident", target="llvm")
+    imported = import_model(model)
+    return model, resident, moec.compile(imported, root / "slots8", target="llvm", expert_slots=8), imported
 
 
 def _run(art, prompts, steps, copier=None, **kw):
@@ -39,7 +44,7 @@ def _run(art, prompts, steps, copier=None, **kw):
 
 
 def test_offloaded_decode_equals_resident(arts):
-    model, resident, slots = arts
+    model, resident, slots, _ = arts
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, n).tolist() for n in (9, 5, 13)]
     _, want = _run(resident, prompts, 6)
@@ -67,13 +72,11 @@ def test_offloaded_decode_equals_resident(arts):
 def test_ir_residency_call_and_pools(arts):
     """Before each layer's expert GEMMs the graph asks the runtime where the routed experts are; the layers'
     expert weights leave the entries' signatures, two pools join them."""
-    from moec.compiler.importers import import_model
     from moec.compiler.targets import make_target
     from moec.passes.grouped_experts import InsertGroupedExperts
     from moec.passes.pipeline import moec_pipeline
 
-    model = arts[0]
-    imported = import_model(model)
+    imported = arts[3]
     tgt = make_target("llvm", None)
     grouped = InsertGroupedExperts(tgt, "tiny", expert_slots=8)
     pipeline, _ = moec_pipeline(imported.num_inputs, tgt, "tiny", None, None, None, None, grouped_experts=grouped, phases=1)
@@ -96,7 +99,7 @@ def test_ir_residency_call_and_pools(arts):
 
 
 def test_refusals(arts, tmp_path):
-    model = arts[0]
+    model = arts[3]  # the imported model (refused in the pipeline, after the import)
     with pytest.raises(MoecError, match="cannot hold one layer's 8"):
         moec.compile(model, tmp_path / "a", target="llvm", expert_slots=7)
     with pytest.raises(MoecError, match="expert slots must be a positive integer"):
@@ -111,11 +114,11 @@ def test_fp8_offloaded_experts_equal_fp8_resident(arts, tmp_path):
     quarter of float32's bytes per copy here), and decode equals the all-resident FP8 model's exactly, on demand and
     with prefetch; a device memory budget counts the FP8 bytes of a slot (the kernels' CUDA forms with FP8 slots:
     tests/schedules/test_grouped_experts.py::test_fp8_slot_forms_build_for_sm90)."""
-    model = arts[0]
+    imported = arts[3]
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 128, n).tolist() for n in (6, 12)]
-    want = _run(moec.compile(model, tmp_path / "r8", target="llvm", expert_weights="fp8"), prompts, 4)[1]
-    art = moec.compile(model, tmp_path / "s8", target="llvm", expert_weights="fp8", expert_slots=8)
+    want = _run(moec.compile(imported, tmp_path / "r8", target="llvm", expert_weights="fp8"), prompts, 4)[1]
+    art = moec.compile(imported, tmp_path / "s8", target="llvm", expert_weights="fp8", expert_slots=8)
     for prefetch in (None, 0):
         e, got = _run(art, prompts, 4, expert_prefetch=prefetch)
         for w, g in zip(want, got):
@@ -128,12 +131,10 @@ def test_fp8_offloaded_experts_equal_fp8_resident(arts, tmp_path):
                                                                 ([8, 64, 32], "uint8"), ([8, 64], "float32")]
     assert doc["weights"] == "fp8" and doc["slot_bytes"] == slot and all(len(names) == 4 for names in doc["layers"])
     # a budget (the pass's plan, phase 1): the resident weights as imported, then slots of FP8 bytes
-    from moec.compiler.importers import import_model
     from moec.compiler.targets import make_target
     from moec.passes.grouped_experts import InsertGroupedExperts
     from moec.passes.pipeline import moec_pipeline
 
-    imported = import_model(model)
     total = sum(int(w.nbytes) for w in imported.weights)
     resident = total - 2 * 8 * 3 * 64 * 32 * 4
     tgt = make_target("llvm", None)
@@ -148,13 +149,15 @@ def test_fp8_offloaded_experts_equal_fp8_resident(arts, tmp_path):
 def test_malformed_offloaded_arrays_are_refused(arts, tmp_path):
     """An artifact whose offloaded arrays do not fit the manifest's pools is refused, naming the weights file."""
     import json
+    import shutil
 
     from safetensors.numpy import load_file, save_file
 
     from moec.compiler.artifact import OFFLOADED_PREFIX, write_manifest
     from moec.compiler.errors import ArtifactError
 
-    art = moec.compile(arts[0], tmp_path / "s", target="llvm", expert_slots=8)
+    art = tmp_path / "s"
+    shutil.copytree(arts[2], art)  # the file's 8-slot artifact, altered in a copy
     w = load_file(str(art / "weights.safetensors"))
     name = json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"]["offload"]["layers"][0][0]
     w[OFFLOADED_PREFIX + name] = w[OFFLOADED_PREFIX + name][:, :, :5].copy()
@@ -168,7 +171,7 @@ def test_malformed_offloaded_arrays_are_refused(arts, tmp_path):
 def test_tiered_cache_and_cuda_build(arts, tmp_path):
     """With the tiered KV cache too (its own forward path), and the CUDA build (slot-pool kernels, the residency
     call) compiles; running it needs a GPU."""
-    model = arts[0]
+    model = arts[3]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 128, n).tolist() for n in (7, 11)]
     want = _run(moec.compile(model, tmp_path / "t", target="llvm", kv_cache="tiered"), prompts, 3)[1]
@@ -187,13 +190,11 @@ def test_memory_budget_picks_the_slots(arts, tmp_path):
     """``gpu_memory_budget``: the slots are what the budget leaves after the weights that stay on the device (the
     pass's arithmetic, phase 1 only; the compiled slot form is the tests' above)."""
     from moec.compiler.cli import _bytes
-    from moec.compiler.importers import import_model
     from moec.compiler.targets import make_target
     from moec.passes.grouped_experts import InsertGroupedExperts
     from moec.passes.pipeline import moec_pipeline
 
-    model = arts[0]
-    imported = import_model(model)
+    model = imported = arts[3]
     total = sum(int(w.nbytes) for w in imported.weights)
     per_expert, experts = 3 * 64 * 32 * 4, 2 * 8 * 3 * 64 * 32 * 4  # float32: one expert, and every layer's
     resident = total - experts
@@ -253,7 +254,7 @@ def test_copies_in_flight_are_waited_for(arts):
     """With copies that finish as late as a copy stream may, the layers whose experts are still in flight make the
     compute side wait, and the numbers stay the resident model's, on demand and with prefetch. Without that wait
     they do not (the check can fail)."""
-    _, resident, slots = arts
+    _, resident, slots, _ = arts
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 128, n).tolist() for n in (6, 10)]
     _, want = _run(resident, prompts, 5)
@@ -274,7 +275,7 @@ def test_finished_copies_are_not_waited_for(arts):
     class Done(HostCopies):
         asynchronous = True
 
-    _, resident, slots = arts
+    _, resident, slots, _ = arts
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     _, want = _run(resident, prompts, 3)
     e, got = _run(slots, prompts, 3, copier=lambda eng: Done(eng._tvm, eng.device))
@@ -302,7 +303,7 @@ def test_prefetch_gate(arts):
     prediction, as the ungated prefetch does. Numbers stay the resident model's either way."""
     from moec.runtime.expert_cache import PrefetchGate
 
-    _, resident, slots = arts
+    _, resident, slots, _ = arts
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 128, n).tolist() for n in (7, 11)]
     _, want = _run(resident, prompts, 5)
@@ -333,7 +334,7 @@ def test_cuda_stream_copies_match_resident_on_gpu(arts, tmp_path):
     """On the GPU: pinned host weights, copies on the copy stream, the compute stream waiting where a layer's
     experts are in flight; the logits equal the all-resident CUDA model's, on demand and with prefetch."""
     require_cuda()
-    model = arts[0]
+    model = arts[3]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128, n).tolist() for n in (9, 5, 13)]
     want = _run(moec.compile(model, tmp_path / "r", target="cuda"), prompts, 6, device="cuda")[1]
