@@ -57,7 +57,7 @@ class TieredOptions:
     rerank_every: int = 16
     importance: str = "mass"  # "mass": attention received over the uniform share; "keynorm": |k|; "random": baseline
     # "split": tiered_decode (flash-decoding splits) in the CUDA form measured faster for the model's heads (tensor
-    # cores from 4 query heads per KV head, else half2: ``schedules.kernels.tiered_decode.decode_form``);
+    # cores from 4 query heads per KV head, paired with one, else half2: ``schedules.kernels.tiered_decode.decode_form``);
     # "split-half2": the 2-bit codes summed in float16 pairs; "split-fields": in float32 (the form before 449cc97);
     # "split-mma": both tiers on tensor cores (mma.sync, head_dim 128); "split-paired": the half2 form with tier 1 in
     # float16 pairs too and, with one query head per KV head, one reduce-scatter of a tile's scores; on llvm all five

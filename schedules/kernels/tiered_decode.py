@@ -179,12 +179,16 @@ def decode_form(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int, 
     "split" picks the faster measured form: on the H100 at 128 x 4096 (bench/results/tiered_decode_h100_mma.json), the
     tensor-core form took Mixtral's layer (4 query heads per KV head) in 0.316 ms against the half2 form's 0.450, and
     OLMoE's (one) in 0.451 against 0.344, each at its best split count: tensor cores from MMA_MIN_GROUP query heads
-    per KV head where the form serves the heads, half2 below (2 and 3 are not measured)."""
+    per KV head where the form serves the heads, half2 below (2 and 3 are not measured). With one query head per KV
+    head, the paired form (both tiers in float16 pairs, one reduce-scatter of a tile's scores): on the H200
+    (bench/results/tiered_decode_h200_d9f0206.json) OLMoE's layer took 0.271 ms against the half2 form's 0.284 at
+    4 splits (ncu: 259 against 275 us, 12% fewer instructions), on the H100, bound by DRAM there, 0.344 against 0.341."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"unknown split decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
     if kernel == "split":
-        mma = num_heads // num_kv_heads >= MMA_MIN_GROUP and t2_mma_unsupported(num_heads, num_kv_heads, head_dim, t2_page) is None
-        return "mma" if mma else "half2"
+        g = num_heads // num_kv_heads
+        mma = g >= MMA_MIN_GROUP and t2_mma_unsupported(num_heads, num_kv_heads, head_dim, t2_page) is None
+        return "mma" if mma else "paired" if g == 1 else "half2"
     return {"split-half2": "half2", "split-fields": "fields", "split-mma": "mma", "split-paired": "paired"}[kernel]
 
 

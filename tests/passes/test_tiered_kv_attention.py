@@ -204,14 +204,20 @@ def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
 def test_cuda_pipeline_builds(zoo, decode_kernel):
     """The whole model through the "moec" pipeline for CUDA: every tiered kernel is in the device code; with
     split (the default) the decode kernel sums the 2-bit codes in float16 pairs (fma.rn.f16x2), with split-fields in
-    float32; split-paired widens the FP8 tier to float16 pairs too (cvt.rn.f16x2.e4m3x2)."""
+    float32; split-paired widens the FP8 tier to float16 pairs too (cvt.rn.f16x2.e4m3x2), and so does split where
+    the model has one query head per KV head."""
     from moec.compiler.build import _cuda_modules
     from moec.compiler.targets import make_target
     from moec.passes.pipeline import moec_pipeline
+    from moec.compiler.moe_structure import analyze
+    from moec.passes.tiered_kv_attention import decode_form
 
     imported = import_model(zoo.source("tiny", "pt2"))
     target = make_target("cuda", "sm_90")
-    pipeline, _ = moec_pipeline(imported.num_inputs, target, "tiny", tiered=TieredOptions(t2_page=128, decode_kernel=decode_kernel))
+    opts = TieredOptions(t2_page=128, decode_kernel=decode_kernel)
+    form = decode_form(analyze(imported.mod["main"], imported.num_inputs), opts, "cuda")[1]
+    assert form == {"split-fields": "fields", "split-paired": "paired"}.get(decode_kernel, form)
+    pipeline, _ = moec_pipeline(imported.num_inputs, target, "tiny", tiered=opts)
     ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipeline)
     src = "".join(m.inspect_source() for m in _cuda_modules(ex.mod))
     for kernel in ("tiered_append", "tiered_attention", "tiered_mass", "tiered_decode", "tiered_rerank"):
@@ -219,7 +225,7 @@ def test_cuda_pipeline_builds(zoo, decode_kernel):
     assert ("fma.rn.f16x2" in src) == (decode_kernel != "split-fields")
     decode = src[src.rindex(" tiered_decode_kernel("):]  # the split kernel's definition, up to the next kernel
     decode = decode[:decode.find("__global__") if "__global__" in decode else None]
-    assert ("moec_e4m3x2_lo(" in decode) == (decode_kernel == "split-paired")
+    assert ("moec_e4m3x2_lo(" in decode) == (form == "paired")
 
 
 @pytest.mark.parametrize("name", ["hf-olmoe", "hf-mixtral", "hf-qwen2_moe"])

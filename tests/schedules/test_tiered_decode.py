@@ -120,9 +120,10 @@ def test_workspaces_and_splits():
 def test_split_kernel_picks_the_measured_form():
     from moec.schedules.kernels.tiered_decode import decode_form
 
-    assert decode_form(16, 16, 128, 128) == "half2"  # OLMoE: one query head per KV head
+    assert decode_form(16, 16, 128, 128) == "paired"  # OLMoE: one query head per KV head
     assert decode_form(32, 8, 128, 128) == "mma"  # Mixtral: 4
     assert decode_form(32, 8, 64, 128) == "half2"  # the tensor-core form needs head_dim 128
+    assert decode_form(16, 8, 128, 128) == "half2"  # 2 query heads per KV head
     assert decode_form(16, 16, 128, 128, "split-mma") == "mma" and decode_form(32, 8, 128, 128, "split-half2") == "half2"
     assert decode_form(16, 16, 128, 128, "split-paired") == "paired"
     with pytest.raises(ValueError, match="unknown split decode kernel"):
