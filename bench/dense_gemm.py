@@ -161,6 +161,8 @@ def cold_us(calls: dict, reps: int = COLD_REPS) -> dict:
 
     flush.zero_()  # (the fill kernel's first launch is not traced)
     _, events = device_events(go)
+    if events is None:
+        raise RuntimeError("cold timing: the device activity tracer could not start")
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
     fill = kernels[0]["name"]  # the first traced kernel is a flush: every kernel of its name marks a call's start
     segments, cur = [], None

@@ -296,16 +296,24 @@ def summarize_trace(events: list, top: int = 30) -> dict:
 
 def device_events(fn) -> tuple:
     """``fn()`` once under the CUDA activity tracer (CUPTI through ``torch.profiler``, which records every kernel
-    the process launches, TVM's included); returns ``(fn's result, the trace's Chrome events)``."""
+    the process launches, TVM's included); returns ``(fn's result, the trace's Chrome events)``, or ``(fn's result,
+    None)`` when the tracer cannot start (CUPTI taken by another profiler, say): ``fn`` then runs untraced."""
     import tempfile
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    try:
+        prof.start()
+    except Exception:  # noqa: BLE001 - any failure to start the tracer leaves the run untraced, not failed
+        return fn(), None
+    try:
         out = fn()
         torch.cuda.synchronize()
+    finally:
+        prof.stop()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -313,9 +321,15 @@ def device_events(fn) -> tuple:
 
 
 def trace_device(fn):
-    """``fn()`` once under the device tracer (``device_events``); returns ``(fn's result, summarize_trace(...))``."""
+    """``fn()`` once under the device tracer (``device_events``); returns ``(fn's result, summarize_trace(...))``, the
+    summary ``{"error": ...}`` where the tracer could not start or saw no kernel (the point is not failed for it)."""
     out, events = device_events(fn)
-    return out, summarize_trace(events)
+    if events is None:
+        return out, {"error": "the device activity tracer could not start"}
+    try:
+        return out, summarize_trace(events)
+    except MoecError as exc:
+        return out, {"error": str(exc)}
 
 
 class _Moec:

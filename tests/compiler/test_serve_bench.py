@@ -273,3 +273,28 @@ def test_summarize_trace_busy_idle_and_top():
     assert t["rest_ms"] == pytest.approx(10e-3)
     with pytest.raises(MoecError, match="no kernel"):
         summarize_trace([e for e in ev if e["cat"] != "kernel"])
+
+
+def test_trace_device_without_a_tracer(monkeypatch):
+    """A tracer that cannot start (here: torch.profiler refuses) leaves the step untraced, not failed: the function
+    runs once and the trace summary says why it is missing; a trace without kernels is reported likewise."""
+    import torch
+    import torch.profiler
+
+    from moec.compiler import serve_bench
+
+    class Refusing:
+        def __init__(self, *a, **k):
+            pass
+
+        def start(self):
+            raise RuntimeError("CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch.profiler, "profile", Refusing)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    out, trace = serve_bench.trace_device(lambda: calls.append(1) or 7)
+    assert out == 7 and calls == [1] and "could not start" in trace["error"]
+    monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), [{"ph": "X", "cat": "gpu_memcpy", "name": "m", "ts": 0, "dur": 1}]))
+    out, trace = serve_bench.trace_device(lambda: 8)
+    assert out == 8 and "no kernel" in trace["error"]
