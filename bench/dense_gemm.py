@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grouped_experts import _device_name, _torch_ms, copy_bandwidth  # noqa: E402
+from grouped_experts import _device_name, _torch_ms, cold_kernels_us, copy_bandwidth  # noqa: E402
 
 SHAPES = {"olmoe_proj": (2048, 2048), "olmoe_lm_head": (50304, 2048), "mixtral_proj": (4096, 4096),
           "mixtral_lm_head": (32000, 4096)}  # N, K
@@ -138,43 +138,11 @@ def _vm(root: Path, device: str):
     return VirtualMachine(tvm.runtime.load_module(str(root / "lib.so")), tvm.cuda(0)), tvm.cuda(0)
 
 
-COLD_REPS = 15
-FLUSH_BYTES = 256 << 20  # written between calls: more than the L2 (50 MB) several times over
-
-
-def cold_us(calls: dict, reps: int = COLD_REPS) -> dict:
-    """Device time (us, median over ``reps``) of each call in ``calls`` (name -> function of no arguments), each
-    made right after a ``FLUSH_BYTES`` write, so its weights come from HBM as in a model's step rather than from
-    the L2 as in a warm loop. Times are the kernels' own (the CUPTI trace), summed over the kernels a call launches."""
-    import torch
-
-    from moec.compiler.serve_bench import device_events
-
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    names = list(calls)
-
-    def go():
-        for _ in range(reps):
-            for n in names:
-                flush.zero_()
-                calls[n]()
-
-    flush.zero_()  # (the fill kernel's first launch is not traced)
-    _, events = device_events(go)
-    if events is None:
-        raise RuntimeError("cold timing: the device activity tracer could not start")
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
-    fill = kernels[0]["name"]  # the first traced kernel is a flush: every kernel of its name marks a call's start
-    segments, cur = [], None
-    for e in kernels:
-        if e["name"] == fill:
-            cur = []
-            segments.append(cur)
-        else:
-            cur.append(float(e["dur"]))
-    if len(segments) != reps * len(names) or any(not seg for seg in segments):
-        raise RuntimeError(f"cold timing: {len(segments)} traced calls for {reps} x {len(names)} ({names})")
-    return {n: float(np.median([sum(segments[r * len(names) + i]) for r in range(reps)])) for i, n in enumerate(names)}
+def cold_us(calls: dict) -> dict:
+    """Device time (us) of each call in ``calls`` (name -> function of no arguments), each made right after a 256 MB
+    write, so its weights come from HBM as in a model's step rather than from the L2 as in a warm loop: the sum of
+    its kernels' own times (the device trace), median over repeats (``grouped_experts.cold_kernels_us``)."""
+    return {n: v["total"] for n, v in cold_kernels_us(calls).items()}
 
 
 def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:

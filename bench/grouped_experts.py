@@ -19,7 +19,9 @@ a residency table (``slots``, the offloaded-experts form), the experts at permut
 Correctness: the TVM output against a float32 PyTorch reference of the same function (h rounded to bf16
 as the kernel stores it), relative to the output's scale. Timings: TVM through the VM's
 ``time_evaluator`` (host-timed back-to-back calls: launch overhead counts, as in a decode step); torch with
-CUDA events around back-to-back calls; medians of repeats. Bandwidth: the bytes of the active experts'
+CUDA events around back-to-back calls; medians of repeats. On CUDA also ``cold_us``: the default form and the
+forms that differ from it in shared memory, each call after a 256 MB write, each kernel's own time from the device
+trace (route_prep, gate_up, down, combine and their total). Bandwidth: the bytes of the active experts'
 weights (distinct experts hit x 3 D I x 2 bytes) over the time, against ``copy_`` of a 1 GiB buffer
 (read + write counted, as device-to-device copy bandwidth is usually quoted).
 """
@@ -80,7 +82,14 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             "nt8_rt2_regs": {"n_tiles": 8, "row_tiles": 2, "stages": 0},
             "nt8_pb_w2_rt2": {"n_tiles": 8, "pass_blocks": True, "row_tiles": 2, "warps": 2},
             # block-tiled (``tiled``): 128 tokens x 128 weight rows a block, both operands in shared memory (prefill)
-            "tiled": {"tiled": True}}
+            "tiled": {"tiled": True},
+            # more cp.async stages in dynamic shared memory (``dyn_shared``): a decode stage of gate_up is 20 KB (OLMoE) or
+            # 24 KB (Mixtral), so 48 KB of static shared memory holds only 2 of them (down's: 12 and 16 KB, 3 and 3)
+            "pipe_s3d": {"stages": 3, "dyn_shared": 3 * 24576}, "pipe_s4d": {"stages": 4, "dyn_shared": 4 * 24576},
+            "pipe_s6d": {"stages": 6, "dyn_shared": 6 * 24576}}
+# timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
+# forms that differ from it in shared memory
+COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
 
 
 def build_module(shape, kind: str):
@@ -266,6 +275,53 @@ def _torch_ms(fn, args, device: str, number: int, repeat: int) -> float:
     return float(np.median(times))
 
 
+COLD_REPS = 15
+FLUSH_BYTES = 256 << 20  # written between calls: more than the L2 (50 MB) several times over
+
+
+def cold_kernels_us(calls: dict, reps: int = COLD_REPS) -> dict:
+    """Per call of ``calls`` (name -> function of no arguments), each made right after a ``FLUSH_BYTES`` write so that
+    its weights come from HBM as in a model's step: ``{kernel name: us, ..., "total": us}``, medians over ``reps`` of
+    the kernels' own times (the CUPTI trace, ``moec.compiler.serve_bench.device_events``)."""
+    import torch
+
+    from moec.compiler.serve_bench import device_events
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    names = list(calls)
+
+    def go():
+        for _ in range(reps):
+            for n in names:
+                flush.zero_()
+                calls[n]()
+
+    flush.zero_()  # (the fill kernel's first launch is not traced)
+    _, events = device_events(go)
+    if events is None:
+        raise RuntimeError("cold timing: the device activity tracer could not start")
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    fill = kernels[0]["name"]  # the first traced kernel is a flush: every kernel of its name marks a call's start
+    segments, cur = [], None
+    for e in kernels:
+        if e["name"] == fill:
+            cur = []
+            segments.append(cur)
+        else:
+            cur.append((e["name"], float(e["dur"])))
+    if len(segments) != reps * len(names) or any(not seg for seg in segments):
+        raise RuntimeError(f"cold timing: {len(segments)} traced calls for {reps} x {len(names)} ({names})")
+    out = {}
+    for i, n in enumerate(names):
+        runs = [segments[r * len(names) + i] for r in range(reps)]
+        row = {}
+        for j, (kname, _) in enumerate(runs[0]):
+            row[kname] = float(np.median([run[j][1] for run in runs if len(run) == len(runs[0])]))
+        row["total"] = float(np.median([sum(d for _, d in run) for run in runs]))
+        out[n] = row
+    return out
+
+
 def copy_bandwidth(device: str) -> float:
     """GB/s of ``dst.copy_(src)`` (bytes read + written), 1 GiB on the GPU, 64 MiB on the CPU."""
     import torch
@@ -343,6 +399,9 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
             ms["torch_compile_hf_loop"] = _torch_ms(compiled, tin, device, max(1, number // 10), repeat)
         except Exception as exc:  # noqa: BLE001 - report, keep the other numbers
             row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if device == "cuda":  # each call's kernels cold (weights from HBM), one by one
+        row["cold_us"] = cold_kernels_us({f: (lambda fn=vm[f]: fn(*args)) for f in COLD})
+        row["cold_GBps_active_weights"] = {f: row["active_weight_bytes"] / v["total"] / 1e3 for f, v in row["cold_us"].items()}
     row["ms"] = ms
     row["GBps_active_weights"] = {k_: (row["active_weight_bytes_fp8"] if k_.endswith("fp8") else row["active_weight_bytes"]) / v / 1e6
                                   for k_, v in ms.items()}

@@ -105,6 +105,8 @@ class GroupedExpertsSpec:
     #                 the GEMMs then take offsets [2E + 1], the bounds and then each expert's slot (``_weight_slot``)
     pass_blocks: bool = False  # cp.async forms: a block per weight pass (grid x: passes, y: row tiles x experts) instead
     #                 of a block looping over an expert's passes (``_pass_grid``)
+    dyn_shared: int = 0  # cp.async forms: 0, the stages in static shared memory (SMEM_LIMIT); else in dynamic shared
+    #                 memory of at most this many bytes (up to DYN_SMEM_LIMIT): more stages for gate_up, whose stage is 20 KB
     tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
     #                 128 output rows a tile, both operands through shared memory, ldmatrix), for prefill-sized chunks
 
@@ -117,6 +119,10 @@ class GroupedExpertsSpec:
             raise MoecError(f"grouped_experts: row_tiles must be 0 (automatic), 1 or 2, got {self.row_tiles!r}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
             raise MoecError(f"grouped_experts: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
+        if not isinstance(self.dyn_shared, int) or isinstance(self.dyn_shared, bool) or not (
+                self.dyn_shared == 0 or SMEM_LIMIT < self.dyn_shared <= DYN_SMEM_LIMIT):
+            raise MoecError(f"grouped_experts: dyn_shared must be 0 (static shared memory) or {SMEM_LIMIT + 1}..{DYN_SMEM_LIMIT} "
+                            f"bytes, got {self.dyn_shared!r}")
         if not isinstance(self.pass_blocks, bool):
             raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
         if not isinstance(self.tiled, bool):
@@ -200,7 +206,7 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
         for kernel in ("gate_up", "down"):
             if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
                 raise MoecError(f"grouped_experts: two cp.async stages of {kernel} ({2 * mma_stages(spec, kernel)[1]} bytes) "
-                                f"exceed {SMEM_LIMIT} bytes of shared memory: fewer warps, row_tiles or n_tiles")
+                                f"exceed {spec.dyn_shared or SMEM_LIMIT} bytes of shared memory: fewer warps, row_tiles or n_tiles")
 
 
 def _f32(v):
@@ -456,6 +462,7 @@ def prefill_spec(spec: GroupedExpertsSpec) -> GroupedExpertsSpec:
 
 
 SMEM_LIMIT = 49152  # bytes of static shared memory per block (the moec CUDA target's max_shared_memory_per_block)
+DYN_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
 
 
 def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
@@ -468,8 +475,13 @@ def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
     per_stage = spec.warps * tiles * 16 * MMA_K * 2 + 8 * nt * MMA_K * 2
     if not _staged(spec):
         return 0, per_stage
-    n = min(spec.stages, SMEM_LIMIT // per_stage)
+    n = min(spec.stages, (spec.dyn_shared or SMEM_LIMIT) // per_stage)
     return (n if n >= 2 else 0), per_stage
+
+
+def _stage_scope(spec: GroupedExpertsSpec) -> str:
+    """Where the cp.async forms keep their stages: dynamic shared memory past 48 KB (``dyn_shared``), else static."""
+    return "shared.dyn" if spec.dyn_shared else "shared"
 
 
 def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
@@ -487,7 +499,8 @@ def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
         cfg["form"] = "mma.sync m16n8k16, e4m3 weights widened in registers"
     if _staged(spec):
         st, per_stage = mma_stages(spec, kernel)
-        cfg.update({"form": "mma.sync m16n8k16, cp.async stages", "stages": st, "shared_bytes": st * per_stage})
+        cfg.update({"form": "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else ""),
+                    "stages": st, "shared_bytes": st * per_stage})
         if spec.pass_blocks:  # (blocks[0] stays the row tiles: the grid is passes x (row tiles x experts))
             cfg.update({"form": cfg["form"] + ", a block per pass", "grid": (f"ceil(T / {8 * nt})", cfg["blocks"][0] * spec.experts)})
     return cfg
@@ -850,6 +863,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     NT, RT, _ = mma_tiles(spec)
     cfg = _mma_launch(spec, "gate_up")
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
+    SSC = _stage_scope(spec)
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
@@ -866,8 +880,8 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                     with T.sblock("gate_up"):
                         T.reads()
                         T.writes()
-                        ws = T.sblock_alloc_buffer((S * NW * 2 * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
-                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                        ws = T.sblock_alloc_buffer((S * NW * 2 * RT * 1024,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
                         wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
                         af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
                         xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
@@ -909,6 +923,7 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
     NT, _, RT = mma_tiles(spec)
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
+    SSC = _stage_scope(spec)
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
@@ -921,8 +936,8 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                     with T.sblock("down"):
                         T.reads()
                         T.writes()
-                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope="shared")  # [stage][warp][tile][rh][c][lane][8]
-                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope="shared")  # [stage][token][chunk (swizzled)][8]
+                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
                         wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
                         af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
                         xb = T.sblock_alloc_buffer((16,), wdt, scope="local")

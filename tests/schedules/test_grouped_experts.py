@@ -3,6 +3,7 @@ empty experts, T = 1 and 37, K = 2/4/8, bf16 weights), the CUDA forms built for 
 (marker ``gpu``) the CUDA forms against NumPy."""
 
 import re
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -528,13 +529,15 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
 @pytest.mark.parametrize("t,launch", [(37, {"stages": 0}), (300, {"stages": 0}), (300, {"stages": 4, "row_tiles": 1}),
                                       (300, {"stages": 4, "row_tiles": 1, "n_tiles": 2, "pass_blocks": True}),
                                       (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True}),
+                                      (300, {"stages": 6, "row_tiles": 1, "dyn_shared": 6 * 24576}),
                                       (37, {"tiled": True}), (700, {"tiled": True})])
 def test_mma_forms_emulated(t, launch):
     """The mma.sync kernels on the CPU emulation of tests/cuda_emu.py. The register form and the cp.async form (4
     stages) matched numpy on the H200 (``test_cuda_matches_numpy_on_gpu``, ``test_cuda_pipe_form_matches_numpy_on_gpu``):
     a check of the emulator's mma fragments, which the kernels not yet run on a GPU are tested with; then the
     cp.async form with a block per pass (``pass_blocks``, the prefill entry's): 2 token tiles make several passes
-    per expert, 3 warps leave row blocks past the rows."""
+    per expert, 3 warps leave row blocks past the rows; and 6 stages in dynamic shared memory (``dyn_shared``: a stage
+    of gate_up is 24 KB here, so static shared memory holds 2)."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
@@ -544,6 +547,12 @@ def test_mma_forms_emulated(t, launch):
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
     assert "mma.sync" in src
     cfg = launch_config(spec)
+    if spec.dyn_shared:
+        assert "extern __shared__" in src and cfg["gate_up"]["stages"] == 6 and cfg["down"]["stages"] == 6
+        assert cfg["gate_up"]["shared_bytes"] == 6 * 24576 and "dynamic" in cfg["gate_up"]["form"]
+        assert launch_config(replace(spec, dyn_shared=0))["gate_up"]["stages"] == 2  # 48 KB: two stages of 24 KB
+        with pytest.raises(MoecError, match="dyn_shared must be"):
+            replace(spec, dyn_shared=4096).check()
     k = {name: EmulatedKernel(src, f"moe_{name}_kernel") for name in ("route_prep", "gate_up", "down", "combine")}
     x, w1, w2, ids, rw = _data(spec, t, seed=t)
     offsets, order = np.zeros(spec.experts + 1, np.int32), np.zeros(t * 4, np.int32)

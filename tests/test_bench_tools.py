@@ -1,0 +1,42 @@
+"""Helpers of the GPU bench scripts (bench/) that can be checked without a GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def test_cold_kernel_times_from_a_trace(monkeypatch):
+    """``cold_kernels_us`` splits the device trace at each flush (the first traced kernel's name) into the calls in
+    order and takes each kernel's median over the repeats; a trace with a call missing is refused."""
+    import torch
+
+    import grouped_experts as ge
+    from moec.compiler import serve_bench
+
+    def trace(durs):  # reps x calls, each call a list of (kernel, us); every call preceded by the flush
+        ev, ts = [], 0.0
+        for call in durs:
+            for name, d in [("fill", 50.0)] + call:
+                ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": d})
+                ts += d + 1
+        ev.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy", "ts": 0, "dur": 1})  # not a kernel: ignored
+        return ev
+
+    made = []
+    calls = {"a": lambda: made.append("a"), "b": lambda: made.append("b")}
+    durs = [[("k1", 10.0), ("k2", 5.0)], [("k3", 7.0)], [("k1", 12.0), ("k2", 6.0)], [("k3", 9.0)], [("k1", 11.0), ("k2", 4.0)],
+            [("k3", 8.0)]]
+    monkeypatch.setattr(torch, "empty", lambda n, dtype=None, device=None: torch.zeros(8, dtype=dtype))
+    monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), trace(durs)))
+    got = ge.cold_kernels_us(calls, reps=3)
+    assert made == ["a", "b"] * 3
+    assert got == {"a": {"k1": 11.0, "k2": 5.0, "total": 15.0}, "b": {"k3": 8.0, "total": 8.0}}
+    monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), trace(durs[:-1])))
+    with pytest.raises(RuntimeError, match="5 traced calls for 3 x 2"):
+        ge.cold_kernels_us(calls, reps=3)
+    monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), None))
+    with pytest.raises(RuntimeError, match="could not start"):
+        ge.cold_kernels_us(calls, reps=3)
