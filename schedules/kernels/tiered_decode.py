@@ -563,6 +563,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         def e4m3_hi(w):  # bytes 2, 3 (channels 4 i + 2, 4 i + 3)
             return T.call_pure_extern("uint32", E4M3_HI, w)
     NT2 = min(D, 128)  # threads of the merge kernel
+    MU = 4  # rounds of its tier-1 loop unrolled
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
         if st_ and not 2 <= st_ <= 8:
@@ -1530,11 +1531,15 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
                             for j in T.unroll(D // NT2):
                                 out[b, hk * G + g, j * NT2 + tx] = o[j] * linv[g]
-                        for c in T.serial(T.ceildiv(n1m, NT2)):
-                            if c * NT2 + tx < n1m:
-                                mtot[0] = T.float32(0)
-                                for g in T.serial(G):
-                                    mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, c * NT2 + tx] - mg[g]) * linv[g]
-                                t1_mass[layer, t1_table[b, (c * NT2 + tx) // PS1], hk, (c * NT2 + tx) % PS1] += mtot[0]
+                        # the tier-1 tokens NT2 at a time, MU rounds unrolled: their loads (score, page, mass) issue
+                        # together instead of one dependent round after another
+                        for c0 in T.serial(T.ceildiv(n1m, NT2 * MU)):
+                            for u in T.unroll(MU):
+                                if (c0 * MU + u) * NT2 + tx < n1m:
+                                    mtot[0] = T.float32(0)
+                                    for g in T.serial(G):
+                                        mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, (c0 * MU + u) * NT2 + tx] - mg[g]) * linv[g]
+                                    t1_mass[layer, t1_table[b, ((c0 * MU + u) * NT2 + tx) // PS1], hk,
+                                            ((c0 * MU + u) * NT2 + tx) % PS1] += mtot[0]
 
     return tiered_decode

@@ -461,6 +461,13 @@ def test_half2_form_emulated():
     assert err < 5e-3 and merr < 1e-3, (err, merr)
 
 
+def test_merge_long_tier1_emulated():
+    """The merge kernel's tier-1 importance loop (NT2 tokens a round, 4 rounds unrolled) over more tier-1 tokens than
+    one unrolled sweep holds: 300 tokens at head_dim 32 are 3 sweeps of 4 x 32, the last one partial."""
+    err, merr = _emulated_decode({"half2": True, "stages": 4}, (4, 2, 32, 16, 32), [300, 45], [2, 1], None)
+    assert err < 5e-3 and merr < 1e-3, (err, merr)
+
+
 def test_half2_form_with_launch_bounds_emulated():
     """The launch-bounded half2 variants timed on the GPU (3 stages, 20 blocks an SM) compute what the default does."""
     err, merr = _emulated_decode({"half2": True, "stages": 3, "min_blocks": 20}, (16, 16, 128, 16, 128), [70, 0], [3, 2], 3)
