@@ -2,7 +2,7 @@
 # The runtime-only GPU runs of one round in one device call (runtime-only TVM: no compiler staging).
 #
 # Prepared here first (each writes its directory under .devcarry/, git-ignored):
-#   python bench/tiered_decode.py prepare .devcarry/td11
+#   python bench/tiered_decode.py prepare .devcarry/td12
 #   python bench/tiered_prefill.py prepare .devcarry/tp3  (and .devcarry/tp2, prepared at 50ad451: groups widened one
 #   element at a time; timed on the H100 at c23b99a)
 #   python bench/tiered_rerank.py prepare .devcarry/rr6   (and .devcarry/rr, prepared at abdd814: the single-launch form;
@@ -11,7 +11,7 @@
 #   python bench/e2e_cuda.py prepare .devcarry/e2e2
 #   python bench/dense_gemm.py prepare .devcarry/dg6; python bench/grouped_experts.py prepare .devcarry/ge2  (the tiled
 #   prefill GEMMs; optional: they add up to 350 s)
-# Then there (carry .devcarry/base, td11, tp3, tp2, rr, rr6, e2e2, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
+# Then there (carry .devcarry/base, td12, tp3, tp2, rr, rr6, e2e2, ge): bash bench/runtime_batch.sh SHA; with GE_BENCH=1
 # the expert GEMMs' bench too (up to 200 s more); ge alone is profiled under ncu
 # (the gathering re-rank, tiered_rerank.py prepare --stage-bytes 0, and pipelined_decode.py: in a later call)
 # Each run writes $OUT/<name>.json; a failing run does not stop the others, and the exit status counts them.
@@ -47,14 +47,14 @@ if [ -n "$NCU_BIN" ]; then
   NCU=("$NCU_BIN" --clock-control none --set full --launch-count 2)
   for v in olmoe-half2-pipe4 olmoe-half2-pipe4-t1h2-scat; do  # half2, and paired (tier 1 in pairs, scattered scores)
     run ncu_tiered_decode_${v}_$DEV 90 "${NCU[@]}" -k regex:tiered_decode \
-        python3 bench/tiered_decode.py profile .devcarry/td11 --variant $v
+        python3 bench/tiered_decode.py profile .devcarry/td12 --variant $v
   done
   if [ -d .devcarry/ge ]; then
     run ncu_grouped_experts_$DEV 120 "${NCU[@]}" -k 'regex:^moe_(gate_up|down)_experts_kernel$' \
         python3 bench/grouped_experts.py profile .devcarry/ge --batches 128
   fi
 fi
-run tiered_decode_$DEV 150 python3 bench/tiered_decode.py run .devcarry/td11 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
+run tiered_decode_$DEV 150 python3 bench/tiered_decode.py run .devcarry/td12 --json "$OUT/tiered_decode_$DEV.json" --commit "$SHA"
 # the block-tiled prefill GEMMs against the forms the prefill entry uses (where dg6 and ge2 are carried: prepared
 # by bench/dense_gemm.py and bench/grouped_experts.py, which time the `_tiled` and `tiled` forms beside the others)
 [ -d .devcarry/dg6 ] && run dense_gemm_prefill_$DEV 150 python3 bench/dense_gemm.py run .devcarry/dg6 \
