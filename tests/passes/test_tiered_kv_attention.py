@@ -34,8 +34,14 @@ def _softmaxes(func):
 
 
 @pytest.fixture(scope="module")
-def rewritten(zoo):
-    imported = import_model(zoo.source("tiny", "pt2"))
+def tiny(zoo):
+    """The tiny model's .pt2 export, imported once for the file (the import is most of a build's time here)."""
+    return import_model(zoo.source("tiny", "pt2"))
+
+
+@pytest.fixture(scope="module")
+def rewritten(tiny):
+    imported = tiny
     target = tvm.target.Target({"kind": "llvm"})
     out = {}
     for mode in ("tiered", "fp8"):
@@ -80,14 +86,14 @@ def test_ir_before_after(rewritten):
     assert "rerank" not in {gv.name_hint for gv in fp8.get_global_vars()}
 
 
-def test_bad_options_are_refused(zoo, tmp_path):
+def test_bad_options_are_refused(tiny, tmp_path):
     import moec
     from moec.compiler.errors import MoecError
 
     with pytest.raises(MoecError, match="multiple of the head dimension"):
-        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "a", kv_cache="tiered", tiered_options=TieredOptions(t2_page=40))
+        moec.compile(tiny, tmp_path / "a", kv_cache="tiered", tiered_options=TieredOptions(t2_page=40))
     with pytest.raises(MoecError, match="paged cache"):
-        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "b", kv_cache="fp8", kv_cache_dtype="float16")
+        moec.compile(tiny, tmp_path / "b", kv_cache="fp8", kv_cache_dtype="float16")
     with pytest.raises(MoecError, match="tier-1 fraction"):
         TieredOptions(tier1_fraction=1.5)
     with pytest.raises(MoecError, match="split-fields"):
@@ -201,7 +207,7 @@ def test_exhausted_tier1_pool_is_refused_and_recoverable(compiled):
 
 
 @pytest.mark.parametrize("decode_kernel", ["split", "split-fields", "split-paired"])
-def test_cuda_pipeline_builds(zoo, decode_kernel):
+def test_cuda_pipeline_builds(tiny, decode_kernel):
     """The whole model through the "moec" pipeline for CUDA: every tiered kernel is in the device code; with
     split (the default) the decode kernel sums the 2-bit codes in float16 pairs (fma.rn.f16x2), with split-fields in
     float32; split-paired widens the FP8 tier to float16 pairs too (cvt.rn.f16x2.e4m3x2), and so does split where
@@ -212,7 +218,7 @@ def test_cuda_pipeline_builds(zoo, decode_kernel):
     from moec.compiler.moe_structure import analyze
     from moec.passes.tiered_kv_attention import decode_form
 
-    imported = import_model(zoo.source("tiny", "pt2"))
+    imported = tiny
     target = make_target("cuda", "sm_90")
     opts = TieredOptions(t2_page=128, decode_kernel=decode_kernel)
     form = decode_form(analyze(imported.mod["main"], imported.num_inputs), opts, "cuda")[1]
@@ -255,7 +261,7 @@ def test_hf_exports_compile_with_the_tiered_cache(zoo, tmp_path, name):
             assert engine.tiered.reranks >= 1 and engine.tiered.tables.seqs[engine.tiered.slot[seqs[0]]].t2_pages
 
 
-def test_prefill_kernel_choice(zoo, tmp_path):
+def test_prefill_kernel_choice(tiny, tmp_path):
     """``prefill_kernel``: a bfloat16 model's CUDA build takes the tensor-core prefill kernels (auto), ``tiled`` the
     float32 ones (phase 1 of the pipeline: the kernels the pass adds); tensor cores are refused, naming the reason,
     where they cannot serve (llvm, float32 models), before anything is written."""
@@ -284,16 +290,16 @@ def test_prefill_kernel_choice(zoo, tmp_path):
     assert mma == {"auto": True, "tiled": False}
     assert prefill_mma_dtype(insert.structure, opts, "llvm") is None  # auto on llvm: the serial forms
     with pytest.raises(MoecError, match="tensor-cores cannot serve this model: the target is not CUDA"):
-        moec.compile(src, tmp_path / "llvm", kv_cache="tiered", tiered_options=replace(opts, prefill_kernel="tensor-cores"))
+        moec.compile(imported, tmp_path / "llvm", kv_cache="tiered", tiered_options=replace(opts, prefill_kernel="tensor-cores"))
     with pytest.raises(MoecError, match="operand dtype float32"):
-        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "f32", target="cuda", kv_cache="tiered",
+        moec.compile(tiny, tmp_path / "f32", target="cuda", kv_cache="tiered",
                      tiered_options=TieredOptions(t2_page=128, prefill_kernel="tensor-cores"))
     assert not (tmp_path / "llvm").exists() and not (tmp_path / "f32").exists()
     with pytest.raises(MoecError, match="unknown prefill kernel"):
         TieredOptions(prefill_kernel="wmma")
 
 
-def test_tensor_core_decode_kernel_choice(zoo, tmp_path):
+def test_tensor_core_decode_kernel_choice(tiny, tmp_path):
     """``decode_kernel="split-mma"``: the CUDA build's decode kernel takes tier 2 on tensor cores (a float32 model: no
     other kernel uses mma.sync) and gets one more split of workspace than "split"; a model whose heads it cannot take
     (head dim 16) is refused, naming the reason, before anything is written."""
@@ -331,6 +337,6 @@ def test_tensor_core_decode_kernel_choice(zoo, tmp_path):
         mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1, tiered=TieredOptions(t2_page=128))[0](imported.mod)
     assert "mma" not in mod["tiered_decode"].script() and "moec_hfma2" in mod["tiered_decode"].script()
     with pytest.raises(MoecError, match="split-mma: the tensor-core tier 2 cannot serve this model: head_dim 16"):
-        moec.compile(zoo.source("tiny", "pt2"), tmp_path / "tiny", target="cuda", kv_cache="tiered",
+        moec.compile(tiny, tmp_path / "tiny", target="cuda", kv_cache="tiered",
                      tiered_options=TieredOptions(t2_page=128, decode_kernel="split-mma"))
     assert not (tmp_path / "tiny").exists()
