@@ -38,6 +38,7 @@ class ModelZoo:
     def __init__(self, root) -> None:
         self.root = root
         self.models = {}
+        self.imports = {}
         self.artifacts = {}
 
     def model(self, name):
@@ -54,13 +55,23 @@ class ModelZoo:
             (save_onnx if path == "onnx" else save_pt2)(model, vocab, f)
         return f
 
+    def imported(self, name, path):
+        """``import_model`` of the export, once per session: ``moec.compile`` takes it as it takes the file (a .pt2
+        import, torch's decompositions, is most of a tiny model's build)."""
+        from moec.compiler.importers import import_model
+
+        key = (name, path)
+        if key not in self.imports:
+            self.imports[key] = import_model(self.source(name, path))
+        return self.imports[key]
+
     def artifact(self, name, path):
         import moec
 
         key = (name, path)
         if key not in self.artifacts:
             out = self.root / f"art-{name}-{path}"
-            moec.compile(self.source(name, path), out, target="llvm")
+            moec.compile(self.imported(name, path), out, target="llvm")
             self.artifacts[key] = out
         return self.artifacts[key]
 

@@ -45,7 +45,7 @@ def _router_weights(func):
 
 @pytest.fixture(scope="module")
 def imported(zoo):
-    return import_model(zoo.source("tiny", "pt2"))
+    return zoo.imported("tiny", "pt2")
 
 
 def _cascade(imported, keep, **kw):
@@ -229,7 +229,7 @@ def test_refusals(imported, zoo):
         check_cascade(s, 8, 1)
     with pytest.raises(MoecError, match="layer 0 .*partition the experts"):
         _cascade(imported, 2, groups={0: [[0, 1], [1, 2], [3, 4], [5, 6]]}).resolve(s)
-    imp = import_model(zoo.source("tiny-shared-grouped", "pt2"))
+    imp = zoo.imported("tiny-shared-grouped", "pt2")
     grouped = analyze(imp.main, imp.num_inputs, "g")
     check_cascade(grouped, 4, 2, "g")  # its own groups: the exact lowering
     for groups, keep in [(4, 1), (2, 1)]:
@@ -239,7 +239,7 @@ def test_refusals(imported, zoo):
 
 def test_compile_all_groups_kept_matches_torch(zoo, tmp_path):
     model, _ = zoo.model("tiny")
-    out = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "art", target="llvm", cascade_groups=G, cascade_keep=G)
+    out = moec.compile(zoo.imported("tiny", "pt2"), tmp_path / "art", target="llvm", cascade_groups=G, cascade_keep=G)
     manifest = json.loads((out / "manifest.json").read_text())
     cascade = manifest["options"]["cascade"]
     assert cascade["num_groups"] == G and cascade["keep"] == G and manifest["passes"][0] == "CascadeGating"
@@ -278,7 +278,7 @@ def test_cli_help_documents_cascade():
 
 
 def test_compile_with_tiered_cache(zoo, tmp_path):
-    out = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "art", target="llvm", kv_cache="tiered", cascade_groups=G,
+    out = moec.compile(zoo.imported("tiny", "pt2"), tmp_path / "art", target="llvm", kv_cache="tiered", cascade_groups=G,
                        cascade_keep=2)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["passes"][:2] == ["CascadeGating", "InsertTieredKVAttention"]
@@ -314,7 +314,7 @@ def _router_outputs(model, ids):
 def test_group_limited_exact_topk(zoo, name, form):
     cfg = get_config(name)
     model, _ = zoo.model(name)
-    imp = import_model(zoo.source(name, form))
+    imp = zoo.imported(name, form)
     cascade = CascadeGating(imp.num_inputs, cfg.n_group, cfg.topk_group, source=name)  # its own groups: no weights needed
     main = cascade(imp.mod)["main"]
     live = relax.analysis.remove_all_unused(main)

@@ -13,7 +13,6 @@ from tvm import relax
 
 import moec
 from moec.compiler.errors import MoecError
-from moec.compiler.importers import import_model
 from moec.compiler.targets import make_target
 from moec.passes.fuse_router_norm import FuseRouterIntoNorm
 from moec.schedules.kernels.norm_router import NormRouterSpec, launch_config, make_norm_router, reference
@@ -255,7 +254,7 @@ def test_refusals(zoo):
 
 def test_compiled_fused_equals_unfused(zoo, tmp_path):
     fused = zoo.artifact("tiny", "pt2")  # the default build fuses
-    unfused = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "unfused", target="llvm", fuse_router_norm=False)
+    unfused = moec.compile(zoo.imported("tiny", "pt2"), tmp_path / "unfused", target="llvm", fuse_router_norm=False)
     mf, mu = (json.loads((a / "manifest.json").read_text()) for a in (fused, unfused))
     assert mf["options"]["fuse_router_norm"]["fused"] == {"decode": 2, "prefill": 2} and "FuseRouterIntoNorm" in mf["passes"]
     assert mu["options"]["fuse_router_norm"] is None and "FuseRouterIntoNorm" not in mu["passes"]
@@ -266,7 +265,7 @@ def test_compiled_fused_equals_unfused(zoo, tmp_path):
 
 
 def test_compiled_fused_equals_unfused_with_cascade(zoo, tmp_path):
-    arts = {fuse: moec.compile(zoo.source("tiny", "pt2"), tmp_path / f"c{fuse}", target="llvm", cascade_groups=4, cascade_keep=2,
+    arts = {fuse: moec.compile(zoo.imported("tiny", "pt2"), tmp_path / f"c{fuse}", target="llvm", cascade_groups=4, cascade_keep=2,
                                fuse_router_norm=fuse) for fuse in (True, False)}
     m = json.loads((arts[True] / "manifest.json").read_text())["options"]["fuse_router_norm"]
     assert m["fused"] == {"decode": 2, "prefill": 2}
@@ -327,7 +326,7 @@ def _decode_launches(imported, fuse: bool, cascade: bool) -> tuple[collections.C
 
 @pytest.fixture(scope="module")
 def imported(zoo):
-    return import_model(zoo.source("tiny", "pt2"))
+    return zoo.imported("tiny", "pt2")
 
 
 @pytest.mark.parametrize("cascade", [False, True], ids=["flat", "cascade"])
@@ -374,7 +373,7 @@ def _cuda_device() -> bool:
 def test_gpu_kernel_and_model(zoo, tmp_path):
     if not _cuda_device():
         pytest.skip("no CUDA device")
-    arts = {fuse: moec.compile(zoo.source("tiny", "pt2"), tmp_path / f"g{fuse}", target="cuda", fuse_router_norm=fuse)
+    arts = {fuse: moec.compile(zoo.imported("tiny", "pt2"), tmp_path / f"g{fuse}", target="cuda", fuse_router_norm=fuse)
             for fuse in (True, False)}
     got = {}
     for fuse, art in arts.items():

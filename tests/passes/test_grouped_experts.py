@@ -334,7 +334,7 @@ def test_refusals(zoo):
 
 def test_compiled_with_equals_without(zoo, tmp_path):
     grouped = zoo.artifact("tiny", "pt2")  # the default build groups the experts
-    plain = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "plain", target="llvm", grouped_experts=False)
+    plain = moec.compile(zoo.imported("tiny", "pt2"), tmp_path / "plain", target="llvm", grouped_experts=False)
     mg, mp = (json.loads((a / "manifest.json").read_text()) for a in (grouped, plain))
     opt = mg["options"]["grouped_experts"]
     assert opt["replaced"] == {"decode": 2, "prefill": 2} and opt["skipped"] == {} and "InsertGroupedExperts" in mg["passes"]
@@ -347,7 +347,7 @@ def test_compiled_with_equals_without(zoo, tmp_path):
 
 
 def test_hf_olmoe_matches_torch(zoo, tmp_path):
-    art = moec.compile(zoo.source("hf-olmoe", "pt2"), tmp_path / "olmoe", target="llvm")
+    art = moec.compile(zoo.imported("hf-olmoe", "pt2"), tmp_path / "olmoe", target="llvm")
     opt = json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"]
     assert opt["replaced"] == {"decode": 2, "prefill": 2} and opt["skipped"] == {}
     logits, hist = _run(art)
@@ -448,10 +448,9 @@ def test_hf_olmoe_bf16_matches_unfused_and_torch(olmoe_bf16, tmp_path):
 def test_cuda_build_calls_the_kernels(zoo):
     """The tiny model for sm_90 (no GPU needed): decode and prefill call the four grouped kernels per MoE layer."""
     from moec.compiler.build import _cuda_modules
-    from moec.compiler.importers import import_model
     from moec.passes.pipeline import moec_pipeline
 
-    imported = import_model(zoo.source("tiny", "pt2"))
+    imported = zoo.imported("tiny", "pt2")
     target = make_target("cuda", "sm_90")
     pipe, _ = moec_pipeline(imported.num_inputs, target, "tiny", grouped_experts=InsertGroupedExperts(target))
     ex = tvm.compile(imported.mod, target=target, relax_pipeline=pipe)
@@ -506,7 +505,7 @@ def test_ir_converted_expert_weights(fmt):
 def test_compiled_fp8_expert_weights(zoo, tmp_path):
     from safetensors.numpy import load_file
 
-    art = moec.compile(zoo.source("tiny", "pt2"), tmp_path / "fp8", target="llvm", expert_weights="fp8")
+    art = moec.compile(zoo.imported("tiny", "pt2"), tmp_path / "fp8", target="llvm", expert_weights="fp8")
     m = json.loads((art / "manifest.json").read_text())
     conv = m["options"]["grouped_experts"]["converted"]
     assert len(conv) == 4 and all(c["dtype"] == "uint8" for c in conv.values())

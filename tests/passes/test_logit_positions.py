@@ -8,7 +8,6 @@ from tvm import relax, tirx
 from tvm.script import relax as R
 
 from moec.compiler.graph import shape_of
-from moec.compiler.importers import import_model
 from moec.passes.logit_positions import logits_at_positions
 from moec.passes.paged_kv_attention import InsertPagedKVAttention
 from moec.passes.tiered_kv_attention import InsertTieredKVAttention, TieredOptions
@@ -24,7 +23,7 @@ def _calls(func, name):
 @pytest.mark.parametrize("name,kind,cache", [("tiny", "pt2", "paged"), ("tiny", "pt2", "tiered"), ("hf-olmoe", "onnx", "tiered"),
                                              ("hf-mixtral", "onnx", "paged")])
 def test_prefill_lm_head_runs_on_logit_pos_rows(zoo, name, kind, cache):
-    imported = import_model(zoo.source(name, kind))
+    imported = zoo.imported(name, kind)
     target = tvm.target.Target({"kind": "llvm"})
     insert = InsertTieredKVAttention(imported.num_inputs, target, TieredOptions(), name) if cache == "tiered" else \
         InsertPagedKVAttention(imported.num_inputs, target, name)

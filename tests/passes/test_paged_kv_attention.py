@@ -4,7 +4,6 @@ import pytest
 import tvm
 from tvm import relax
 
-from moec.compiler.importers import import_model
 from moec.passes.paged_kv_attention import ATTN_FUNC, POS_FUNC, InsertPagedKVAttention
 
 
@@ -29,7 +28,7 @@ def _extern_count(func, name):
 
 @pytest.fixture(scope="module")
 def before_after(zoo):
-    imported = import_model(zoo.source("tiny", "pt2"))
+    imported = zoo.imported("tiny", "pt2")
     target = tvm.target.Target({"kind": "llvm"})
     insert = InsertPagedKVAttention(imported.num_inputs, target, "tiny")
     after = relax.transform.DeadCodeElimination(["prefill", "decode", "create_kv_cache"])(insert(imported.mod))
