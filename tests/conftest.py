@@ -34,7 +34,13 @@ TRAINED_TINY_STEPS = 350  # the trained_tiny fixture's schedule (the product def
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory):
-    return ModelZoo(tmp_path_factory.mktemp("zoo"))
+    """Test models, their exports and default llvm artifacts. Under pytest-xdist the exports and artifacts are made
+    once for the run in its shared temporary root (ModelZoo's ``shared``), not once per worker."""
+    shared = None
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "zoo-shared"
+        shared.mkdir(parents=True, exist_ok=True)
+    return ModelZoo(tmp_path_factory.mktemp("zoo"), shared)
 
 
 @pytest.fixture(scope="session")

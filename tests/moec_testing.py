@@ -33,10 +33,16 @@ def ort_last_logits(session, tokens: list[int]) -> np.ndarray:
 
 
 class ModelZoo:
-    """Exports and compiles lazily, caching per (model, path)."""
+    """Exports and compiles lazily, caching per (model, path).
 
-    def __init__(self, root) -> None:
+    ``shared``: a directory that every process of the run sees (pytest-xdist's workers): the exports and artifacts
+    go there, each made once for the run by the first process to ask (a file lock; the others wait for it), since
+    the models are seeded and every process builds the same ones. Without it, ``root`` (this process's) holds them.
+    """
+
+    def __init__(self, root, shared=None) -> None:
         self.root = root
+        self.shared = shared
         self.models = {}
         self.imports = {}
         self.artifacts = {}
@@ -46,13 +52,29 @@ class ModelZoo:
             self.models[name] = make_model(name)
         return self.models[name]
 
+    def _once(self, target):
+        """A lock held while ``target`` is made (``shared`` only: within one process nothing races)."""
+        import contextlib
+
+        if self.shared is None:
+            return contextlib.nullcontext()
+        from filelock import FileLock
+
+        return FileLock(str(target) + ".lock")
+
     def source(self, name, path):
+        import os
+
         from moec.models.export import save_onnx, save_pt2
 
-        model, vocab = self.model(name)
-        f = self.root / f"{name}.{path}"
+        f = (self.shared or self.root) / f"{name}.{path}"
         if not f.exists():
-            (save_onnx if path == "onnx" else save_pt2)(model, vocab, f)
+            with self._once(f):
+                if not f.exists():  # written under a private name, then renamed: the file is whole once it exists
+                    model, vocab = self.model(name)
+                    tmp = self.root / "partial"
+                    tmp.mkdir(exist_ok=True)
+                    os.replace((save_onnx if path == "onnx" else save_pt2)(model, vocab, tmp / f.name), f)
         return f
 
     def imported(self, name, path):
@@ -70,8 +92,10 @@ class ModelZoo:
 
         key = (name, path)
         if key not in self.artifacts:
-            out = self.root / f"art-{name}-{path}"
-            moec.compile(self.imported(name, path), out, target="llvm")
+            out = (self.shared or self.root) / f"art-{name}-{path}"
+            with self._once(out):
+                if not (out / "manifest.json").exists():  # (moec.compile writes the directory atomically)
+                    moec.compile(self.imported(name, path), out, target="llvm")
             self.artifacts[key] = out
         return self.artifacts[key]
 
