@@ -14,28 +14,43 @@ from moec_testing import ATOL, prefill_and_decode, torch_last_logits
 PROMPTS = ([5, 9, 2, 7, 1, 3, 8], [4, 4, 11, 6, 2, 9, 1, 12, 3, 5, 10])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "granitemoe", "phimoe"])
-def test_family_matches_torch(family, tmp_path):
+@pytest.fixture(scope="module")
+def family():
+    """``family(name)``: the tiny model of a family and its import, made once for the file (the export is most of a
+    build's time)."""
+    from moec.compiler.importers import import_model
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model = tiny_hf_model(name)
+            made[name] = model, import_model(model)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "granitemoe", "phimoe"])
+def test_family_matches_torch(family, name, tmp_path):
     """Prefill and 3 greedy decode steps of a batch of two against HF's forward over each history (float32).
     qwen3_moe: per-head QK-norms; glm4_moe: sigmoid scores with a correction bias, groups, shared experts;
     granitemoe: multipliers; phimoe: rotary frequencies computed in the forward, biases, LayerNorms."""
-    model = tiny_hf_model(family)
-    art = moec.compile(model, tmp_path / "art", target="llvm")
+    model, imported = family(name)
+    art = moec.compile(imported, tmp_path / "art", target="llvm")
     got, hist = prefill_and_decode(art, PROMPTS, 3)
     for i in range(len(got)):
         for b, p in enumerate(PROMPTS):
             np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
 
 
-def test_static_arange_before_rotary_is_not_a_position_source():
+def test_static_arange_before_rotary_is_not_a_position_source(family):
     """PhiMoE computes ``inv_freq = 1 / base ** (arange(0, d, 2) / d)`` in its forward: that arange (static
     length) is not the sequence's positions; only the arange of the sequence length is."""
-    from moec.compiler.importers import import_model
     from moec.compiler.moe_structure import analyze
     from moec.compiler.graph import shape_of
     from moec.passes.paged_kv_attention import _bind_batch_to_one
 
-    imported = import_model(tiny_hf_model("phimoe"))
+    imported = family("phimoe")[1]  # test_family_matches_torch[phimoe]'s import
     structure = analyze(_bind_batch_to_one(imported.main, imported.num_inputs), imported.num_inputs)
     assert structure.position_sources and all(not isinstance(shape_of(v)[0], int) for v in structure.position_sources)
 
