@@ -286,21 +286,15 @@ def test_ir_forms_compute_the_same():
 # ---------------------------------------------------------------------------- compiled models
 
 
-def test_compiled_equals_unfused_and_torch(tmp_path):
+def test_compiled_equals_unfused_and_torch(zoo, tmp_path):
     """HF OLMoE (input norms, QK-norms over the whole projection, the final norm) with the pass on and off: the
     same greedy tokens, logits within float32 rounding of each other and of torch. (Per-head QK-norms:
     Qwen3-MoE in tests/compiler/test_hf_families.py, with the pass on.)"""
-    family = "olmoe"
-    from moec.models.hf import tiny_hf_model
-
     from moec_testing import ATOL, prefill_and_decode, torch_last_logits
 
-    from moec.compiler.importers import import_model
-
-    model = tiny_hf_model(family)
-    imported = import_model(model)  # once for both builds (the export is most of a build's time)
-    on = moec.compile(imported, tmp_path / "on", target="llvm")
-    off = moec.compile(imported, tmp_path / "off", target="llvm", rms_norm=False)
+    model, _ = zoo.model("hf-olmoe")  # tiny_hf_model("olmoe")
+    on = zoo.artifact("hf-olmoe", "pt2")  # the default build (test_engine's)
+    off = moec.compile(zoo.imported("hf-olmoe", "pt2"), tmp_path / "off", target="llvm", rms_norm=False)
     import json
 
     doc = json.loads((on / "manifest.json").read_text())["options"]["rms_norm"]
