@@ -27,7 +27,7 @@ except ImportError:  # runtime-only TVM
 
 from ...compiler.errors import MoecError
 from .grouped_experts import (_MMA_TYPE, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
-                              _mma_pipe_mainloop, _tile_mainloop)
+                              _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared)
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -47,7 +47,7 @@ class DenseSpec:
     stages: int = 0  # 0: operands loaded into registers; 2..8: cp.async stages through shared memory (as fit)
     l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
     dyn_shared: int = 0  # cp.async stages: 0, static shared memory (at most SMEM_LIMIT bytes); else the stages live in
-    #                      dynamic shared memory of at most this many bytes (sm_90: up to DYN_SMEM_LIMIT), for more in flight
+    #                      dynamic shared memory of at most this many bytes (sm_90: up to grouped_experts.DYN_SMEM_LIMIT), for more in flight
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -61,10 +61,7 @@ class DenseSpec:
             raise MoecError(f"dense_gemm: at most 8 token tiles and 4 row tiles (registers), got {self.n_tiles}, {self.row_tiles}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 16:
             raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..16, got {self.stages!r}")
-        if not isinstance(self.dyn_shared, int) or isinstance(self.dyn_shared, bool) or not (
-                self.dyn_shared == 0 or SMEM_LIMIT < self.dyn_shared <= DYN_SMEM_LIMIT):
-            raise MoecError(f"dense_gemm: dyn_shared must be 0 (static shared memory) or {SMEM_LIMIT + 1}..{DYN_SMEM_LIMIT} "
-                            f"bytes, got {self.dyn_shared!r}")
+        check_dyn_shared(self.dyn_shared, "dense_gemm")
         if self.l2_prefetch not in (0, 64, 128, 256):
             raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         if self.stages and pipe_stages(self)[0] < 2:
@@ -101,9 +98,6 @@ def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16"
     """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above)."""
     return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
                      out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4)
-
-
-DYN_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
 
 
 def shared_limit(spec: DenseSpec) -> int:

@@ -119,10 +119,7 @@ class GroupedExpertsSpec:
             raise MoecError(f"grouped_experts: row_tiles must be 0 (automatic), 1 or 2, got {self.row_tiles!r}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 8:
             raise MoecError(f"grouped_experts: stages must be 0 (register loads) or 2..8, got {self.stages!r}")
-        if not isinstance(self.dyn_shared, int) or isinstance(self.dyn_shared, bool) or not (
-                self.dyn_shared == 0 or SMEM_LIMIT < self.dyn_shared <= DYN_SMEM_LIMIT):
-            raise MoecError(f"grouped_experts: dyn_shared must be 0 (static shared memory) or {SMEM_LIMIT + 1}..{DYN_SMEM_LIMIT} "
-                            f"bytes, got {self.dyn_shared!r}")
+        check_dyn_shared(self.dyn_shared, "grouped_experts")
         if not isinstance(self.pass_blocks, bool):
             raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
         if not isinstance(self.tiled, bool):
@@ -463,6 +460,14 @@ def prefill_spec(spec: GroupedExpertsSpec) -> GroupedExpertsSpec:
 
 SMEM_LIMIT = 49152  # bytes of static shared memory per block (the moec CUDA target's max_shared_memory_per_block)
 DYN_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
+
+
+def check_dyn_shared(value, kernel: str) -> None:
+    """A ``dyn_shared`` option (cp.async stages in dynamic shared memory): 0, or more than static shared memory holds
+    and at most ``DYN_SMEM_LIMIT`` bytes."""
+    if not isinstance(value, int) or isinstance(value, bool) or not (value == 0 or SMEM_LIMIT < value <= DYN_SMEM_LIMIT):
+        raise MoecError(f"{kernel}: dyn_shared must be 0 (static shared memory) or {SMEM_LIMIT + 1}..{DYN_SMEM_LIMIT} "
+                        f"bytes, got {value!r}")
 
 
 def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
