@@ -3,29 +3,23 @@ device slot pools, LRU reuse) and numerics identical to the all-resident model."
 
 import numpy as np
 import pytest
-import torch
 from tvm import relax
 
 import moec
 from moec.compiler.errors import MoecError
-from moec.models.hf import tiny_hf_model
 from moec.runtime.expert_cache import RESIDENCY_FUNC, HostCopies
 from moec_testing import require_cuda
 
 
 @pytest.fixture(scope="module")
-def arts(tmp_path_factory):
-    """Tiny HF OLMoE (2 layers, 8 experts, top-2): all experts resident (compiled from the module itself), and
-    offloaded into 8 slots; then the model as imported once for the file (``moec.compile`` takes it as it takes the
-    module: the export is most of a compile's time here, so the other builds of this file start from it)."""
-    from moec.compiler.importers import import_model
-
-    torch.manual_seed(0)
-    model = tiny_hf_model("olmoe")
+def arts(zoo, tmp_path_factory):
+    """Tiny HF OLMoE (2 layers, 8 experts, top-2): all experts resident (the zoo's default build, test_engine's), and
+    offloaded into 8 slots; then the model as the zoo imported it (``moec.compile`` takes it as it takes the export:
+    the import is most of a compile's time here, so every build of this file starts from it)."""
+    model, _ = zoo.model("hf-olmoe")  # tiny_hf_model("olmoe")
+    imported = zoo.imported("hf-olmoe", "pt2")
     root = tmp_path_factory.mktemp("offload")
-    resident = moec.compile(model, root / "resident", target="llvm")
-    imported = import_model(model)
-    return model, resident, moec.compile(imported, root / "slots8", target="llvm", expert_slots=8), imported
+    return model, zoo.artifact("hf-olmoe", "pt2"), moec.compile(imported, root / "slots8", target="llvm", expert_slots=8), imported
 
 
 def _run(art, prompts, steps, copier=None, **kw):
