@@ -37,14 +37,17 @@ TOKENS = (1, 16, 64, 128, 4096)
 # fewer warps a block (more blocks at decode sizes), or 64-token passes (the weight read once per 64 tokens)
 # _s4nt2 / _s4nt1: 16- and 8-token passes, twice and four times the warps of the compiled 32 at decode batches (a
 # 2048 x 2048 projection at 128 tokens is 512 warps with 32-token passes: about 4 an SM to keep loads in flight)
-# _tiled: the block-tiled prefill form (``make_dense_tiled``: 128 x 128 tiles, shared-memory operands, ldmatrix); on
-# the CPU dry run its place takes the llvm form of the default spec
+# _tiled: the block-tiled prefill form (``make_dense_tiled``: 128 x 128 tiles, shared-memory operands, ldmatrix), at its
+# default ring (3 stages of k 32), _tiled_k<K>s<S>: S stages of k K (past 48 KB in dynamic shared memory); on the CPU
+# dry run their place takes the llvm form of the default spec
 # _s8d, _s12d, _s16d: 8 to 16 stages in dynamic shared memory (96 to 192 KB a block), so a block keeps more of its
 # weight rows in flight (a 2048-deep projection is 32 k-steps: 4 stages leave a block waiting on memory latency when
 # the weights come from HBM, as in a model's step, rather than from the L2, as in a warm loop); _s8dnt8: 8 stages of
 # 64-token passes (the weight read twice at 128 tokens instead of four times)
 VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8},
             "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}, "_tiled": {"tiled": True},
+            "_tiled_k32s2": {"tiled": True, "tile_k": 32, "stages": 2}, "_tiled_k32s4": {"tiled": True, "tile_k": 32, "stages": 4},
+            "_tiled_k64s3": {"tiled": True, "tile_k": 64, "stages": 3}, "_tiled_k64s4": {"tiled": True, "tile_k": 64, "stages": 4},
             "_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
             "_s16d": {"stages": 16, "dyn_shared": 16 * 12288}, "_s8dnt8": {"stages": 8, "n_tiles": 8, "dyn_shared": 8 * 16384}}
 QKV_ALL = ("merged", "separate", "merged_s8d", "merged_s12d")
@@ -65,7 +68,8 @@ def build_module(kind: str):
     for name, (n, k) in SHAPES.items():
         for suffix, kw in VARIANTS.items():
             if kw.get("tiled"):
-                prim = make_dense_tiled(n, k) if kind == "cuda" else make_dense(DenseSpec(out_features=n, in_features=k), kind)
+                ring = {a: kw[a] for a in ("tile_k", "stages") if a in kw}
+                prim = make_dense_tiled(n, k, **ring) if kind == "cuda" else make_dense(DenseSpec(out_features=n, in_features=k), kind)
             else:
                 prim = make_dense(DenseSpec(out_features=n, in_features=k, **kw), kind)
             prim = prim.without_attr("global_symbol").with_attr("op_pattern", 8)

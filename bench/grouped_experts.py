@@ -81,8 +81,12 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             # would need 80 KB), with 2 warps staged
             "nt8_rt2_regs": {"n_tiles": 8, "row_tiles": 2, "stages": 0},
             "nt8_pb_w2_rt2": {"n_tiles": 8, "pass_blocks": True, "row_tiles": 2, "warps": 2},
-            # block-tiled (``tiled``): 128 tokens x 128 weight rows a block, both operands in shared memory (prefill)
-            "tiled": {"tiled": True},
+            # block-tiled (``tiled``): 128 tokens x 128 weight rows a block, both operands in shared memory (prefill), at
+            # its default ring (3 stages of k 32) and at S stages of k K (``tiled_k<K>s<S>``; dynamic shared memory past 48 KB)
+            "tiled": {"tiled": True}, "tiled_k32s2": {"tiled": True, "tile_k": 32, "tile_stages": 2},
+            "tiled_k32s4": {"tiled": True, "tile_k": 32, "tile_stages": 4},
+            "tiled_k64s3": {"tiled": True, "tile_k": 64, "tile_stages": 3},
+            "tiled_k64s4": {"tiled": True, "tile_k": 64, "tile_stages": 4},
             # more cp.async stages in dynamic shared memory (``dyn_shared``): a decode stage of gate_up is 20 KB (OLMoE) or
             # 24 KB (Mixtral), so 48 KB of static shared memory holds only 2 of them (down's: 12 and 16 KB, 3 and 3)
             "pipe_s3d": {"stages": 3, "dyn_shared": 3 * 24576}, "pipe_s4d": {"stages": 4, "dyn_shared": 4 * 24576},

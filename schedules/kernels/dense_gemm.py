@@ -27,7 +27,7 @@ except ImportError:  # runtime-only TVM
 
 from ...compiler.errors import MoecError
 from .grouped_experts import (_MMA_TYPE, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
-                              _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared)
+                              _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared, check_tile, tile_buffer, tile_copy_row, tile_scope)
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -375,32 +375,35 @@ __all__ = ["DenseSpec", "eligible", "launch_config", "make_dense", "make_dense_t
 
 
 # A block-tiled form for prefill-sized token counts: a block of 8 warps computes 128 tokens x 128 output features, its
-# operands staged through shared memory by cp.async 32 k at a time (2 stages; ``grouped_experts._tile_mainloop``, the
-# expert GEMMs' tiled forms' loop), so each weight element read into shared memory serves 128 tokens and each token
+# operands staged through shared memory by cp.async ``tile_k`` k at a time in a ring of ``stages``
+# (``grouped_experts._tile_mainloop``, the expert GEMMs' tiled forms' loop), so each weight element read into shared memory serves 128 tokens and each token
 # element 128 features (the per-warp form streams a weight row per warp, 64 tokens a pass). Warp (wm, wn) of the
 # 2 x 4 grid owns tokens 64 wm .. + 63 and features 32 wn .. + 31: 4 x 4 m16n8 tiles, 32 mma a k-step, fragments by
 # ldmatrix (the weight's rows, k contiguous as stored, are the B operand). Tokens past M copy row M - 1, never stored.
 
 
-def tiled_eligible(out_features: int, in_features: int, dtype: str) -> str | None:
-    """Why the block-tiled form cannot take this layer, or None."""
+def tiled_eligible(out_features: int, in_features: int, dtype: str, tile_k: int = TILE_K) -> str | None:
+    """Why the block-tiled form (k ``tile_k`` a stage) cannot take this layer, or None."""
     if dtype not in _MMA_TYPE:
         return f"operand dtype {dtype} is not bfloat16 or float16"
-    if out_features % TILE_ROWS or in_features % TILE_K or in_features < 2 * TILE_K:
-        return f"features {out_features} x {in_features} are not multiples of {TILE_ROWS} x {TILE_K} (at least {2 * TILE_K} in)"
+    if out_features % TILE_ROWS or in_features % tile_k:
+        return f"features {out_features} x {in_features} are not multiples of {TILE_ROWS} x {tile_k}"
     return None
 
 
-def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16", out_dtype: str = "float32"):
-    """``dense_gemm_tiled(x [M, K], w [N, K], y [M, N])`` on CUDA: the block-tiled form above (M dynamic)."""
-    why = tiled_eligible(out_features, in_features, dtype)
+def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16", out_dtype: str = "float32",
+                     tile_k: int = TILE_K, stages: int = TILE_STAGES):
+    """``dense_gemm_tiled(x [M, K], w [N, K], y [M, N])`` on CUDA: the block-tiled form above (M dynamic), k
+    ``tile_k`` a cp.async stage in a ring of ``stages`` (in dynamic shared memory past 48 KB)."""
+    check_tile(tile_k, stages, "dense_gemm (tiled)")
+    why = tiled_eligible(out_features, in_features, dtype, tile_k)
     if why is not None:
         raise MoecError(f"dense_gemm (tiled): {why}")
     if out_dtype not in DTYPES:
         raise MoecError(f"dense_gemm (tiled): out_dtype must be one of {', '.join(DTYPES)}, got {out_dtype!r}")
     N, K = out_features, in_features
-    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
-    tiles = _tile_mainloop(dtype, K // TILE_K, lambda wn, ni: wn * 32 + ni * 8)
+    SC = tile_scope(tile_k, stages)
+    tiles = _tile_mainloop(dtype, K // tile_k, lambda wn, ni: wn * 32 + ni * 8, tile_k, stages)
 
     @T.prim_func(s_tir=True)
     def dense_gemm_tiled(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -415,8 +418,7 @@ def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16
                     with T.sblock("dense_tiled"):
                         T.reads()
                         T.writes()
-                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), dtype, scope="shared")
-                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), dtype, scope="shared")
+                        xs = T.sblock_alloc_buffer((tile_buffer(tile_k, stages),), dtype, scope=SC)  # token, then weight stages
                         af = T.sblock_alloc_buffer((32,), dtype, scope="local")  # [mi][8]: one k16's A fragments
                         bf = T.sblock_alloc_buffer((32,), dtype, scope="local")  # [ni][k16 0, 1][4]
                         acc = T.sblock_alloc_buffer((64,), "float32", scope="local")  # [mi][ni][4]
@@ -424,7 +426,7 @@ def make_dense_tiled(out_features: int, in_features: int, dtype: str = "bfloat16
                         n0: T.let[T.int32] = bn * TILE_ROWS
                         mi32: T.let[T.int32] = T.Cast("int32", M)
                         ln: T.let[T.int32] = tx % 32
-                        tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[T.min(m0 + (j * 256 + tx) // 4, mi32 - 1), k],
+                        tiles(xs, xs, af, bf, acc, tx, lambda j, k: x[T.min(m0 + tile_copy_row(j, tx, tile_k), mi32 - 1), k],
                               lambda r, k: w[n0 + r, k])
                         for mi in T.unroll(4):
                             for ni in T.unroll(4):

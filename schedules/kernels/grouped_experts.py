@@ -78,6 +78,13 @@ def prep_warps(experts: int) -> int:
     return max(1, min(PREP_WARPS, PREP_SHARED // (4 * experts)))
 
 
+# the block-tiled forms' shapes (``_tile_mainloop``)
+TILE_TOKENS, TILE_ROWS, TILE_PAD = 128, 128, 8
+TILE_KS = (32, 64)  # k a stage (tile_k): 4 or 8 chunks of 16 bytes a row
+TILE_K, TILE_STAGES = 32, 3  # the defaults (GroupedExpertsSpec.tile_k / tile_stages, dense_gemm.make_dense_tiled)
+TILE_MAX_STAGES = 6
+
+
 @dataclass(frozen=True)
 class GroupedExpertsSpec:
     """One MoE layer's routed experts (one set of kernels per distinct spec)."""
@@ -109,6 +116,8 @@ class GroupedExpertsSpec:
     #                 memory of at most this many bytes (up to DYN_SMEM_LIMIT): more stages for gate_up, whose stage is 20 KB
     tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
     #                 128 output rows a tile, both operands through shared memory, ldmatrix), for prefill-sized chunks
+    tile_k: int = TILE_K  # tiled: k a cp.async stage (32 or 64)
+    tile_stages: int = TILE_STAGES  # tiled: stages in the ring (2..TILE_MAX_STAGES; dynamic shared memory past 48 KB)
 
     def check(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 0:
@@ -126,6 +135,7 @@ class GroupedExpertsSpec:
             raise MoecError(f"grouped_experts: tiled must be a bool, got {self.tiled!r}")
         if self.tiled and (self.w_format != "float" or not self.tensor_cores):
             raise MoecError("grouped_experts: tiled needs 16-bit weights on tensor cores (w_format float, tensor_cores)")
+        check_tile(self.tile_k, self.tile_stages, "grouped_experts")
         if self.pass_blocks and not (self.stages and self.w_format == "float" and self.tensor_cores):
             raise MoecError("grouped_experts: pass_blocks needs the cp.async forms (tensor cores, float weights, stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256) or isinstance(self.l2_prefetch, bool):
@@ -196,9 +206,9 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
         for kernel in ("gate_up", "down"):
             if not mma_eligible(spec, kernel):
                 raise MoecError(f"grouped_experts: tiled needs the mma form of {kernel} (16-bit weights and activations of one dtype)")
-        if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % TILE_K or spec.inter % TILE_K:
-            raise MoecError(f"grouped_experts: tiled needs the expert width a multiple of {TILE_ROWS // 2} and the hidden "
-                            f"size of {TILE_ROWS} (got {spec.inter}, {spec.hidden})")
+        if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % spec.tile_k or spec.inter % spec.tile_k:
+            raise MoecError(f"grouped_experts: tiled needs the expert width a multiple of {max(TILE_ROWS // 2, spec.tile_k)} "
+                            f"and the hidden size of {TILE_ROWS} (got {spec.inter}, {spec.hidden})")
     if target == "cuda" and _staged(spec) and not spec.tiled:
         for kernel in ("gate_up", "down"):
             if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
@@ -492,9 +502,11 @@ def _stage_scope(spec: GroupedExpertsSpec) -> str:
 def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
     if spec.tiled:
         rows = spec.inter // (TILE_ROWS // 2) if kernel == "gate_up" else spec.hidden // TILE_ROWS
-        return {"form": "mma.sync m16n8k16, 128 x 128 block tiles, cp.async stages", "blocks": (rows, spec.experts),
-                "threads": 256, "tokens_per_pass": TILE_TOKENS, "steps": (spec.hidden if kernel == "gate_up" else spec.inter) // TILE_K,
-                "stages": TILE_STAGES, "shared_bytes": 2 * TILE_STAGES * 128 * (TILE_K + TILE_PAD) * 2}
+        return {"form": "mma.sync m16n8k16, 128 x 128 block tiles, cp.async stages"
+                + (" in dynamic shared memory" if tile_scope(spec.tile_k, spec.tile_stages) == "shared.dyn" else ""),
+                "blocks": (rows, spec.experts), "threads": 256, "tokens_per_pass": TILE_TOKENS,
+                "steps": (spec.hidden if kernel == "gate_up" else spec.inter) // spec.tile_k, "tile_k": spec.tile_k,
+                "stages": spec.tile_stages, "shared_bytes": tile_shared_bytes(spec.tile_k, spec.tile_stages)}
     nt, rt_gu, rt_dn = mma_tiles(spec)
     rt, rows, red = (rt_gu, spec.inter, spec.hidden) if kernel == "gate_up" else (rt_dn, spec.hidden, spec.inter)
     per_block = spec.warps * rt * 16
@@ -975,35 +987,84 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
 
 
 # Block-tiled forms (``spec.tiled``): a block of 8 warps per (row block, expert) loops over the expert's tokens 128
-# at a time; each tile is 128 tokens x 128 weight rows, both operands staged through shared memory by cp.async 32
-# k at a time (2 stages, rows padded by 8 elements), fragments by ldmatrix. Warp (wm, wn) of the 2 x 4 grid owns
-# tokens 64 wm .. + 63 and 32 weight rows: 4 x 4 m16n8 tiles, 32 mma a k-step. gate_up's tile is 64 gate rows and
-# the same 64 up rows (warp wn: its 16 gate rows as n-tiles 0, 1 and their up rows as 2, 3), so SwiGLU meets both
-# in one lane; its token rows are gathered through ``order``. down reads the expert's rows of h in place and
-# writes each slot's row scaled by its routing weight. Each weight tile is read once per 128 of the expert's
-# tokens (the pipe forms: once per 64, by one warp), each token row once per 128 rows.
-TILE_TOKENS, TILE_ROWS, TILE_K, TILE_STAGES, TILE_PAD = 128, 128, 32, 2, 8
+# at a time; each tile is 128 tokens x 128 weight rows, both operands staged through shared memory by cp.async
+# ``tile_k`` k at a time in a ring of ``tile_stages`` stages (rows padded by 8 elements, so that ldmatrix's eight
+# rows hit distinct banks), fragments by ldmatrix. Warp (wm, wn) of the 2 x 4 grid owns tokens 64 wm .. + 63 and 32
+# weight rows: 4 x 4 m16n8 tiles, 16 mma a k16. gate_up's tile is 64 gate rows and the same 64 up rows (warp wn: its
+# 16 gate rows as n-tiles 0, 1 and their up rows as 2, 3), so SwiGLU meets both in one lane; its token rows are
+# gathered through ``order``. down reads the expert's rows of h in place and writes each slot's row scaled by its
+# routing weight. Each weight tile is read once per 128 of the expert's tokens (the pipe forms: once per 64, by one
+# warp), each token row once per 128 rows.
+# (TILE_TOKENS, TILE_ROWS, TILE_PAD, TILE_KS, TILE_K, TILE_STAGES, TILE_MAX_STAGES: at the top of the file)
 
 
-def _tile_mainloop(dtype: str, steps: int, b_row):
+def tile_shared_bytes(tile_k: int, stages: int) -> int:
+    """Shared memory of the block-tiled forms' stages: both operands' 128 rows of ``tile_k`` (+ pad) 16-bit elements."""
+    return stages * 2 * 128 * (tile_k + TILE_PAD) * 2
+
+
+def tile_scope(tile_k: int, stages: int) -> str:
+    """Where the stages live: static shared memory up to SMEM_LIMIT, dynamic past it."""
+    return "shared.dyn" if tile_shared_bytes(tile_k, stages) > SMEM_LIMIT else "shared"
+
+
+def check_tile(tile_k, stages, kernel: str) -> None:
+    """Raise ``MoecError`` unless (``tile_k``, ``stages``) is a shape of the block-tiled forms."""
+    if tile_k not in TILE_KS or isinstance(tile_k, bool):
+        raise MoecError(f"{kernel}: tile_k must be one of {', '.join(map(str, TILE_KS))}, got {tile_k!r}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 2 <= stages <= TILE_MAX_STAGES:
+        raise MoecError(f"{kernel}: tile_stages must be an integer in 2..{TILE_MAX_STAGES}, got {stages!r}")
+    if tile_shared_bytes(tile_k, stages) > DYN_SMEM_LIMIT:
+        raise MoecError(f"{kernel}: {stages} stages of k {tile_k} take {tile_shared_bytes(tile_k, stages)} bytes of shared "
+                        f"memory, more than the {DYN_SMEM_LIMIT} a block may have")
+
+
+def tile_buffer(tile_k: int, stages: int) -> int:
+    """Elements of the block-tiled forms' one shared buffer (token stages, then weight stages)."""
+    return stages * (TILE_TOKENS + TILE_ROWS) * (tile_k + TILE_PAD)
+
+
+def tile_copies(tile_k: int) -> int:
+    """16-byte copies a thread makes of each operand per stage (its chunks j = 0 .. n - 1, ``tile_copy_row``)."""
+    return TILE_ROWS * (tile_k // 8) // 256
+
+
+def tile_copy_row(j, tx, tile_k: int):
+    """The tile row whose chunk thread ``tx`` copies as its j-th (its column chunk is ``tx % (tile_k // 8)``)."""
+    return (j * 256 + tx) // (tile_k // 8)
+
+
+def _tile_mainloop(dtype: str, steps: int, b_row, tile_k: int = TILE_K, stages: int = TILE_STAGES):
     """The k loop of the block-tiled forms (``_make_tiled``, ``dense_gemm.make_dense_tiled``), as a TIR macro
     ``tiles(xs, ws, af, bf, acc, tx, tok_at, w_at)``: acc [mi][ni][4] (float32) <- the 128 x 128 tile's products over
-    ``steps`` k-steps of TILE_K. ``tok_at(j, k)`` is element k of the token row that thread tx copies as its chunk j
-    (tile row (256 j + tx) // 4), ``w_at(r, k)`` element k of the weight row of tile row r, ``b_row(wn, ni)`` the
-    tile row of warp wn's n-tile ni. Steps 0 and 1 are in flight before the loop; step kc + 2 refills kc's stage
-    once every warp has read it."""
-    RS, ST, ab = TILE_K + TILE_PAD, TILE_STAGES, _MMA_TYPE[dtype]
+    ``steps`` k-steps of ``tile_k``. ``tok_at(j, k)`` is element k of the token row that thread tx copies as its
+    chunk j (``tile_copy_row(j, tx, tile_k)``), ``w_at(r, k)`` element k of the weight row of tile row r, ``b_row(wn, ni)``
+    the tile row of warp wn's n-tile ni. ``xs`` and ``ws`` are one buffer of ``tile_buffer`` elements (pass it twice):
+    ``stages`` x 128 token rows of ``tile_k + TILE_PAD``, then as many weight rows. (One buffer, addressed by element
+    in ldmatrix: TVM's merge of dynamic shared buffers does not follow a buffer's data pointer into ldmatrix.)
+
+    Steps 0 .. S - 2 are in flight before the loop (S stages, one commit group a step, empty ones past the last
+    step). At step kc every thread waits for its group kc (at most S - 2 younger ones pending), one barrier makes
+    the whole stage visible, and step kc + S - 1 is issued into the stage of step kc - 1, which every warp has read
+    since it passed that barrier; then the step's mma run: S - 1 steps stay in flight under the math, with one
+    barrier a step. The loop starts with a barrier too, since a block calls it once per token tile and the prologue
+    overwrites stages the previous call's last steps read."""
+    check_tile(tile_k, stages, "tiled GEMM")
+    if steps < 1:
+        raise MoecError(f"tiled GEMM: the reduction needs at least one step of {tile_k}, got {steps}")
+    TK, ST, ab = tile_k, stages, _MMA_TYPE[dtype]
+    RS, CH, NJ = TK + TILE_PAD, TK // 8, tile_copies(TK)
+    PRO = min(ST - 1, steps)  # steps issued before the loop; the other S - 1 - PRO prologue groups are empty
+    WO = ST * TILE_TOKENS * RS  # the weight rows' place in the one shared buffer (``tile_buffer``)
     cp = "cp.async.cg.shared.global"
-    if steps < 2:
-        raise MoecError(f"tiled GEMM: the reduction needs at least 2 steps of {TILE_K}, got {steps}")
 
     @T.macro
     def issue(xs, ws, st, kc, tx, tok_at, w_at):
-        for j in T.unroll(2):  # 128 token rows and 128 weight rows of TILE_K elements: 4 chunks of 16 bytes a row
-            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_TOKENS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                 T.address_of(tok_at(j, kc * TILE_K + tx % 4 * 8)), 16))
-            T.evaluate(T.ptx[cp](T.address_of(ws[(st * TILE_ROWS + (j * 256 + tx) // 4) * RS + tx % 4 * 8]),
-                                 T.address_of(w_at((j * 256 + tx) // 4, kc * TILE_K + tx % 4 * 8)), 16))
+        for j in T.unroll(NJ):  # 128 token rows and 128 weight rows of TK elements: CH chunks of 16 bytes a row
+            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_TOKENS + (j * 256 + tx) // CH) * RS + tx % CH * 8]),
+                                 T.address_of(tok_at(j, kc * TK + tx % CH * 8)), 16))
+            T.evaluate(T.ptx[cp](T.address_of(ws[WO + (st * TILE_ROWS + (j * 256 + tx) // CH) * RS + tx % CH * 8]),
+                                 T.address_of(w_at((j * 256 + tx) // CH, kc * TK + tx % CH * 8)), 16))
 
     @T.macro
     def tiles(xs, ws, af, bf, acc, tx, tok_at, w_at):
@@ -1012,26 +1073,29 @@ def _tile_mainloop(dtype: str, steps: int, b_row):
         wn: T.let[T.int32] = (tx // 32) % 4
         for i in T.unroll(64):
             acc[i] = T.float32(0)
-        for s0 in T.unroll(2):
+        T.tvm_storage_sync("shared")  # (every warp is done with the previous tile's stages)
+        for s0 in T.unroll(PRO):
             issue(xs, ws, s0, s0, tx, tok_at, w_at)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-        for kc in T.serial(steps):
-            T.evaluate(T.ptx["cp.async.wait_group"](1))
-            T.tvm_storage_sync("shared")
-            for ni in T.unroll(4):  # both k16 steps of n-tile ni: matrix m at rows + lane % 8, columns 16 (m // 2) + 8 (m % 2)
-                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, ni * 8, ws.data, ((kc % ST) * TILE_ROWS + b_row(wn, ni)
-                                                 + ln % 8) * RS + (ln // 16) * 16 + (ln // 8) % 2 * 8, dtype=dtype))
-            for kk in T.unroll(2):
-                for mi in T.unroll(4):  # token rows + lane % 16, columns 16 kk + 8 (lane // 16)
-                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, mi * 8, xs.data, ((kc % ST) * TILE_TOKENS + wm * 64
-                                                     + mi * 16 + ln % 16) * RS + kk * 16 + (ln // 16) * 8, dtype=dtype))
-                for mi in T.unroll(4):
-                    for ni in T.unroll(4):
-                        T.evaluate(_mma(af, mi * 8, bf, ni * 8 + kk * 4, acc, (mi * 4 + ni) * 4, ab))
-            T.tvm_storage_sync("shared")  # (the copies below overwrite the stage just read)
-            if kc + 2 < steps:
-                issue(xs, ws, kc % ST, kc + 2, tx, tok_at, w_at)
+        for _s0 in T.unroll(ST - 1 - PRO):
             T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kc in T.serial(steps):
+            T.evaluate(T.ptx["cp.async.wait_group"](ST - 2))
+            T.tvm_storage_sync("shared")
+            if kc + (ST - 1) < steps:
+                issue(xs, ws, (kc + (ST - 1)) % ST, kc + (ST - 1), tx, tok_at, w_at)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            for kh in T.unroll(TK // 32):
+                for ni in T.unroll(4):  # both k16 steps of n-tile ni: matrix m at rows + lane % 8, columns 16 (m // 2) + 8 (m % 2)
+                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, ni * 8, T.address_of(ws[WO + ((kc % ST) * TILE_ROWS + b_row(wn, ni)
+                                                     + ln % 8) * RS + kh * 32 + (ln // 16) * 16 + (ln // 8) % 2 * 8]), 0, dtype=dtype))
+                for kk in T.unroll(2):
+                    for mi in T.unroll(4):  # token rows + lane % 16, columns 16 kk + 8 (lane // 16)
+                        T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, mi * 8, T.address_of(xs[((kc % ST) * TILE_TOKENS + wm * 64
+                                                         + mi * 16 + ln % 16) * RS + kh * 32 + kk * 16 + (ln // 16) * 8]), 0, dtype=dtype))
+                    for mi in T.unroll(4):
+                        for ni in T.unroll(4):
+                            T.evaluate(_mma(af, mi * 8, bf, ni * 8 + kk * 4, acc, (mi * 4 + ni) * 4, ab))
 
     return tiles
 
@@ -1041,7 +1105,9 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
     gate_up = kernel == "gate_up"
     wdt = spec.w_dtype
     wshape, ei = _windex((spec.slots or E, 2 * I, D) if gate_up else (spec.slots or E, D, I))
-    KC = (D if gate_up else I) // TILE_K
+    TK, ST = spec.tile_k, spec.tile_stages
+    KC = (D if gate_up else I) // TK
+    NJ, SC = tile_copies(TK), tile_scope(TK, ST)
     g0, u0 = (0, I) if spec.gate_first else (I, 0)
 
     def swiglu(gv, uv):
@@ -1053,8 +1119,8 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
     def b_row(wn, ni):  # the tile row of warp wn's n-tile ni
         return ((ni // 2) * 64 + wn * 16 + (ni % 2) * 8) if gate_up else wn * 32 + ni * 8
 
-    tiles = _tile_mainloop(wdt, KC, b_row)
-    RS, ST = TILE_K + TILE_PAD, TILE_STAGES
+    tiles = _tile_mainloop(wdt, KC, b_row, TK, ST)
+    RS = TK + TILE_PAD
 
     @T.macro
     def body_gate_up(x, w, s1, offsets, order, h):
@@ -1064,20 +1130,19 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
                     with T.sblock("gate_up_tiled"):
                         T.reads()
                         T.writes()
-                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), wdt, scope="shared")
-                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), wdt, scope="shared")
+                        xs = T.sblock_alloc_buffer((tile_buffer(TK, ST),), wdt, scope=SC)  # token stages, then weight stages
                         af = T.sblock_alloc_buffer((32,), wdt, scope="local")
                         bf = T.sblock_alloc_buffer((32,), wdt, scope="local")
                         acc = T.sblock_alloc_buffer((64,), "float32", scope="local")
-                        ltok = T.sblock_alloc_buffer((2,), "int32", scope="local")  # the token rows this thread copies
+                        ltok = T.sblock_alloc_buffer((NJ,), "int32", scope="local")  # the token rows this thread copies
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         ln: T.let[T.int32] = tx % 32
                         for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
-                            for j in T.unroll(2):  # (rows past the expert's tokens copy its last one, never stored)
-                                ltok[j] = order[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1)] // K
-                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: x[ltok[j], k],
+                            for j in T.unroll(NJ):  # (rows past the expert's tokens copy its last one, never stored)
+                                ltok[j] = order[lo + T.min(tb * TILE_TOKENS + tile_copy_row(j, tx, TK), cnt - 1)] // K
+                            tiles(xs, xs, af, bf, acc, tx, lambda j, k: x[ltok[j], k],
                                   lambda r, k: w[ei(we), w_row(rb, r), k])
                             for mi in T.unroll(4):
                                 for ni in T.unroll(2):
@@ -1095,8 +1160,7 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
                     with T.sblock("down_tiled"):
                         T.reads()
                         T.writes()
-                        xs = T.sblock_alloc_buffer((ST * TILE_TOKENS * RS,), wdt, scope="shared")
-                        ws = T.sblock_alloc_buffer((ST * TILE_ROWS * RS,), wdt, scope="shared")
+                        xs = T.sblock_alloc_buffer((tile_buffer(TK, ST),), wdt, scope=SC)  # token stages, then weight stages
                         af = T.sblock_alloc_buffer((32,), wdt, scope="local")
                         bf = T.sblock_alloc_buffer((32,), wdt, scope="local")
                         acc = T.sblock_alloc_buffer((64,), "float32", scope="local")
@@ -1105,7 +1169,7 @@ def _make_tiled(spec: GroupedExpertsSpec, kernel: str):
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
                         ln: T.let[T.int32] = tx % 32
                         for tb in T.serial((cnt + TILE_TOKENS - 1) // TILE_TOKENS):
-                            tiles(xs, ws, af, bf, acc, tx, lambda j, k: h[lo + T.min(tb * TILE_TOKENS + (j * 256 + tx) // 4, cnt - 1), k],
+                            tiles(xs, xs, af, bf, acc, tx, lambda j, k: h[lo + T.min(tb * TILE_TOKENS + tile_copy_row(j, tx, TK), cnt - 1), k],
                                   lambda r, k: w[ei(we), rb * TILE_ROWS + r, k])
                             for mi in T.unroll(4):
                                 for ni in T.unroll(4):

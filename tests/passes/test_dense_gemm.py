@@ -343,16 +343,23 @@ def test_cuda_staged_form_emulated(n_tiles):
         np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
 
 
-def test_cuda_tiled_form_emulated():
-    """The block-tiled prefill form (128 x 128 tiles, cp.async stages, ldmatrix fragments) on the CPU emulation of its
-    generated code, against NumPy: two feature blocks, 3 k-steps, a full and a partial token block, and one token."""
+@pytest.mark.parametrize("tile_k, stages, k", [(32, 2, 96), (32, 3, 96), (32, 4, 224), (64, 3, 192), (64, 4, 64)])
+def test_cuda_tiled_form_emulated(tile_k, stages, k):
+    """The block-tiled prefill form (128 x 128 tiles, a ring of cp.async stages, ldmatrix fragments) on the CPU
+    emulation of its generated code, against NumPy: two feature blocks, a full and a partial token block, one token;
+    fewer k-steps than stages (64 / 64), as many (96 / 32 at 3), more (224 / 32 at 4: 7 steps wrap the ring). Past 48 KB
+    the stages are dynamic shared memory."""
     from cuda_emu import EmulatedKernel
 
     from moec.schedules.kernels.dense_gemm import TILE_TOKENS, make_dense_tiled, tiled_eligible
+    from moec.schedules.kernels.grouped_experts import tile_shared_bytes
 
-    n, k = 256, 96
-    src = tvm.compile(tvm.IRModule({"dense_gemm_tiled": make_dense_tiled(n, k)}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    n = 256
+    src = tvm.compile(tvm.IRModule({"dense_gemm_tiled": make_dense_tiled(n, k, tile_k=tile_k, stages=stages)}),
+                      target=make_target("cuda")).mod.imports[0].inspect_source()
     assert "ldmatrix" in src and "cp.async" in src and "__launch_bounds__(256)" in src
+    assert ("extern __shared__" in src) == (tile_shared_bytes(tile_k, stages) > 49152)
+    assert f"cp.async.wait_group {stages - 2}" in src
     kern = EmulatedKernel(src, "dense_gemm_tiled_kernel")
     for m in (1, 150):
         rng = np.random.default_rng(m)
@@ -361,9 +368,19 @@ def test_cuda_tiled_form_emulated():
         y = np.full((m, n), np.nan, np.float32)  # every element must be written
         kern((-(-m // TILE_TOKENS), n // 128, 1), 256, x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
         np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_tiled_form_refusals():
+    from moec.schedules.kernels.dense_gemm import make_dense_tiled, tiled_eligible
+
     assert tiled_eligible(2048, 2048, "bfloat16") is None and "multiples" in tiled_eligible(2000, 2048, "bfloat16")
+    assert "multiples of 128 x 64" in tiled_eligible(256, 96, "bfloat16", tile_k=64)
     with pytest.raises(MoecError, match="operand dtype"):
         make_dense_tiled(256, 96, dtype="float32")
+    with pytest.raises(MoecError, match="tile_k must be one of 32, 64"):
+        make_dense_tiled(256, 96, tile_k=16)
+    with pytest.raises(MoecError, match="tile_stages must be an integer in 2..6"):
+        make_dense_tiled(256, 96, stages=1)
 
 
 @pytest.mark.parametrize("stages, n_tiles", [(8, 8), (12, 2), (16, 4)])
