@@ -77,6 +77,7 @@ def compile(  # noqa: A001 - the public name users call
     cuda_graph=False,
     expert_slots: int | None = None,
     gpu_memory_budget: int | None = None,
+    prefill_gemm: str = "streamed",
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -131,6 +132,11 @@ def compile(  # noqa: A001 - the public name users call
         Run the linear layers (matmuls against a transposed bf16/fp16 weight: attention projections, LM head)
         as ``dense_gemm`` kernels (``moec.passes.dense_gemm``; tensor cores on CUDA) that read the weight in its
         stored layout, instead of transposing it on every call. On by default.
+    prefill_gemm : {"streamed", "tiled"}
+        CUDA: the prefill entry's expert GEMMs and dense projections. "streamed" (default): the decode kernels'
+        forms, each warp streaming weight rows against 64-token passes; "tiled": block-tiled kernels, 128 tokens x
+        128 rows a block with both operands staged in shared memory (``InsertGroupedExperts(prefill_tiled=True)``,
+        ``InsertDenseGEMM(prefill_tiled=True)``), where the shapes allow. Decode keeps its kernels either way.
     rms_norm : bool
         Run every RMSNorm not fused with a router (attention input norms, QK-norms, the final norm) as one
         ``rms_norm`` kernel (``moec.passes.rms_norm``): one pass over the row instead of the three kernels
@@ -180,6 +186,8 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"rms_norm must be True or False, got {rms_norm!r}")
     if expert_weights not in (None, "bf16", "fp8"):
         raise MoecError(f"expert weights must be bf16 or fp8, got {expert_weights!r}")
+    if prefill_gemm not in ("streamed", "tiled"):
+        raise MoecError(f"prefill GEMMs must be 'streamed' or 'tiled', got {prefill_gemm!r}")
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
     graph_bounds = _graph_bounds(cuda_graph)
@@ -272,12 +280,13 @@ def compile(  # noqa: A001 - the public name users call
                                        dict(zip(imported.weight_names(), imported.weights)) if expert_weights else None,
                                        expert_slots=expert_slots,
                                        memory_budget=None if gpu_memory_budget is None else
-                                       (gpu_memory_budget, sum(int(w.nbytes) for w in imported.weights)))
+                                       (gpu_memory_budget, sum(int(w.nbytes) for w in imported.weights)),
+                                       prefill_tiled=prefill_gemm == "tiled")
     dense = None
     if dense_gemm:
         from ..passes.dense_gemm import InsertDenseGEMM
 
-        dense = InsertDenseGEMM(tgt, imported.source_name)
+        dense = InsertDenseGEMM(tgt, imported.source_name, prefill_tiled=prefill_gemm == "tiled")
     norms = None
     if rms_norm:
         from ..passes.rms_norm import InsertRMSNorm
@@ -359,6 +368,7 @@ def compile(  # noqa: A001 - the public name users call
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "dense_gemm": dense.manifest() if dense is not None else None,
                         "rms_norm": norms.manifest() if norms is not None else None,
+                        "prefill_gemm": prefill_gemm,
                         "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},

@@ -55,7 +55,8 @@ def cmd_compile(args) -> int:
                  fuse_router_norm=args.fuse_router_norm, calibration=args.calibration,
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
                  expert_slots=args.expert_slots, gpu_memory_budget=args.gpu_memory_budget,
-                 dense_gemm=args.dense_gemm, rms_norm=args.rms_norm, cuda_graph=_graph_bounds(args))
+                 dense_gemm=args.dense_gemm, rms_norm=args.rms_norm, cuda_graph=_graph_bounds(args),
+                 prefill_gemm=args.prefill_gemm)
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
         from .artifact import read_manifest
@@ -300,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
                         "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")
+    p.add_argument("--prefill-gemm", choices=["streamed", "tiled"], default="streamed",
+                   help="CUDA prefill GEMMs (expert and dense projections): streamed, the decode kernels' forms with "
+                        "64-token passes over each weight (default), or tiled, 128 tokens x 128 rows a block with both "
+                        "operands in shared memory")
     p.add_argument("--rms-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="run each RMSNorm not fused with a router as one kernel, one pass over the row (default: on)")
     p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
@@ -435,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
-                        "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident), "
+                        "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident; "
+                        "moec-<cache>-ptiled: --prefill-gemm tiled), "
                         "moec-tiered-fields (--decode-kernel "
                         "split-fields), moec-tiered-half2 / -mma / -paired (--decode-kernel split-half2 / split-mma / "
                         "split-paired), hf-eager, hf-compile")

@@ -94,7 +94,9 @@ SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-gra
            "moec-tiered-graph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager",
            "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
-    f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered"))
+    f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
+    f"moec-{c}-ptiled" for c in ("paged", "bf16", "fp8", "tiered"))
+# moec-<cache>-ptiled: the prefill entry's expert and dense GEMMs block-tiled (--prefill-gemm tiled)
 # moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
 # not the headline's bf16 weights: a step then reads half the expert bytes, and its floor counts them so)
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
@@ -356,8 +358,9 @@ class _Moec:
 
         decode_kernel = f"split-{kind.rsplit('-', 1)[-1]}"  # moec-tiered-<form>: --decode-kernel split-<form>
         decode_kernel = decode_kernel if decode_kernel in DECODE_KERNELS else None
+        ptiled = kind.endswith("-ptiled")
         tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
-            ("-fp8" if offload else "-fp8experts") if fp8_experts else "")
+            ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + ("-ptiled" if ptiled else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -368,7 +371,7 @@ class _Moec:
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          expert_weights="fp8" if fp8_experts else None,
-                         tiered_options=tiered)
+                         tiered_options=tiered, prefill_gemm="tiled" if ptiled else "streamed")
             if not offload:
                 _share_weights(art, work)
         extra = {"expert_prefetch": 0 if _prefetched(kind) else None, "expert_prefetch_gate": prefetch_gate} if offload else {}

@@ -26,7 +26,7 @@ from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
 from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, same_shape, shape_of
-from ..schedules.kernels.dense_gemm import DenseSpec, compiled_spec, eligible, make_dense
+from ..schedules.kernels.dense_gemm import WIDE_OUT_FEATURES, DenseSpec, compiled_spec, eligible, make_dense, make_dense_tiled, tiled_eligible
 
 
 
@@ -92,6 +92,7 @@ class _Rewriter(relax.PyExprMutator):
         self.kernel = kernel  # (spec, parts or None) -> kernel GlobalVar
         self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
         self.merged = {mv for mvs in groups or [] for mv in mvs[1:]}  # the others: their values come from the run
+        self.tiled: dict = {}  # matmul var -> (spec -> the block-tiled kernel's GlobalVar), the prefill's tiled layers
 
     def _rows(self, x, k):
         xs = shape_of(x)
@@ -125,9 +126,28 @@ class _Rewriter(relax.PyExprMutator):
             for i, (mv, n) in enumerate(zip(run, parts)):
                 self.set_var_remap(mv, self._unflatten(bb.emit(relax.TupleGetItem(ys, i)), xs, n))
             return
-        y = bb.emit(relax.call_tir(self.kernel(spec, None), [x2, self.visit_expr(w)],
+        kernel = self.tiled[binding.var](spec) if binding.var in self.tiled else self.kernel(spec, None)
+        y = bb.emit(relax.call_tir(kernel, [x2, self.visit_expr(w)],
                                    out_ty=relax.TensorType([rows, spec.out_features], spec.out_dtype)))
         self.set_var_remap(binding.var, self._unflatten(y, xs, spec.out_features))
+
+
+def _tiled_ok(spec: DenseSpec) -> bool:
+    """Whether the prefill entry takes the block-tiled form for this layer (``InsertDenseGEMM(prefill_tiled=True)``)."""
+    return spec.out_features < WIDE_OUT_FEATURES and tiled_eligible(spec.out_features, spec.in_features, spec.x_dtype) is None \
+        and spec.x_dtype == spec.w_dtype
+
+
+def _make(key, form: str):
+    spec, parts, tiled = key
+    if tiled:
+        return make_dense_tiled(spec.out_features, spec.in_features, spec.x_dtype, spec.out_dtype)
+    return make_dense(spec, form, parts)
+
+
+def _name(key) -> str:
+    spec, parts, tiled = key
+    return "dense_gemm_tiled" if tiled else "dense_gemm" if parts is None else f"dense_gemm_x{len(parts)}"
 
 
 @tvm.transform.module_pass(opt_level=0, name="InsertDenseGEMM")
@@ -144,12 +164,20 @@ class InsertDenseGEMM:
         Linear layers that read the same input (q, k and v; a dense MLP's gate and up) share one launch,
         ``dense_gemm_x2`` / ``dense_gemm_x3``, up to three at a time; the results are the separate kernels'
         bit for bit (each block runs the one-weight kernel's code on its rows). Default True.
+    prefill_tiled : bool
+        CUDA: in the prefill entry, each linear layer the block-tiled form takes (``tiled_eligible``; not LM heads,
+        from WIDE_OUT_FEATURES outputs, which a prefill runs on a few gathered rows) becomes
+        ``dense_gemm_tiled`` (128 tokens x 128 features a block, both operands in shared memory), one launch a
+        layer (no merge); results equal up to the order of float32 sums.
     """
 
-    def __init__(self, target: tvm.target.Target, source: str = "model", merge: bool = True) -> None:
+    def __init__(self, target: tvm.target.Target, source: str = "model", merge: bool = True,
+                 prefill_tiled: bool = False) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertDenseGEMM needs a tvm.target.Target, got {type(target).__name__}")
         self.target, self.source, self.merge = target, source, bool(merge)
+        self.prefill_tiled = bool(prefill_tiled)
+        self.tiled: dict[str, int] = {}
         self.replaced: dict[str, int] = {}
         self.merged: dict[str, list[int]] = {}
         self.skipped: dict[str, list[str]] = {}
@@ -157,12 +185,12 @@ class InsertDenseGEMM:
 
     def manifest(self) -> dict:
         return {"replaced": dict(self.replaced), "merged": {k: list(v) for k, v in self.merged.items()},
+                "tiled": dict(self.tiled),
                 "skipped": {k: list(v) for k, v in self.skipped.items()}, "kernels": sorted(set(self.kernels.values()))}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        kernels = KernelCache(lambda key: make_dense(key[0], form, key[1]),
-                              lambda key: "dense_gemm" if key[1] is None else f"dense_gemm_x{len(key[1])}", self.kernels)
+        kernels = KernelCache(lambda key: _make(key, form), _name, self.kernels)
         out = mod
         for gv, func in num_input_entries(mod, "InsertDenseGEMM", self.source):
             g = DataflowGraph(func, int(func.attrs["num_input"]))
@@ -177,10 +205,15 @@ class InsertDenseGEMM:
             self.skipped[gv.name_hint] = skipped
             if not matches:
                 continue
-            groups = _groups(g, matches) if self.merge else []
+            tiled = set()
+            if form == "cuda" and self.prefill_tiled and gv.name_hint == "prefill":
+                tiled = {mv for mv, (_, _, sp) in matches.items() if _tiled_ok(sp)}
+                self.tiled[gv.name_hint] = len(tiled)
+            groups = _groups(g, {mv: m for mv, m in matches.items() if mv not in tiled}) if self.merge else []
             self.merged[gv.name_hint] = [len(run) for run in groups]
             rewriter = _Rewriter(out, matches, None, groups)
-            rewriter.kernel = lambda spec, parts, b=rewriter.builder_: kernels.get(b, (spec, parts))
+            rewriter.kernel = lambda spec, parts, b=rewriter.builder_: kernels.get(b, (spec, parts, False))
+            rewriter.tiled = {mv: (lambda spec, b=rewriter.builder_: kernels.get(b, (spec, None, True))) for mv in tiled}
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

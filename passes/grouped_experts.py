@@ -544,10 +544,16 @@ class InsertGroupedExperts:
         ``converted_weights`` gives the arrays to store in that order.
     weights : dict[str, numpy.ndarray], optional
         The weight values by parameter name (needed for ``expert_weights``).
+    prefill_tiled : bool
+        CUDA: the prefill entry's expert GEMMs in the block-tiled forms (``prefill_spec(..., tiled=True)``: 128 tokens
+        x 128 weight rows a block, both operands in shared memory) where they serve, instead of the decode kernels'
+        per-warp weight streams with 64-token passes.
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
-                 weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None) -> None:
+                 weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None,
+                 prefill_tiled: bool = False) -> None:
+        self.prefill_tiled = bool(prefill_tiled)
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
         check_offload_options(expert_slots, memory_budget)
@@ -652,7 +658,7 @@ class InsertGroupedExperts:
         # would not rename a clash)
         kernels = KernelCache(lambda key: KERNELS[key[1]](key[0], form),
                               lambda key: f"moe_{key[1]}" + (f"_nt{key[0].n_tiles}" if key[0].n_tiles else "")
-                              + ("_pb" if key[0].pass_blocks else ""), self.kernels)
+                              + ("_pb" if key[0].pass_blocks else "") + ("_tiled" if key[0].tiled else ""), self.kernels)
         found = []
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)
@@ -673,7 +679,8 @@ class InsertGroupedExperts:
             self.offload["budget"] = self.budget_note
             found = [(gv, func, [replace(m, spec=slot_spec) for m in matches]) for gv, func, matches in found]
         if form == "cuda":  # the prefill entry's own token tiles (prefill_spec)
-            found = [(gv, func, [replace(m, spec=prefill_spec(m.spec)) for m in matches] if gv.name_hint == "prefill" else matches)
+            found = [(gv, func, [replace(m, spec=prefill_spec(m.spec, self.prefill_tiled)) for m in matches]
+                      if gv.name_hint == "prefill" else matches)
                      for gv, func, matches in found]
         out = mod
         for gv, func, matches in found:
@@ -697,7 +704,7 @@ class InsertGroupedExperts:
 
             # (route_prep and combine do not depend on the token tiles: one of each serves both entries' specs)
             rewriter.kernel = lambda spec, name, b=rewriter.builder_: kernels.get(
-                b, (spec if name in ("gate_up", "down") else replace(spec, n_tiles=0, pass_blocks=False), name))
+                b, (spec if name in ("gate_up", "down") else replace(spec, n_tiles=0, pass_blocks=False, tiled=False), name))
             new_func = rewriter.visit_expr(func)
             if conv:
                 new_func = relax.analysis.remove_all_unused(new_func)

@@ -454,16 +454,32 @@ def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
 PREFILL_TILES = 8  # NT of the prefill entry's mma forms: 64 tokens per weight pass
 
 
-def prefill_spec(spec: GroupedExpertsSpec) -> GroupedExpertsSpec:
+def tiled_unsupported(spec: GroupedExpertsSpec) -> str | None:
+    """Why the block-tiled forms (``tiled``) cannot serve ``spec`` on CUDA, or None."""
+    for kernel in ("gate_up", "down"):
+        if not mma_eligible(spec, kernel):
+            return f"no mma form of {kernel} (16-bit weights and activations of one dtype)"
+    if spec.w_format != "float" or not spec.tensor_cores:
+        return "weights not 16-bit floats on tensor cores"
+    if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % spec.tile_k or spec.inter % spec.tile_k:
+        return (f"expert width {spec.inter} not a multiple of {max(TILE_ROWS // 2, spec.tile_k)} or hidden size {spec.hidden} "
+                f"not one of {TILE_ROWS}")
+    return None
+
+
+def prefill_spec(spec: GroupedExpertsSpec, tiled: bool = False) -> GroupedExpertsSpec:
     """The spec of the prefill entry's kernels. A prefill chunk routes hundreds of tokens to every expert (2048
     tokens: 256 per OLMoE expert), and each pass of NT * 8 tokens streams the expert's weights again, from
     HBM once they no longer fit the L2 (a layer's are 10x its size). The widest token tile (8 tiles of 8) halves
     the passes of the decode default (NT 4 for OLMoE), and so the weight bytes; decode keeps its own kernels.
     The cp.async forms also take a block per pass (``pass_blocks``): an expert's passes then run side by side on
     different SMs, reading its weight tiles at about the same time, so from the L2 after the first.
-    An explicit ``n_tiles`` is kept, and specs without an mma form are returned as they are (one kernel set)."""
+    An explicit ``n_tiles`` is kept, and specs without an mma form are returned as they are (one kernel set).
+    ``tiled``: the block-tiled forms instead (128 tokens x 128 rows a block, ``tiled_unsupported``), where they serve."""
     if not (mma_eligible(spec, "gate_up") or mma_eligible(spec, "down")):
         return spec
+    if tiled and tiled_unsupported(spec) is None:
+        return replace(spec, tiled=True)
     out = spec if spec.n_tiles or mma_tiles(spec)[0] >= PREFILL_TILES else replace(spec, n_tiles=PREFILL_TILES)
     return replace(out, pass_blocks=True) if _staged(out) else out
 

@@ -181,8 +181,9 @@ def test_ir_before_after(bmm):
     after = relax.transform.DeadCodeElimination(["main"])(p(before))
     ops = _ops(after["main"])
     assert "relax.matmul" not in ops and "relax.permute_dims" not in ops and "relax.call_tir" in ops
-    assert p.manifest() == {"replaced": {"main": 1}, "merged": {"main": []}, "skipped": {"main": []}, "kernels": ["dense_gemm"]}
-    assert list(p.kernels) == [(compiled_spec(64, 128), None)]  # the staged form, 4 token tiles (not an LM head)
+    assert p.manifest() == {"replaced": {"main": 1}, "merged": {"main": []}, "tiled": {}, "skipped": {"main": []},
+                            "kernels": ["dense_gemm"]}
+    assert list(p.kernels) == [(compiled_spec(64, 128), None, False)]  # the staged form, 4 token tiles (not an LM head)
     prim = after["dense_gemm"]
     assert int(prim.attrs["op_pattern"]) == 8
     # the call reads the weight as stored [N, K] and writes [M, N] float32 (then the graph's own cast)
@@ -251,6 +252,43 @@ def test_ir_parallel_layers_share_one_launch(widths, second_input, runs):
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
 
 
+def _two_entries(widths, k=128):
+    """``prefill`` and ``decode`` entries of ``_parallel_entry``'s layers (a model's two entries)."""
+    one = _parallel_entry(widths, k)["main"]
+    return tvm.IRModule({"prefill": one.with_attr("global_symbol", "prefill"), "decode": one.with_attr("global_symbol", "decode")})
+
+
+@pytest.mark.parametrize("prefill_tiled", [False, True])
+def test_ir_prefill_tiled(prefill_tiled):
+    # prefill_tiled: on CUDA the prefill entry's layers the block-tiled form takes (multiples of 128 x 32, not LM-head
+    # wide) become one dense_gemm_tiled call each, not merged; the decode entry, and layers it cannot take (48 outputs,
+    # the LM head's 32000), keep the streamed kernels, merged as before (3 + 2 in decode, the last 2 in prefill)
+    before = _two_entries((256, 128, 128, 48, 32000))
+    p = InsertDenseGEMM(make_target("cuda", "sm_90"), prefill_tiled=prefill_tiled)
+    after = relax.transform.DeadCodeElimination(["prefill", "decode"])(p(before))
+
+    def kernels(entry):
+        return [b.value.args[0].name_hint for blk in after[entry].body.blocks for b in blk.bindings
+                if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+
+    assert kernels("decode") == ["dense_gemm_x3", "dense_gemm_x2"]
+    if prefill_tiled:
+        names = kernels("prefill")
+        assert [n.startswith("dense_gemm_tiled") for n in names] == [True, True, True, False] and names[3] == "dense_gemm_x2"
+        assert names[1] == names[2] != names[0]  # one kernel per shape
+        assert p.tiled == {"prefill": 3} and p.merged == {"prefill": [2], "decode": [3, 2]}
+        assert {key for key in p.kernels if key[2]} == {(compiled_spec(256, 128), None, True), (compiled_spec(128, 128), None, True)}
+        prim = after[names[0]]
+        assert int(prim.attrs["op_pattern"]) == 8 and "ldmatrix" in prim.script()  # opaque to FuseOps, the tiled kernel
+    else:
+        assert kernels("prefill") == kernels("decode") and p.tiled == {}
+    assert p.manifest()["tiled"] == p.tiled
+    # the llvm form ignores it: no tensor cores there
+    q = InsertDenseGEMM(LLVM, prefill_tiled=True)
+    q(before)
+    assert q.tiled == {} and not any(key[2] for key in q.kernels)
+
+
 @pytest.mark.parametrize("kw,why", [(dict(x_dtype="float32", w_dtype="float32"), "float32"),
                                     (dict(x_dtype="float32"), "differ in dtype"),
                                     (dict(k=96), "multiple of 64")])
@@ -313,6 +351,10 @@ def test_compiled_bf16_model_uses_dense_gemm(bf16_olmoe, tmp_path):
     assert mon["options"]["dense_gemm"]["replaced"] == {"decode": 9, "prefill": 9} and "InsertDenseGEMM" in mon["passes"]
     assert mon["options"]["dense_gemm"]["merged"] == {"decode": [3, 3], "prefill": [3, 3]}  # q, k, v of each layer
     assert moff["options"]["dense_gemm"] is None
+    assert mon["options"]["prefill_gemm"] == "streamed" and mon["options"]["dense_gemm"]["tiled"] == {}  # (llvm: no tiles)
+    with pytest.raises(MoecError, match="prefill GEMMs must be 'streamed' or 'tiled'"):
+        moec.compile(imported, tmp_path / "bad", target="llvm", prefill_gemm="blocked")
+    assert not (tmp_path / "bad").exists()
     assert any(v == "kernel:schedules/kernels/dense_gemm.py" for v in mon["schedules"].values())
     (lon, hist), (loff, _) = _run(on), _run(off)
     scale = np.abs(loff).max()

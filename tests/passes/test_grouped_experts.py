@@ -545,10 +545,11 @@ def test_compile_warns_when_moe_layers_stay_in_the_gather_form():
         _warn_unreplaced_experts({"replaced": {"decode": 16, "prefill": 16}, "skipped": {}}, 16, "m.pt2")
 
 
-def test_prefill_entry_takes_wider_token_tiles(tmp_path):
+@pytest.mark.parametrize("prefill_tiled", [False, True])
+def test_prefill_entry_takes_wider_token_tiles(tmp_path, prefill_tiled):
     """A bfloat16 model with 32 experts (decode's automatic tiles: 2 of 8 tokens) for sm_90: prefill's expert GEMMs
-    are kernels of their own with 8 token tiles per weight pass (``prefill_spec``); decode keeps its tiles, and
-    route_prep / combine serve both."""
+    are kernels of their own with 8 token tiles per weight pass (``prefill_spec``), or block-tiled with
+    ``prefill_tiled``; decode keeps its tiles, and route_prep / combine serve both."""
     import torch
     import transformers as tf
 
@@ -566,7 +567,7 @@ def test_prefill_entry_takes_wider_token_tiles(tmp_path):
     save_pt2(model, 256, tmp_path / "m.pt2", max_seq=64)
     imported = import_model(tmp_path / "m.pt2")
     target = make_target("cuda", "sm_90")
-    g = InsertGroupedExperts(target)
+    g = InsertGroupedExperts(target, prefill_tiled=prefill_tiled)
     pipe, _ = moec_pipeline(imported.num_inputs, target, "olmoe32", grouped_experts=g)
     text = tvm.compile(imported.mod, target=target, relax_pipeline=pipe).as_text()
     calls = {}
@@ -574,8 +575,14 @@ def test_prefill_entry_takes_wider_token_tiles(tmp_path):
         body = text[text.index(f"@{entry}:"):].split("\n\n")[0]
         calls[entry] = re.findall(r"call\s+(moe_\w+)\s+in:", body)
     assert calls["decode"] == ["moe_route_prep", "moe_gate_up", "moe_down", "moe_combine"], calls
+    if prefill_tiled:
+        assert calls["prefill"] == ["moe_route_prep", "moe_gate_up_tiled", "moe_down_tiled", "moe_combine"], calls
+        spec = next(s for s, n in g.kernels if n == "gate_up" and s.tiled)
+        assert launch_config(spec)["gate_up"]["blocks"] == (1, 32) and launch_config(spec)["gate_up"]["stages"] == 3
+        assert prefill_spec(replace(spec, tiled=False, inter=96), tiled=True).tiled is False  # 96 rows: not a tile's 64
+        return
     assert calls["prefill"] == ["moe_route_prep", f"moe_gate_up_nt{PREFILL_TILES}_pb", f"moe_down_nt{PREFILL_TILES}_pb", "moe_combine"]
-    spec = next(s for s, n in g.kernels if n == "gate_up" and s.n_tiles == 0)
+    spec = next(s for s, n in g.kernels if n == "gate_up" and s.n_tiles == 0 and not s.tiled)
     assert mma_tiles(spec)[0] == 2 and launch_config(prefill_spec(spec))["gate_up"]["tokens_per_pass"] == 64
     assert launch_config(prefill_spec(spec))["gate_up"]["grid"] == ("ceil(T / 64)", 32)  # a block per pass (1 row tile x 32)
     assert prefill_spec(replace(spec, n_tiles=4)).n_tiles == 4  # an explicit tiling is kept
