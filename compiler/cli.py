@@ -301,10 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear layers with a transposed bf16/fp16 weight (attention projections, LM head) as "
                         "dense GEMM kernels (tensor cores on CUDA) that read the weight as stored (default: on)")
-    p.add_argument("--prefill-gemm", choices=["streamed", "tiled"], default="streamed",
-                   help="CUDA prefill GEMMs (expert and dense projections): streamed, the decode kernels' forms with "
-                        "64-token passes over each weight (default), or tiled, 128 tokens x 128 rows a block with both "
-                        "operands in shared memory")
+    p.add_argument("--prefill-gemm", choices=["auto", "streamed", "tiled"], default="auto",
+                   help="CUDA prefill GEMMs (dense projections and experts): streamed, the decode kernels' forms with "
+                        "64-token passes over each weight; tiled, 128 tokens x 128 rows a block with both operands in "
+                        "shared memory; auto (default): dense projections tiled, experts streamed")
     p.add_argument("--rms-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="run each RMSNorm not fused with a router as one kernel, one pass over the row (default: on)")
     p.add_argument("--tuning-db", default="auto", metavar="auto|PATH|none",
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
                         "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident; "
-                        "moec-<cache>-ptiled: --prefill-gemm tiled), "
+                        "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed), "
                         "moec-tiered-fields (--decode-kernel "
                         "split-fields), moec-tiered-half2 / -mma / -paired (--decode-kernel split-half2 / split-mma / "
                         "split-paired), hf-eager, hf-compile")

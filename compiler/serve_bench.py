@@ -95,8 +95,9 @@ SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-gra
            "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
-    f"moec-{c}-ptiled" for c in ("paged", "bf16", "fp8", "tiered"))
-# moec-<cache>-ptiled: the prefill entry's expert and dense GEMMs block-tiled (--prefill-gemm tiled)
+    f"moec-{c}-{p}" for c in ("paged", "bf16", "fp8", "tiered") for p in ("ptiled", "pstreamed"))
+# moec-<cache>-ptiled / -pstreamed: the prefill entry's expert and dense GEMMs both block-tiled / both streamed
+# (--prefill-gemm tiled / streamed; the default, auto, tiles the dense projections only)
 # moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
 # not the headline's bf16 weights: a step then reads half the expert bytes, and its floor counts them so)
 # moec-<cache>-offload: experts offloaded into --expert-slots device slots, loaded when each layer's router has
@@ -358,9 +359,9 @@ class _Moec:
 
         decode_kernel = f"split-{kind.rsplit('-', 1)[-1]}"  # moec-tiered-<form>: --decode-kernel split-<form>
         decode_kernel = decode_kernel if decode_kernel in DECODE_KERNELS else None
-        ptiled = kind.endswith("-ptiled")
+        prefill_gemm = next((g for g in ("tiled", "streamed") if kind.endswith(f"-p{g}")), "auto")
         tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
-            ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + ("-ptiled" if ptiled else "")
+            ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + (f"-p{prefill_gemm}" if prefill_gemm != "auto" else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -371,7 +372,7 @@ class _Moec:
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          expert_weights="fp8" if fp8_experts else None,
-                         tiered_options=tiered, prefill_gemm="tiled" if ptiled else "streamed")
+                         tiered_options=tiered, prefill_gemm=prefill_gemm)
             if not offload:
                 _share_weights(art, work)
         extra = {"expert_prefetch": 0 if _prefetched(kind) else None, "expert_prefetch_gate": prefetch_gate} if offload else {}

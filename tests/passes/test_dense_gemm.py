@@ -351,8 +351,8 @@ def test_compiled_bf16_model_uses_dense_gemm(bf16_olmoe, tmp_path):
     assert mon["options"]["dense_gemm"]["replaced"] == {"decode": 9, "prefill": 9} and "InsertDenseGEMM" in mon["passes"]
     assert mon["options"]["dense_gemm"]["merged"] == {"decode": [3, 3], "prefill": [3, 3]}  # q, k, v of each layer
     assert moff["options"]["dense_gemm"] is None
-    assert mon["options"]["prefill_gemm"] == "streamed" and mon["options"]["dense_gemm"]["tiled"] == {}  # (llvm: no tiles)
-    with pytest.raises(MoecError, match="prefill GEMMs must be 'streamed' or 'tiled'"):
+    assert mon["options"]["prefill_gemm"] == "auto" and mon["options"]["dense_gemm"]["tiled"] == {}  # (llvm: no tiles)
+    with pytest.raises(MoecError, match="prefill GEMMs must be 'auto', 'streamed' or 'tiled'"):
         moec.compile(imported, tmp_path / "bad", target="llvm", prefill_gemm="blocked")
     assert not (tmp_path / "bad").exists()
     assert any(v == "kernel:schedules/kernels/dense_gemm.py" for v in mon["schedules"].values())
