@@ -4,8 +4,8 @@
   python3 bench/norm_router.py run .devcarry/nr --json OUT --commit SHA   # GPU machine, runtime-only TVM
   python bench/norm_router.py run .devcarry/nr --device cpu           # here: the llvm build, correctness + timings
 
-Shapes (bf16, eps 1e-5): OLMoE (d 2048, E 64) and Mixtral (d 4096, E 8), token batches 1, 16 and 128
-(T dynamic: one build serves every batch). Per shape one module with five functions, lowered by
+Shapes (bf16, eps 1e-5): OLMoE (d 2048, E 64) and Mixtral (d 4096, E 8), token batches 1, 16, 128 and 2048 (a
+prefill chunk; T dynamic: one build serves every batch). Per shape one module with five functions, lowered by
 phases 2-4 of the "moec" pipeline (``passes.pipeline.lowering_pipeline``: LegalizeOps, FuseOps, dlight
 rules, VM lowering) exactly as a model's entries are:
 
@@ -15,6 +15,8 @@ rules, VM lowering) exactly as a model's entries are:
   unfused_cascade  y, x Cr^T + b    (Cr^T [D, G], b [G], G = 8: the cascade's coarse router, constants
                                      in a model, inputs here; the matmul and the bias add fuse)
   fused_cascade    norm_router(x, w, Cr, b)
+  fused_tokens     norm_router(x, w, W) in the multi-token form the prefill entry takes (``norm_router.prefill_spec``:
+                   several rows a block, each router row read once for all of them)
 
 Correctness (both devices): the fused outputs against NumPy (float32 math over the bf16 inputs, the
 router over the bf16-rounded normalised row) and against the unfused build. Timings: the VM's
@@ -37,10 +39,10 @@ import numpy as np
 
 SHAPES = {"olmoe": (2048, 64), "mixtral": (4096, 8)}  # hidden, experts
 GROUPS = 8  # coarse router of the cascade
-BATCHES = (1, 16, 128)
+BATCHES = (1, 16, 128, 2048)
 DTYPE = "bfloat16"
 EPS = 1e-5
-FUNCS = ("norm", "unfused", "fused", "unfused_cascade", "fused_cascade")
+FUNCS = ("norm", "unfused", "fused", "unfused_cascade", "fused_cascade", "fused_tokens")
 
 
 def _specs(d: int, e: int):
@@ -56,12 +58,13 @@ def build_module(d: int, e: int, kind: str):
     import tvm
     from tvm import relax
 
-    from moec.schedules.kernels.norm_router import make_norm_router
+    from moec.schedules.kernels.norm_router import make_norm_router, prefill_spec
 
     flat, coarse = _specs(d, e)
+    tokens = prefill_spec(flat) if kind == "cuda" else flat  # (llvm: one form; its place takes the same kernel)
     bb = relax.BlockBuilder()
     gv = {s: bb.add_func(make_norm_router(s, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"norm_router_{n}")
-          for n, s in (("flat", flat), ("coarse", coarse))}
+          for n, s in (("flat", flat), ("coarse", coarse), ("tokens", tokens)) if n != "tokens" or s != flat}
     t = tvm.tirx.Var("t", "int64")
     ty = lambda *shape: relax.TensorType(shape, DTYPE)  # noqa: E731
 
@@ -99,6 +102,7 @@ def build_module(d: int, e: int, kind: str):
 
     function("unfused_cascade", [relax.Var("coarse_t", ty(d, GROUPS)), relax.Var("bias", ty(GROUPS))], unfused_cascade)
     function("fused_cascade", [relax.Var("coarse", ty(GROUPS, d)), relax.Var("bias", ty(GROUPS))], fused(coarse))
+    function("fused_tokens", [relax.Var("router", ty(e, d))], fused(tokens))
     return bb.get()
 
 
@@ -132,7 +136,7 @@ def prepare(out: Path) -> None:
     from moec.compiler.artifact import atomic_directory
     from moec.compiler.build import _compile_cuda_kernels
     from moec.compiler.targets import make_target
-    from moec.schedules.kernels.norm_router import launch_config
+    from moec.schedules.kernels.norm_router import launch_config, prefill_spec
 
     target = make_target("cuda", "sm_90")
     with atomic_directory(out) as tmp:
@@ -146,7 +150,8 @@ def prepare(out: Path) -> None:
             flat, coarse = _specs(d, e)
             index[name] = {"hidden": d, "experts": e, "groups": GROUPS, "dtype": DTYPE, "cuda_kernels": kernels,
                            "launches": launches(ex), "launch_config": {"fused": launch_config(flat),
-                                                                        "fused_cascade": launch_config(coarse)}}
+                                                                        "fused_cascade": launch_config(coarse),
+                                                                        "fused_tokens": launch_config(prefill_spec(flat))}}
             print(json.dumps({k: v for k, v in index[name].items() if k != "cuda_kernels"}), flush=True)
         (tmp / "index.json").write_text(json.dumps(index, indent=2))
 
@@ -211,7 +216,8 @@ def reference(x, w, rows, bias):
 
 def _args(name: str, host: dict) -> list:
     return {"norm": ["x", "w"], "unfused": ["x", "w", "router"], "fused": ["x", "w", "router"],
-            "unfused_cascade": ["x", "w", "coarse_t", "bias"], "fused_cascade": ["x", "w", "coarse", "bias"]}[name]
+            "unfused_cascade": ["x", "w", "coarse_t", "bias"], "fused_cascade": ["x", "w", "coarse", "bias"],
+            "fused_tokens": ["x", "w", "router"]}[name]
 
 
 def check(vm, dev, name: str, t: int) -> dict:
@@ -226,7 +232,8 @@ def check(vm, dev, name: str, t: int) -> dict:
 
     row = {"shape": name, "tokens": t}
     ok = True
-    for fused, unfused, rows, bias in (("fused", "unfused", "router", None), ("fused_cascade", "unfused_cascade", "coarse", "bias")):
+    for fused, unfused, rows, bias in (("fused", "unfused", "router", None), ("fused_cascade", "unfused_cascade", "coarse", "bias"),
+                                       ("fused_tokens", "unfused", "router", None)):
         (fy, fl), (uy, ul) = run(fused), run(unfused)
         ry, rl = reference(host["x"], host["w"], host[rows], host[bias] if bias else None)
         scale = float(np.abs(rl).max()) or 1.0
@@ -257,6 +264,7 @@ def speed(vm, dev, name: str, t: int, number: int, repeat: int) -> dict:
     fused_bytes = 2 * (2 * t * d + d + e * d + t * e)  # x read, w, router rows, y written, logits (bf16)
     row = {"shape": name, "hidden": d, "experts": e, "groups": GROUPS, "tokens": t, "ms": ms,
            "speedup_flat": ms["unfused"] / ms["fused"], "speedup_cascade": ms["unfused_cascade"] / ms["fused_cascade"],
+           "tokens_over_fused": ms["fused_tokens"] / ms["fused"],
            "fused_over_norm_floor": ms["fused"] / ms["norm"], "fused_bytes": fused_bytes,
            "fused_bandwidth_GBps": fused_bytes / ms["fused"] / 1e6}
     print(json.dumps(row), flush=True)

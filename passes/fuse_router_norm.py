@@ -36,7 +36,7 @@ from ..compiler.errors import MoecError
 from ..compiler.graph import (LAYOUT_OPS, DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, materialize,
                               num_input_entries, prod, same_shape, shape_of)
 from ..compiler.moe_structure import _Analyzer
-from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router
+from ..schedules.kernels.norm_router import NormRouterSpec, check_supported, make_norm_router, prefill_spec
 
 _SCORE_OPS = frozenset({"relax.nn.softmax", "relax.sigmoid"})
 
@@ -353,6 +353,9 @@ class FuseRouterIntoNorm:
         Picks the kernel form: CUDA for ``cuda`` targets, the serial llvm form otherwise.
     source : str
         Model name for messages.
+
+    On CUDA the prefill entry's kernels take the multi-token form (``norm_router.prefill_spec``: several rows a
+    block, each router row read once for all of them), decode's a block per token and logit group.
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model") -> None:
@@ -366,7 +369,8 @@ class FuseRouterIntoNorm:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         entries = num_input_entries(mod, "FuseRouterIntoNorm", self.source)
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
-        kernels = KernelCache(lambda spec: make_norm_router(spec, form), lambda spec: "norm_router", self.kernels)
+        kernels = KernelCache(lambda spec: make_norm_router(spec, form),
+                              lambda spec: "norm_router" + (f"_t{spec.tokens}" if spec.tokens else ""), self.kernels)
         out = mod
         for gv, func in entries:
             func = relax.analysis.remove_all_unused(func)  # e.g. the routers CascadeGating replaced
@@ -377,7 +381,8 @@ class FuseRouterIntoNorm:
             if not matches:
                 continue
             rewriter = _FuseRouterNormRewriter(out, matcher.g, matches, None)
-            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
+            rows = prefill_spec if form == "cuda" and gv.name_hint == "prefill" else (lambda spec: spec)
+            rewriter.kernel = lambda spec, b=rewriter.builder_, rows=rows: kernels.get(b, rows(spec))
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

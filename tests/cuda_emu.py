@@ -116,6 +116,7 @@ static inline float min(float a, float b) { return std::fmin(a, b); }
 static inline float exp2f_(float x) { return std::exp2(x); }
 #define __expf(x) std::exp((float)(x))
 static inline float __fdividef(float a, float b) { return a / b; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static inline int __popc(uint v) { return __builtin_popcount(v); }
 // FP8 e4m3 (bias 7, no infinities, S.1111.111 NaN) and the 4-byte vector the generated code widens to half4
 struct __nv_fp8_e4m3 { uint8_t __x; };

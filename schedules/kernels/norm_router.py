@@ -22,6 +22,12 @@ warp through shared memory), normalises its elements into shared memory (as ``y_
 its share (1/NB) of ``y``; then each warp computes one logit ``e = block * NW + warp``: lanes read the
 router row with 16-byte loads, dot it with the shared row and reduce by shuffles. NB = ceil(E / NW), so
 a single token still spreads its E dot products over NB thread blocks.
+
+With ``tokens`` TB > 0 (the prefill entry's form, ``prefill_spec``) a block of 8 warps takes TB rows instead: warp
+w normalises rows w, w + 8, ... into shared memory (and y), then computes the logits of experts w, w + 8, ...
+for all TB rows at once: each router row is read once per TB tokens (per token, the other form reads the router's
+E rows and its own row NB times over, from the L2: at a prefill chunk of 2048 tokens that traffic, not the bytes
+of x, bounds the kernel).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from ...compiler.errors import MoecError
 DTYPES = ("float32", "float16", "bfloat16")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_SHARED = 48 * 1024  # static shared memory of one block
+TOKENS_MAX = 16  # rows a block of the multi-token form (registers: one float32 sum per row and lane)
+TOKEN_WARPS = 8  # warps a block of the multi-token form
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class NormRouterSpec:
     bias_dtype: str | None = None  # None: no bias
     rows_layout: str = "ed"  # "ed": rows [E, D]; "de": rows given transposed, [D, E]
     residual: bool = False  # x = ra + rb (both x_dtype) computed here and written out too (the residual stream)
+    tokens: int = 0  # CUDA: 0, a block per (token, logit group); TB > 0, a block per TB tokens (prefill chunks)
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or not isinstance(self.outputs, int) or self.hidden < 1 or self.outputs < 1:
@@ -67,6 +76,8 @@ class NormRouterSpec:
             raise MoecError(f"norm_router: rows layout must be 'ed' ([E, D]) or 'de' ([D, E]), got {self.rows_layout!r}")
         if not self.eps >= 0:
             raise MoecError(f"norm_router: eps must be >= 0, got {self.eps}")
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or not 0 <= self.tokens <= TOKENS_MAX:
+            raise MoecError(f"norm_router: tokens must be 0 (a block per token) or 1..{TOKENS_MAX} tokens a block, got {self.tokens!r}")
 
 
 def _vec(d: int, *dtypes: str) -> int:
@@ -77,8 +88,23 @@ def _vec(d: int, *dtypes: str) -> int:
     return v
 
 
+def prefill_spec(spec: NormRouterSpec) -> NormRouterSpec:
+    """The spec of the prefill entry's kernel: the multi-token form with as many rows a block as 32 KB of shared
+    memory hold (at most 8: 8 for OLMoE's 2048 bf16, 4 for Mixtral's 4096), or ``spec`` when not even one fits."""
+    from dataclasses import replace
+
+    tb = min(8, (32 * 1024) // (spec.hidden * _BYTES[spec.y_dtype]))
+    return replace(spec, tokens=tb) if tb >= 1 else spec
+
+
 def launch_config(spec: NormRouterSpec) -> dict:
     """The CUDA form's launch shape: threads per block, warps, logit blocks per row, vector width."""
+    if spec.tokens:
+        vec = _vec(spec.hidden, spec.x_dtype, spec.weight_dtype, spec.y_dtype)
+        rvec = _vec(spec.hidden, spec.rows_dtype, spec.y_dtype) if spec.rows_layout == "ed" else 1
+        return {"threads": 32 * TOKEN_WARPS, "warps": TOKEN_WARPS, "tokens_per_block": spec.tokens, "blocks": "ceil(T / tokens)",
+                "vec": vec, "rows_vec": rvec, "iters": -(-spec.hidden // (32 * vec)), "rows_iters": -(-spec.hidden // (32 * rvec)),
+                "shared_bytes": spec.tokens * spec.hidden * _BYTES[spec.y_dtype]}
     vec = _vec(spec.hidden, spec.x_dtype, spec.weight_dtype, spec.y_dtype)
     chunks = -(-spec.hidden // vec)  # 16-byte chunks of a row
     threads = min(256, max(32, 32 * -(-chunks // 32)))
@@ -100,9 +126,11 @@ def check_supported(spec: NormRouterSpec, target: str = "llvm") -> None:
 
 
 def make_norm_router(spec: NormRouterSpec, target: str = "llvm"):
-    """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
+    """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda"; ``tokens`` is a CUDA launch shape)."""
     check_supported(spec, target)
-    return (_make_cuda if target == "cuda" else _make_llvm)(spec)
+    if target != "cuda":
+        return _make_llvm(spec)
+    return _make_cuda_tokens(spec) if spec.tokens else _make_cuda(spec)
 
 
 def _f32(v):
@@ -245,6 +273,105 @@ def _make_cuda(spec: NormRouterSpec):
     return _signature(spec, body)
 
 
+def _make_cuda_tokens(spec: NormRouterSpec):
+    """The multi-token CUDA form (``spec.tokens`` rows a block; see the module's docstring)."""
+    D, E, eps, TB = spec.hidden, spec.outputs, float(spec.eps), spec.tokens
+    has_bias, ed = spec.bias_dtype is not None, spec.rows_layout == "ed"
+    cfg = launch_config(spec)
+    NW, VEC, RVEC, IT, RIT = (cfg[k] for k in ("warps", "vec", "rows_vec", "iters", "rows_iters"))
+    full = D % (32 * VEC) == 0  # every lane has IT whole chunks of a row
+    rfull = D % (32 * RVEC) == 0
+    RPW = -(-TB // NW)  # rows a warp normalises
+
+    def shfl(v, o):
+        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+
+    @T.macro
+    def body(ra, rb, x, w, rows, bias, y, logits, N):
+        for blk in T.thread_binding((N + TB - 1) // TB, thread="blockIdx.x"):
+            for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                with T.sblock("norm_router_tokens"):
+                    T.reads()
+                    T.writes()
+                    ys = T.sblock_alloc_buffer((TB * D,), spec.y_dtype, scope="shared")
+                    xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+                    bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
+                    wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+                    yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
+                    rl = T.sblock_alloc_buffer((RVEC,), spec.rows_dtype, scope="local")
+                    sl = T.sblock_alloc_buffer((RVEC,), spec.y_dtype, scope="local")
+                    acc = T.sblock_alloc_buffer((TB,), "float32", scope="local")
+                    rs = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    lane: T.let[T.int32] = tx % 32
+                    warp: T.let[T.int32] = tx // 32
+                    t0: T.let[T.int32] = T.Cast("int32", blk) * TB
+                    n32: T.let[T.int32] = T.Cast("int32", N)
+                    # ---- each warp normalises its rows: into shared memory and y (x too with the residual add)
+                    for j in T.unroll(RPW):
+                        if j * NW + warp < TB and t0 + j * NW + warp < n32:
+                            acc[0] = T.float32(0)
+                            for i in T.unroll(IT):
+                                if full or (i * 32 + lane) * VEC < D:
+                                    if spec.residual:
+                                        for v in T.vectorized(VEC):
+                                            xl[i * VEC + v] = ra[t0 + j * NW + warp, (i * 32 + lane) * VEC + v]
+                                        for v in T.vectorized(VEC):
+                                            bl[v] = rb[t0 + j * NW + warp, (i * 32 + lane) * VEC + v]
+                                        for v in T.unroll(VEC):
+                                            xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
+                                        for v in T.vectorized(VEC):
+                                            x[t0 + j * NW + warp, (i * 32 + lane) * VEC + v] = xl[i * VEC + v]
+                                    else:
+                                        for v in T.vectorized(VEC):
+                                            xl[i * VEC + v] = x[t0 + j * NW + warp, (i * 32 + lane) * VEC + v]
+                                    for v in T.unroll(VEC):
+                                        acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
+                            for r in T.unroll(5):
+                                acc[0] = acc[0] + shfl(acc[0], T.shift_right(16, r))
+                            rs[0] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+                            for i in T.unroll(IT):
+                                if full or (i * 32 + lane) * VEC < D:
+                                    for v in T.vectorized(VEC):
+                                        wl[v] = w[(i * 32 + lane) * VEC + v]
+                                    for v in T.unroll(VEC):
+                                        yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * rs[0]))
+                                    for v in T.vectorized(VEC):
+                                        ys[(j * NW + warp) * D + (i * 32 + lane) * VEC + v] = yl[v]
+                                    for v in T.vectorized(VEC):
+                                        y[t0 + j * NW + warp, (i * 32 + lane) * VEC + v] = yl[v]
+                    T.tvm_storage_sync("shared")
+                    # ---- each warp: the logits of experts warp, warp + NW, ... for all TB rows
+                    for e0 in T.serial((E + NW - 1) // NW):
+                        if e0 * NW + warp < E:
+                            for k in T.unroll(TB):
+                                acc[k] = T.float32(0)
+                            for i in T.unroll(RIT):
+                                if rfull or (i * 32 + lane) * RVEC < D:
+                                    if ed:
+                                        for v in T.vectorized(RVEC):
+                                            rl[v] = rows[e0 * NW + warp, (i * 32 + lane) * RVEC + v]
+                                    else:
+                                        for v in T.unroll(RVEC):
+                                            rl[v] = rows[(i * 32 + lane) * RVEC + v, e0 * NW + warp]
+                                    for k in T.unroll(TB):
+                                        for v in T.vectorized(RVEC):
+                                            sl[v] = ys[k * D + (i * 32 + lane) * RVEC + v]
+                                        for v in T.unroll(RVEC):
+                                            acc[k] = acc[k] + _f32(sl[v]) * _f32(rl[v])
+                            for k in T.unroll(TB):
+                                for r in T.unroll(5):
+                                    acc[k] = acc[k] + shfl(acc[k], T.shift_right(16, r))
+                            if lane == 0:
+                                for k in T.unroll(TB):
+                                    if t0 + k < n32:
+                                        if has_bias:
+                                            logits[t0 + k, e0 * NW + warp] = T.Cast(spec.logits_dtype, acc[k] + _f32(bias[e0 * NW + warp]))
+                                        else:
+                                            logits[t0 + k, e0 * NW + warp] = T.Cast(spec.logits_dtype, acc[k])
+
+    return _signature(spec, body)
+
+
 def _signature(spec: NormRouterSpec, body):
     """The PrimFunc around ``body``: (x, w, rows, [bias], y, logits), or with ``residual`` (ra, rb, w, rows, [bias],
     x, y, logits); T dynamic."""
@@ -321,4 +448,4 @@ def reference(x, w, rows, bias, eps: float, y_dtype=None, logits_dtype=None, row
     return y, logits.astype(logits_dtype or np.float32)
 
 
-__all__ = ["NormRouterSpec", "check_supported", "launch_config", "make_norm_router", "reference"]
+__all__ = ["NormRouterSpec", "check_supported", "launch_config", "make_norm_router", "prefill_spec", "reference"]

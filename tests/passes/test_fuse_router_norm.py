@@ -93,6 +93,68 @@ def test_cuda_form_one_kernel_and_nvcc():
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 
 
+@pytest.mark.parametrize("spec,tokens", [
+    (NormRouterSpec(256, 12, 1e-5, *["bfloat16"] * 4, "float32", bias_dtype="float32"), 8),
+    (NormRouterSpec(256, 12, 1e-5, *["bfloat16"] * 4, "float32", bias_dtype="float32"), 0),
+    (NormRouterSpec(200, 6, 1e-6, rows_layout="de"), 3),
+    (NormRouterSpec(256, 10, 1e-5, *["bfloat16"] * 5, residual=True), 5),
+], ids=["bf16-bias-tokens8", "bf16-bias-per-token", "fp32-transposed-tokens3", "bf16-residual-tokens5"])
+def test_cuda_forms_emulated(spec, tokens):
+    """The CUDA forms on the CPU emulation of their generated code (tests/cuda_emu.py), against NumPy: the per-token
+    form (a block per token and logit group) and the multi-token form of prefill chunks (``tokens`` rows a block,
+    ``prefill_spec``), with a partial last block (11 and 21 rows), experts not a multiple of the 8 warps, rows not a
+    multiple of the lanes' chunks, the router transposed, and the residual add."""
+    from dataclasses import replace
+
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = replace(spec, tokens=tokens)
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "cuda")}),
+                                    target=make_target("cuda", "sm_90")).mod)[0].inspect_source("cuda")
+    kern = EmulatedKernel(src, "norm_router_kernel")
+    cfg = launch_config(spec)
+    rng = np.random.default_rng(tokens)
+    for t in (11, 21):
+        x, w, rows, bias = _kernel_args(spec, t, seed=t)
+        y = np.full((t, spec.hidden), np.nan, NP[spec.y_dtype])
+        logits = np.full((t, spec.outputs), np.nan, NP[spec.logits_dtype])
+        args = {"w": w, "rows": rows, "y": y, "logits": logits, "N": t}
+        if bias is not None:
+            args["bias"] = bias
+        if spec.residual:
+            ra = (rng.standard_normal((t, spec.hidden)) * 3).astype(NP[spec.x_dtype])
+            rb = rng.standard_normal((t, spec.hidden)).astype(NP[spec.x_dtype])
+            x = (ra.astype(np.float32) + rb.astype(np.float32)).astype(NP[spec.x_dtype])
+            args.update(ra=ra, rb=rb, x=np.zeros_like(x))
+        else:
+            args["x"] = x
+        grid = (-(-t // tokens), 1, 1) if tokens else (t, cfg["blocks_per_row"], 1)
+        kern(grid, cfg["threads"], **{k: (v.view(np.uint16) if isinstance(v, np.ndarray) and v.dtype == ml_dtypes.bfloat16 else v)
+                                      for k, v in args.items()})
+        if spec.residual:
+            np.testing.assert_array_equal(args["x"], x)
+        want_y, want_l = reference(x, w, rows, bias, spec.eps, NP[spec.y_dtype], NP[spec.logits_dtype], spec.rows_layout)
+        tol = 1e-5 if spec.y_dtype == "float32" else 1e-2
+        np.testing.assert_allclose(y.astype(np.float32), want_y.astype(np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(logits.astype(np.float32), want_l.astype(np.float32), rtol=tol, atol=tol * 10)
+
+
+def test_prefill_spec_rows_a_block():
+    from moec.schedules.kernels.norm_router import prefill_spec
+
+    assert prefill_spec(NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5)).tokens == 8  # OLMoE: 8 rows of 4 KB
+    assert prefill_spec(NormRouterSpec(4096, 8, 1e-5, *["bfloat16"] * 5)).tokens == 4  # Mixtral
+    assert prefill_spec(NormRouterSpec(4096, 8, 1e-5)).tokens == 2  # float32 rows
+    wide = NormRouterSpec(16384, 8, 1e-5)
+    assert prefill_spec(wide) == wide  # a 64 KB row: the per-token form
+    cfg = launch_config(prefill_spec(NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5)))
+    assert cfg["threads"] == 256 and cfg["tokens_per_block"] == 8 and cfg["shared_bytes"] == 8 * 2048 * 2
+    with pytest.raises(MoecError, match="tokens must be 0"):
+        NormRouterSpec(64, 8, 1e-5, tokens=17).check()
+
+
 def test_kernel_refusals():
     with pytest.raises(MoecError, match="x_dtype must be one of"):
         make_norm_router(NormRouterSpec(64, 8, 1e-5, x_dtype="int8"))
@@ -321,7 +383,7 @@ def _decode_launches(imported, fuse: bool, cascade: bool) -> tuple[collections.C
         if name in per_func:
             launches[key[name]] += per_func[name]
             names[key[name]] = name
-    return launches, names
+    return launches, names, text
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +395,10 @@ def imported(zoo):
 def test_cuda_decode_one_launch_for_norm_and_router(imported, cascade):
     """Everything but the norm + router region is the same in both builds: the launches only one build has
     are that region's. Unfused, each layer's norm and (coarse) router take >= 2 launches; fused, exactly one."""
-    (unfused, un), (fused, fn) = _decode_launches(imported, False, cascade), _decode_launches(imported, True, cascade)
+    (unfused, un, _), (fused, fn, text) = _decode_launches(imported, False, cascade), _decode_launches(imported, True, cascade)
+    # the prefill entry's kernels are the multi-token form (8 rows of 64 float32 a block), decode's a block per token
+    prefill = text[text.index("@prefill:"):].split("\n\n")[0]
+    assert re.findall(r"call\s+(norm_router\w*)\s+in:", prefill) == ["norm_router_t8"] * 2
     only_unfused, only_fused = unfused - fused, fused - unfused
     layers = 2
     assert {fn[k] for k in only_fused} == {"norm_router"} and sum(only_fused.values()) == layers  # one launch per layer
