@@ -145,9 +145,11 @@ def test_prefill_spec_rows_a_block():
     from moec.schedules.kernels.norm_router import prefill_spec
 
     assert prefill_spec(NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5)).tokens == 8  # OLMoE: 8 rows of 4 KB
-    assert prefill_spec(NormRouterSpec(4096, 8, 1e-5, *["bfloat16"] * 5)).tokens == 4  # Mixtral
-    assert prefill_spec(NormRouterSpec(4096, 8, 1e-5)).tokens == 2  # float32 rows
-    wide = NormRouterSpec(16384, 8, 1e-5)
+    assert prefill_spec(NormRouterSpec(4096, 16, 1e-5, *["bfloat16"] * 5)).tokens == 4  # 4 rows of 8 KB
+    assert prefill_spec(NormRouterSpec(4096, 16, 1e-5)).tokens == 2  # float32 rows
+    mixtral = NormRouterSpec(4096, 8, 1e-5, *["bfloat16"] * 5)
+    assert prefill_spec(mixtral) == mixtral  # 8 experts: one block a token already reads the row once
+    wide = NormRouterSpec(16384, 64, 1e-5)
     assert prefill_spec(wide) == wide  # a 64 KB row: the per-token form
     cfg = launch_config(prefill_spec(NormRouterSpec(2048, 64, 1e-5, *["bfloat16"] * 5)))
     assert cfg["threads"] == 256 and cfg["tokens_per_block"] == 8 and cfg["shared_bytes"] == 8 * 2048 * 2
@@ -215,6 +217,23 @@ def _entry(x_shape=("n", None), norm="rsqrt", bias=False, rows_layout="ed", mean
                 out = bb.emit_output(relax.Tuple([h, logits]))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def test_ir_prefill_entry_takes_multi_token_form(monkeypatch):
+    # on CUDA, with more experts than the per-token form's warps, the prefill entry's kernel is the multi-token form
+    # (norm_router_t<rows>), decode's the per-token one; on llvm both are the serial form
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "E", 16)
+    one = _entry()["decode"]
+    mod = tvm.IRModule({"decode": one, "prefill": one.with_attr("global_symbol", "prefill")})
+    for target, want in ((make_target("cuda", "sm_90"), {"decode": "norm_router", "prefill": "norm_router_t8"}),
+                         (LLVM, {"decode": "norm_router", "prefill": "norm_router"})):
+        p = FuseRouterIntoNorm(target)
+        after = p(mod)
+        got = {entry: [c.args[0].name_hint for c in _tir_calls(after[entry])] for entry in ("decode", "prefill")}
+        assert got == {k: [v] for k, v in want.items()}, got
+        assert sorted(spec.tokens for spec in p.kernels) == ([0, 8] if target.kind.name == "cuda" else [0])
 
 
 def _fuse(mod, target=LLVM):
@@ -396,7 +415,8 @@ def test_cuda_decode_one_launch_for_norm_and_router(imported, cascade):
     """Everything but the norm + router region is the same in both builds: the launches only one build has
     are that region's. Unfused, each layer's norm and (coarse) router take >= 2 launches; fused, exactly one."""
     (unfused, un, _), (fused, fn, text) = _decode_launches(imported, False, cascade), _decode_launches(imported, True, cascade)
-    # the prefill entry's kernels are the multi-token form (8 rows of 64 float32 a block), decode's a block per token
+    # the prefill entry's kernels are the multi-token form (prefill_spec: a row of 64 float32 is one warp's, so the
+    # per-token form spreads a token's 8 logits, or 4 coarse ones, over as many blocks), 8 rows a block
     prefill = text[text.index("@prefill:"):].split("\n\n")[0]
     assert re.findall(r"call\s+(norm_router\w*)\s+in:", prefill) == ["norm_router_t8"] * 2
     only_unfused, only_fused = unfused - fused, fused - unfused
