@@ -27,14 +27,15 @@ expert id is outside [0, E) (after the numpy/ONNX wrap of negative ids) belong t
 
 Forms (``target``): "llvm", serial loops (CPU builds and CI); "cuda":
 
-  * route_prep: one block of 32 warps (fewer for experts past 320, ``prep_warps``). Warp w owns a contiguous
-    chunk of the S slots and reads it 32 at a time; a ``__ballot_sync`` per expert counts its lanes, kept in
-    a register of the expert's lane (lane l owns experts l, l + 32, ...). Then a thread per expert totals
-    the warps' counts (through shared memory) and the offsets are the exclusive prefix of the totals; an
-    expert's lane starts each warp at the offset plus the earlier warps' counts. A second read of the chunk
-    places each slot at its expert's next place (shuffled from the expert's lane) plus the lanes below it
-    with the same expert (``__match_any_sync``). The same stable order as the llvm form; no atomics; every
-    warp busy at once (before, a warp per expert scanned all S slots twice, a chain of dependent loads).
+  * route_prep: one block of 32 warps (fewer for experts past 159, ``prep_warps``; at most PREP_MAX_EXPERTS). Warp
+    w owns a contiguous chunk of the S slots and reads it 32 at a time; the lanes holding one expert find each
+    other (``__match_any_sync``) and the lowest of them adds their number to the warp's count of the expert in
+    shared memory ([warp][E + 1]: the lanes with nothing to add write column E, so every lane makes the same
+    shared accesses and the barriers TVM places stay out of branches). Then a thread per expert totals the warps'
+    counts, the offsets are the exclusive prefix of the totals, and each warp's places of the expert start at the
+    offset plus the earlier warps' counts. A second read of the chunk places each slot at its expert's next place
+    plus the lanes below it with the same expert, and the lowest of them moves the place on. The same stable order
+    as the llvm form; no atomics; one match a 32 slots (before, a ballot per expert: 64 for OLMoE).
   * gate_up / down: a grid of (output tiles, E) blocks of NW warps; the block of (tile, e) reads
     ``offsets[e], offsets[e + 1]`` and exits at once if the expert has no token (its weights are never
     read). Warp w owns one output column (gate and up rows j and I + j; or a row d of W2). Its tokens go
@@ -70,12 +71,14 @@ DTYPES = ("float32", "float16", "bfloat16")
 ID_DTYPES = ("int32", "int64")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PREP_WARPS = 32
-PREP_SHARED = 40960  # bytes of the per-warp expert histograms of route_prep's CUDA form
+PREP_SHARED = 40960  # bytes of the per-warp expert counts and places of route_prep's CUDA form
+PREP_MAX_EXPERTS = 2048  # route_prep's CUDA form: its one block's shared memory holds the counts of this many
 
 
 def prep_warps(experts: int) -> int:
-    """Warps of route_prep's CUDA form: 32, fewer where their [warps, E] int32 histograms would not fit PREP_SHARED."""
-    return max(1, min(PREP_WARPS, PREP_SHARED // (4 * experts)))
+    """Warps of route_prep's CUDA form: 32, fewer where their [warps, E + 1] int32 counts and places (two arrays)
+    would not fit PREP_SHARED."""
+    return max(1, min(PREP_WARPS, PREP_SHARED // (8 * (experts + 1))))
 
 
 # the block-tiled forms' shapes (``_tile_mainloop``)
@@ -200,8 +203,9 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
     spec.check()
     if target not in ("llvm", "cuda"):
         raise MoecError(f"grouped_experts: target must be 'llvm' or 'cuda', got {target!r}")
-    if target == "cuda" and spec.experts > 32 * 1024:
-        raise MoecError(f"grouped_experts: {spec.experts} experts exceed the route_prep kernel's shared counts")
+    if target == "cuda" and spec.experts > PREP_MAX_EXPERTS:
+        raise MoecError(f"grouped_experts: {spec.experts} experts exceed the {PREP_MAX_EXPERTS} whose counts the route_prep "
+                        "kernel's shared memory holds")
     if target == "cuda" and spec.tiled:
         for kernel in ("gate_up", "down"):
             if not mma_eligible(spec, kernel):
@@ -297,9 +301,6 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
     NWP = prep_warps(E)
     EPW = -(-E // 32)  # experts each lane counts for its warp: lane l owns experts l, l + 32, ...
 
-    def ballot(pred):
-        return T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF), pred)
-
     def match(v):
         return T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), v)
 
@@ -308,17 +309,6 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
 
     def below(lane):  # the lanes under ``lane``
         return (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)
-
-    def shfl(v, src):
-        return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
-
-    @T.macro
-    def count(run, loc, lane):
-        """Add the warp's lanes holding each expert x (``loc[0]``) to ``run[x // 32]`` of x's lane."""
-        for x in T.unroll(E):
-            loc[1] = popc(ballot(loc[0] == x))
-            if lane == x % 32:
-                run[x // 32] = run[x // 32] + loc[1]
 
     @T.prim_func(s_tir=True)
     def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
@@ -332,25 +322,28 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                 with T.sblock("route_prep"):
                     T.reads()
                     T.writes()
-                    hist = T.sblock_alloc_buffer((NWP * E,), "int32", scope="shared")  # [warp][expert]
+                    # [warp][expert + 1]: each warp's count, then next place, of each expert; column E takes the
+                    # lanes with nothing to add (so every lane runs the same shared accesses: no branch to sync inside)
+                    hist = T.sblock_alloc_buffer((NWP * (E + 1),), "int32", scope="shared")
+                    place = T.sblock_alloc_buffer((NWP * (E + 1),), "int32", scope="shared")  # (next places, alike)
                     tot = T.sblock_alloc_buffer((E,), "int32", scope="shared")  # slots of each expert
-                    first = T.sblock_alloc_buffer((E,), "int32", scope="shared")  # the expert's first place
-                    run = T.sblock_alloc_buffer((EPW,), "int32", scope="local")  # counts, then places, of this lane's experts
-                    loc = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                    loc = T.sblock_alloc_buffer((5,), "int32", scope="local")
                     lane: T.let[T.int32] = tx % 32
                     warp: T.let[T.int32] = tx // 32
                     S: T.let[T.int32] = T.Cast("int32", N * K)
                     CH: T.let[T.int32] = ((S + NWP - 1) // NWP + 31) // 32 * 32  # slots per warp: a contiguous chunk
-                    # ---- counts per warp: 32 slots at a time, a ballot per expert, counted by the expert's lane
-                    for j in T.unroll(EPW):
-                        run[j] = 0
+                    for j in T.serial(EPW + 1):
+                        if j * 32 + lane <= E:
+                            hist[warp * (E + 1) + j * 32 + lane] = 0
+                    # ---- counts per warp: 32 slots at a time; the lanes holding one expert find each other (match), and
+                    # the lowest of them adds their number to the warp's count of it
                     for c in T.serial(CH // 32):
                         s = warp * CH + c * 32 + lane
                         loc[0] = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E), -1)
-                        count(run, loc, lane)
-                    for j in T.unroll(EPW):
-                        if j * 32 + lane < E:
-                            hist[warp * E + j * 32 + lane] = run[j]
+                        loc[1] = T.Cast("int32", match(loc[0]))
+                        loc[4] = T.if_then_else(_in_range(loc[0], E) and (T.Cast("uint32", loc[1]) & below(lane)) == T.uint32(0),
+                                                warp * (E + 1) + T.max(loc[0], 0), warp * (E + 1) + E)
+                        hist[loc[4]] = hist[loc[4]] + popc(T.Cast("uint32", loc[1]))
                     T.tvm_storage_sync("shared")
                     # ---- offsets: a thread per expert totals its warps' counts, then sums the totals before it; each
                     # warp's count becomes where its slots of that expert start (stable: warps hold ascending slots)
@@ -359,7 +352,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                         if e < E:
                             loc[2] = 0
                             for w in T.serial(NWP):
-                                loc[2] = loc[2] + hist[w * E + e]
+                                loc[2] = loc[2] + hist[w * (E + 1) + e]
                             tot[e] = loc[2]
                     T.tvm_storage_sync("shared")
                     for i in T.serial((E + 32 * NWP - 1) // (32 * NWP)):
@@ -368,31 +361,25 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                             loc[2] = 0
                             for q in T.serial(e2):
                                 loc[2] = loc[2] + tot[q]
-                            first[e2] = loc[2]
                             offsets[e2] = loc[2]
                             if e2 == E - 1:
                                 offsets[E] = loc[2] + tot[e2]
+                            for w in T.serial(NWP):  # warp w's slots of the expert start after the earlier warps'
+                                place[w * (E + 1) + e2] = loc[2]
+                                loc[2] = loc[2] + hist[w * (E + 1) + e2]
                     T.tvm_storage_sync("shared")
-                    # ---- the order: a slot goes to its expert's next place in the warp (kept by the expert's lane:
-                    # the expert's first place plus the earlier warps' counts) plus the lanes below it with the expert
-                    for j in T.unroll(EPW):
-                        run[j] = 0
-                        if j * 32 + lane < E:
-                            run[j] = first[j * 32 + lane]
-                            for w in T.serial(warp):
-                                run[j] = run[j] + hist[w * E + j * 32 + lane]
+                    # ---- the order: a slot goes to its expert's next place in the warp plus the lanes below it with the
+                    # expert; then the lowest of those lanes moves the place on by their number
                     for c in T.serial(CH // 32):
                         s2 = warp * CH + c * 32 + lane
                         loc[0] = T.if_then_else(s2 < S, _norm_id(ids[T.min(s2, S - 1) // K, T.min(s2, S - 1) % K], E), -1)
-                        loc[2] = 0
-                        for j in T.unroll(EPW):
-                            loc[3] = shfl(run[j], T.max(loc[0], 0) % 32)
-                            if T.max(loc[0], 0) // 32 == j:
-                                loc[2] = loc[3]
-                        loc[1] = T.Cast("int32", match(loc[0]))  # (every lane: a warp collective outside the branch)
+                        loc[1] = T.Cast("int32", match(loc[0]))
+                        loc[2] = place[warp * (E + 1) + T.if_then_else(_in_range(loc[0], E), loc[0], E)]
                         if _in_range(loc[0], E):
                             order[loc[2] + popc(T.Cast("uint32", loc[1]) & below(lane))] = s2
-                        count(run, loc, lane)
+                        loc[4] = T.if_then_else(_in_range(loc[0], E) and (T.Cast("uint32", loc[1]) & below(lane)) == T.uint32(0),
+                                                warp * (E + 1) + T.max(loc[0], 0), warp * (E + 1) + E)
+                        place[loc[4]] = loc[2] + popc(T.Cast("uint32", loc[1]))
 
     return moe_route_prep
 

@@ -586,8 +586,9 @@ def test_mma_forms_emulated(t, launch):
                                                   (512, 4, 50, "int64")])
 def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
     """route_prep's CUDA form on the emulator against the stable counting sort: warps owning contiguous chunks of
-    slots, a ballot per expert, a partial last chunk, experts not a multiple of 32 and more than 320 (fewer
-    warps: ``prep_warps``), negative ids that wrap and ids that belong to no expert."""
+    slots, the lanes of one expert found by a match and counted by the lowest of them, a partial last chunk, experts
+    not a multiple of 32 and more than 159 (fewer warps: ``prep_warps``), negative ids that wrap and ids that belong
+    to no expert."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
@@ -605,4 +606,6 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
     want_off, want_order = reference_route(ids, experts)
     np.testing.assert_array_equal(offsets, want_off)
     np.testing.assert_array_equal(order[: want_off[-1]], want_order)
-    assert prep_warps(experts) == (32 if experts <= 320 else 40960 // (4 * experts))
+    assert prep_warps(experts) == (32 if experts <= 159 else 40960 // (8 * (experts + 1)))
+    with pytest.raises(MoecError, match="exceed the 2048 whose counts"):
+        _build(GroupedExpertsSpec(hidden=64, inter=64, experts=2049, top_k=k), "cuda")
