@@ -178,6 +178,22 @@ def _make_llvm(spec: NormRouterSpec):
     return _signature(spec, body)
 
 
+def _router_row(ed: bool, rvec: int):
+    """A TIR macro ``router_row(rows, rl, e, d0)``: rl[0 .. rvec - 1] = router row e's elements d0 .. d0 + rvec - 1
+    (16-byte loads of rows [E, D]; element loads of rows given as [D, E])."""
+
+    @T.macro
+    def router_row(rows, rl, e, d0):
+        if ed:
+            for v in T.vectorized(rvec):
+                rl[v] = rows[e, d0 + v]
+        else:
+            for v in T.unroll(rvec):
+                rl[v] = rows[d0 + v, e]
+
+    return router_row
+
+
 def _make_cuda(spec: NormRouterSpec):
     D, E, eps = spec.hidden, spec.outputs, float(spec.eps)
     has_bias, ed = spec.bias_dtype is not None, spec.rows_layout == "ed"
@@ -185,6 +201,7 @@ def _make_cuda(spec: NormRouterSpec):
     NT, NW, NB, VEC, RVEC, IT, RIT = (cfg[k] for k in ("threads", "warps", "blocks_per_row", "vec", "rows_vec", "iters", "rows_iters"))
     full = D % (NT * VEC) == 0  # every thread has IT whole chunks (no bounds checks)
     rfull = D % (32 * RVEC) == 0
+    router_row = _router_row(ed, RVEC)
 
     def shfl(v, o):
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
@@ -258,12 +275,7 @@ def _make_cuda(spec: NormRouterSpec):
                             acc[0] = T.float32(0)
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
-                                    if ed:
-                                        for v in T.vectorized(RVEC):
-                                            rl[v] = rows[b * NW + warp, (i * 32 + lane) * RVEC + v]
-                                    else:
-                                        for v in T.unroll(RVEC):
-                                            rl[v] = rows[(i * 32 + lane) * RVEC + v, b * NW + warp]
+                                    router_row(rows, rl, b * NW + warp, (i * 32 + lane) * RVEC)
                                     for v in T.vectorized(RVEC):
                                         sl[v] = ys[(i * 32 + lane) * RVEC + v]
                                     for v in T.unroll(RVEC):
@@ -287,6 +299,7 @@ def _make_cuda_tokens(spec: NormRouterSpec):
     full = D % (32 * VEC) == 0  # every lane has IT whole chunks of a row
     rfull = D % (32 * RVEC) == 0
     RPW = -(-TB // NW)  # rows a warp normalises
+    router_row = _router_row(ed, RVEC)
 
     def shfl(v, o):
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
@@ -352,12 +365,7 @@ def _make_cuda_tokens(spec: NormRouterSpec):
                                 acc[k] = T.float32(0)
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
-                                    if ed:
-                                        for v in T.vectorized(RVEC):
-                                            rl[v] = rows[e0 * NW + warp, (i * 32 + lane) * RVEC + v]
-                                    else:
-                                        for v in T.unroll(RVEC):
-                                            rl[v] = rows[(i * 32 + lane) * RVEC + v, e0 * NW + warp]
+                                    router_row(rows, rl, e0 * NW + warp, (i * 32 + lane) * RVEC)
                                     for k in T.unroll(TB):
                                         for v in T.vectorized(RVEC):
                                             sl[v] = ys[k * D + (i * 32 + lane) * RVEC + v]
