@@ -530,8 +530,8 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
                                       (300, {"stages": 4, "row_tiles": 1, "n_tiles": 2, "pass_blocks": True}),
                                       (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True}),
                                       (300, {"stages": 6, "row_tiles": 1, "dyn_shared": 6 * 24576}),
-                                      (37, {"tiled": True}), (700, {"tiled": True}), (700, {"tiled": True, "tile_stages": 2}),
-                                      (700, {"tiled": True, "tile_stages": 5}), (700, {"tiled": True, "tile_k": 64, "tile_stages": 4})])
+                                      (37, {"tiled": True}), (700, {"tiled": True}), (300, {"tiled": True, "tile_stages": 2}),
+                                      (300, {"tiled": True, "tile_stages": 5}), (700, {"tiled": True, "tile_k": 64, "tile_stages": 4})])
 def test_mma_forms_emulated(t, launch):
     """The mma.sync kernels on the CPU emulation of tests/cuda_emu.py. The register form and the cp.async form (4
     stages) matched numpy on the H200 (``test_cuda_matches_numpy_on_gpu``, ``test_cuda_pipe_form_matches_numpy_on_gpu``):
@@ -540,7 +540,8 @@ def test_mma_forms_emulated(t, launch):
     per expert, 3 warps leave row blocks past the rows; and 6 stages in dynamic shared memory (``dyn_shared``: a stage
     of gate_up is 24 KB here, so static shared memory holds 2). The block-tiled forms (``tiled``) with rings of 2 to 5
     stages of k 32 or 64 (past 48 KB in dynamic shared memory; down's 2 k-steps of 64 fewer than 4 stages), over
-    experts with one and with two token tiles."""
+    experts with one token tile (300 tokens) and with two (700: the next tile's first stages refill a ring the last
+    tile's steps read)."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
