@@ -162,7 +162,7 @@ def test_cuda_forms_build_for_sm90():
     assert bodies["moe_gate_up_kernel"].count("mma.sync") == 64 and bodies["moe_down_kernel"].count("mma.sync") == 32
     # the operands mma reads are 16-bit arrays (a uint4-typed array would scale the fragment offsets by 16 bytes)
     assert not re.search(r"uint4 \w+_ptr\[", src) and re.findall(r"\(unsigned \*\)\((\w+)_ptr \+", src)
-    assert "__ballot_sync" in src and "__popc" in src and "atomicAdd" not in src  # deterministic, no atomics
+    assert "__match_any_sync" in src and "__popc" in src and "atomicAdd" not in src  # deterministic, no atomics
     with make_target("cuda", "sm_90"):
         assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
 
