@@ -89,10 +89,10 @@ class _Rewriter(relax.PyExprMutator):
     def __init__(self, mod, matches: dict, kernel, groups: list | None = None) -> None:
         super().__init__(mod)
         self.matches = matches  # matmul var -> (x, W, spec)
-        self.kernel = kernel  # (spec, parts or None) -> kernel GlobalVar
+        self.kernel = kernel  # (spec, parts or None, tiled) -> kernel GlobalVar
         self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
         self.merged = {mv for mvs in groups or [] for mv in mvs[1:]}  # the others: their values come from the run
-        self.tiled: dict = {}  # matmul var -> (spec -> the block-tiled kernel's GlobalVar), the prefill's tiled layers
+        self.tiled: set = set()  # matmul vars taking the block-tiled kernel (the prefill's, ``prefill_tiled``)
 
     def _rows(self, x, k):
         xs = shape_of(x)
@@ -121,21 +121,19 @@ class _Rewriter(relax.PyExprMutator):
             specs = [self.matches[mv][2] for mv in run]
             parts = tuple(sp.out_features for sp in specs)
             total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype)
-            ys = bb.emit(relax.call_tir(self.kernel(total, parts), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
+            ys = bb.emit(relax.call_tir(self.kernel(total, parts, False), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
                                         out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts]))
             for i, (mv, n) in enumerate(zip(run, parts)):
                 self.set_var_remap(mv, self._unflatten(bb.emit(relax.TupleGetItem(ys, i)), xs, n))
             return
-        kernel = self.tiled[binding.var](spec) if binding.var in self.tiled else self.kernel(spec, None)
-        y = bb.emit(relax.call_tir(kernel, [x2, self.visit_expr(w)],
+        y = bb.emit(relax.call_tir(self.kernel(spec, None, binding.var in self.tiled), [x2, self.visit_expr(w)],
                                    out_ty=relax.TensorType([rows, spec.out_features], spec.out_dtype)))
         self.set_var_remap(binding.var, self._unflatten(y, xs, spec.out_features))
 
 
 def _tiled_ok(spec: DenseSpec) -> bool:
     """Whether the prefill entry takes the block-tiled form for this layer (``InsertDenseGEMM(prefill_tiled=True)``)."""
-    return spec.out_features < WIDE_OUT_FEATURES and tiled_eligible(spec.out_features, spec.in_features, spec.x_dtype) is None \
-        and spec.x_dtype == spec.w_dtype
+    return spec.out_features < WIDE_OUT_FEATURES and tiled_eligible(spec.out_features, spec.in_features, spec.x_dtype) is None
 
 
 def _make(key, form: str):
@@ -212,8 +210,8 @@ class InsertDenseGEMM:
             groups = _groups(g, {mv: m for mv, m in matches.items() if mv not in tiled}) if self.merge else []
             self.merged[gv.name_hint] = [len(run) for run in groups]
             rewriter = _Rewriter(out, matches, None, groups)
-            rewriter.kernel = lambda spec, parts, b=rewriter.builder_: kernels.get(b, (spec, parts, False))
-            rewriter.tiled = {mv: (lambda spec, b=rewriter.builder_: kernels.get(b, (spec, None, True))) for mv in tiled}
+            rewriter.kernel = lambda spec, parts, tiled, b=rewriter.builder_: kernels.get(b, (spec, parts, tiled))
+            rewriter.tiled = tiled
             new_func = rewriter.visit_expr(func)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()

@@ -553,7 +553,6 @@ class InsertGroupedExperts:
     def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
                  weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None,
                  prefill_tiled: bool = False) -> None:
-        self.prefill_tiled = bool(prefill_tiled)
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
         check_offload_options(expert_slots, memory_budget)
@@ -562,6 +561,7 @@ class InsertGroupedExperts:
         if expert_weights is not None and weights is None:
             raise MoecError("InsertGroupedExperts: converting the expert weights needs their values (weights=)")
         self.target, self.source = target, source
+        self.prefill_tiled = bool(prefill_tiled)
         self.expert_weights, self.weights = expert_weights, weights
         self.converted: dict[str, dict] = {}  # weight name -> {"dtype": ..., "scale": name or None}
         self._arrays: dict[str, object] = {}  # converted arrays by (new) weight name

@@ -206,13 +206,8 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
     if target == "cuda" and spec.experts > PREP_MAX_EXPERTS:
         raise MoecError(f"grouped_experts: {spec.experts} experts exceed the {PREP_MAX_EXPERTS} whose counts the route_prep "
                         "kernel's shared memory holds")
-    if target == "cuda" and spec.tiled:
-        for kernel in ("gate_up", "down"):
-            if not mma_eligible(spec, kernel):
-                raise MoecError(f"grouped_experts: tiled needs the mma form of {kernel} (16-bit weights and activations of one dtype)")
-        if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % spec.tile_k or spec.inter % spec.tile_k:
-            raise MoecError(f"grouped_experts: tiled needs the expert width a multiple of {max(TILE_ROWS // 2, spec.tile_k)} "
-                            f"and the hidden size of {TILE_ROWS} (got {spec.inter}, {spec.hidden})")
+    if target == "cuda" and spec.tiled and (why := tiled_unsupported(spec)) is not None:
+        raise MoecError(f"grouped_experts: tiled needs {why}")
     if target == "cuda" and _staged(spec) and not spec.tiled:
         for kernel in ("gate_up", "down"):
             if mma_eligible(spec, kernel) and mma_stages(spec, kernel)[0] < 2:
@@ -299,7 +294,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
         return moe_route_prep
 
     NWP = prep_warps(E)
-    EPW = -(-E // 32)  # experts each lane counts for its warp: lane l owns experts l, l + 32, ...
+    EPW = -(-E // 32)  # 32-column strips of a warp's [E + 1] row (each lane zeroes its column of each)
 
     def match(v):
         return T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), v)
@@ -309,6 +304,11 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
 
     def below(lane):  # the lanes under ``lane``
         return (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)
+
+    def lead_at(e, mask, lane, warp):
+        """The warp's [E + 1] column this lane updates: its expert's if it is the lowest lane holding it, else E."""
+        lead = T.And(_in_range(e, E), (T.Cast("uint32", mask) & below(lane)) == T.uint32(0))
+        return T.if_then_else(lead, warp * (E + 1) + T.max(e, 0), warp * (E + 1) + E)
 
     @T.prim_func(s_tir=True)
     def moe_route_prep(ids_h: T.handle, off_h: T.handle, order_h: T.handle):
@@ -341,8 +341,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                         s = warp * CH + c * 32 + lane
                         loc[0] = T.if_then_else(s < S, _norm_id(ids[T.min(s, S - 1) // K, T.min(s, S - 1) % K], E), -1)
                         loc[1] = T.Cast("int32", match(loc[0]))
-                        loc[4] = T.if_then_else(_in_range(loc[0], E) and (T.Cast("uint32", loc[1]) & below(lane)) == T.uint32(0),
-                                                warp * (E + 1) + T.max(loc[0], 0), warp * (E + 1) + E)
+                        loc[4] = lead_at(loc[0], loc[1], lane, warp)
                         hist[loc[4]] = hist[loc[4]] + popc(T.Cast("uint32", loc[1]))
                     T.tvm_storage_sync("shared")
                     # ---- offsets: a thread per expert totals its warps' counts, then sums the totals before it; each
@@ -377,8 +376,7 @@ def make_route_prep(spec: GroupedExpertsSpec, target: str = "llvm"):
                         loc[2] = place[warp * (E + 1) + T.if_then_else(_in_range(loc[0], E), loc[0], E)]
                         if _in_range(loc[0], E):
                             order[loc[2] + popc(T.Cast("uint32", loc[1]) & below(lane))] = s2
-                        loc[4] = T.if_then_else(_in_range(loc[0], E) and (T.Cast("uint32", loc[1]) & below(lane)) == T.uint32(0),
-                                                warp * (E + 1) + T.max(loc[0], 0), warp * (E + 1) + E)
+                        loc[4] = lead_at(loc[0], loc[1], lane, warp)
                         place[loc[4]] = loc[2] + popc(T.Cast("uint32", loc[1]))
 
     return moe_route_prep
@@ -442,15 +440,15 @@ PREFILL_TILES = 8  # NT of the prefill entry's mma forms: 64 tokens per weight p
 
 
 def tiled_unsupported(spec: GroupedExpertsSpec) -> str | None:
-    """Why the block-tiled forms (``tiled``) cannot serve ``spec`` on CUDA, or None."""
+    """What the block-tiled forms (``tiled``) need on CUDA that ``spec`` lacks (completing "tiled needs ..."), or None."""
+    if spec.w_format != "float" or not spec.tensor_cores:
+        return "16-bit weights on tensor cores (w_format float, tensor_cores)"
     for kernel in ("gate_up", "down"):
         if not mma_eligible(spec, kernel):
-            return f"no mma form of {kernel} (16-bit weights and activations of one dtype)"
-    if spec.w_format != "float" or not spec.tensor_cores:
-        return "weights not 16-bit floats on tensor cores"
+            return f"the mma form of {kernel} (16-bit weights and activations of one dtype)"
     if spec.inter % (TILE_ROWS // 2) or spec.hidden % TILE_ROWS or spec.hidden % spec.tile_k or spec.inter % spec.tile_k:
-        return (f"expert width {spec.inter} not a multiple of {max(TILE_ROWS // 2, spec.tile_k)} or hidden size {spec.hidden} "
-                f"not one of {TILE_ROWS}")
+        return (f"the expert width a multiple of {max(TILE_ROWS // 2, spec.tile_k)} and the hidden size of {TILE_ROWS} "
+                f"(got {spec.inter}, {spec.hidden})")
     return None
 
 
@@ -1064,10 +1062,10 @@ def _tile_mainloop(dtype: str, steps: int, b_row, tile_k: int = TILE_K, stages: 
     @T.macro
     def issue(xs, ws, st, kc, tx, tok_at, w_at):
         for j in T.unroll(NJ):  # 128 token rows and 128 weight rows of TK elements: CH chunks of 16 bytes a row
-            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_TOKENS + (j * 256 + tx) // CH) * RS + tx % CH * 8]),
+            T.evaluate(T.ptx[cp](T.address_of(xs[(st * TILE_TOKENS + tile_copy_row(j, tx, TK)) * RS + tx % CH * 8]),
                                  T.address_of(tok_at(j, kc * TK + tx % CH * 8)), 16))
-            T.evaluate(T.ptx[cp](T.address_of(ws[WO + (st * TILE_ROWS + (j * 256 + tx) // CH) * RS + tx % CH * 8]),
-                                 T.address_of(w_at((j * 256 + tx) // CH, kc * TK + tx % CH * 8)), 16))
+            T.evaluate(T.ptx[cp](T.address_of(ws[WO + (st * TILE_ROWS + tile_copy_row(j, tx, TK)) * RS + tx % CH * 8]),
+                                 T.address_of(w_at(tile_copy_row(j, tx, TK), kc * TK + tx % CH * 8)), 16))
 
     @T.macro
     def tiles(xs, ws, af, bf, acc, tx, tok_at, w_at):
