@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grouped_experts import _device_name, _torch_ms, cold_kernels_us, copy_bandwidth  # noqa: E402
 
+DYN = 232448  # grouped_experts.DYN_SMEM_LIMIT: the stages take what they ask, up to sm_90's 227 KB a block
 SHAPES = {"olmoe_proj": (2048, 2048), "olmoe_lm_head": (50304, 2048), "mixtral_proj": (4096, 4096),
           "mixtral_lm_head": (32000, 4096)}  # N, K
 TOKENS = (1, 16, 64, 128, 4096)
@@ -49,12 +50,41 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_tiled_k32s2": {"tiled": True, "tile_k": 32, "stages": 2}, "_tiled_k32s4": {"tiled": True, "tile_k": 32, "stages": 4},
             "_tiled_k64s3": {"tiled": True, "tile_k": 64, "stages": 3}, "_tiled_k64s4": {"tiled": True, "tile_k": 64, "stages": 4},
             "_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
-            "_s16d": {"stages": 16, "dyn_shared": 16 * 12288}, "_s8dnt8": {"stages": 8, "n_tiles": 8, "dyn_shared": 8 * 16384}}
-QKV_ALL = ("merged", "separate", "merged_s8d", "merged_s12d")
-QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288}}
+            "_s16d": {"stages": 16, "dyn_shared": 16 * 12288}, "_s8dnt8": {"stages": 8, "n_tiles": 8, "dyn_shared": 8 * 16384},
+            # k groups (``DenseSpec.k_groups``): G groups of warps a block over their own k ranges, summed at the end;
+            # the stages in dynamic shared memory (as many as asked, up to 227 KB with the sums)
+            "_s4g2": {"stages": 4, "k_groups": 2, "dyn_shared": DYN}, "_s4g4": {"stages": 4, "k_groups": 4, "dyn_shared": DYN},
+            "_s2g4": {"stages": 2, "k_groups": 4, "dyn_shared": DYN}, "_s3g4": {"stages": 3, "k_groups": 4, "dyn_shared": DYN},
+            "_s4w2g2": {"stages": 4, "warps": 2, "k_groups": 2, "dyn_shared": DYN},
+            "_s4w2g4": {"stages": 4, "warps": 2, "k_groups": 4, "dyn_shared": DYN},
+            "_s3w1g8": {"stages": 3, "warps": 1, "k_groups": 8, "dyn_shared": DYN},
+            "_s4nt2g4": {"stages": 4, "n_tiles": 2, "k_groups": 4, "dyn_shared": DYN},
+            "_s4nt8g2": {"stages": 4, "n_tiles": 8, "k_groups": 2, "dyn_shared": DYN}}
+QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
+             "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
+             "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"]}
+QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
 QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 1024), 4096)}  # parts, K
+
+
+def select(variants: str | None) -> None:
+    """Keep only the named launch forms (comma-separated suffixes, ``base`` for the register form, ``_s4`` for the
+    compiled one; q/k/v forms ``merged``, ``separate``, ``merged_*``): fewer kernels to build. ``prepare`` records the
+    choice in the directory's index.json and ``run`` times what was built."""
+    global QKV_ALL
+    if not variants:
+        return
+    names = {("" if v == "base" else v) for v in variants.split(",")}
+    unknown = names - set(VARIANTS) - set(QKV_ALL)
+    if unknown:
+        raise SystemExit(f"unknown forms: {', '.join(sorted(unknown))}")
+    for v in [v for v in VARIANTS if v not in names]:
+        del VARIANTS[v]
+    for f in [f for f in QKV_FORMS if f not in names]:
+        del QKV_FORMS[f]
+    QKV_ALL = tuple(f for f in QKV_ALL if f in names)
 
 
 def build_module(kind: str):
@@ -116,7 +146,7 @@ def compile_module(target):
     return tvm.compile(build_module(kind), target=target, relax_pipeline=lowering_pipeline(target, names))
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, variants: str | None = None) -> None:
     from moec.compiler.artifact import atomic_directory
     from moec.compiler.build import _compile_cuda_kernels
     from moec.compiler.targets import make_target
@@ -126,7 +156,7 @@ def prepare(out: Path) -> None:
         ex = compile_module(target)
         kernels = _compile_cuda_kernels(ex, target, tmp, progress=True)
         ex.export_library(str(tmp / "lib.so"))
-        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels}, indent=2))
+        (tmp / "index.json").write_text(json.dumps({"cuda_kernels": kernels, "variants": variants}, indent=2))
 
 
 def _vm(root: Path, device: str):
@@ -207,7 +237,7 @@ def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -
     wbytes = sum(parts) * k * 2
     row = {"shape": name, "parts": list(parts), "K": k, "tokens": m, "errors": errs, "passed": max(errs.values()) < 1e-2,
            "ms": ms, "weight_bytes": wbytes, "GBps_weights": {f: wbytes / v / 1e6 for f, v in ms.items()},
-           "merged_speedup": ms["separate"] / ms["merged"]}
+           "merged_speedup": ms["separate"] / ms["merged"] if "separate" in ms and "merged" in ms else None}
     if device == "cuda":
         row["cold_us"] = cold_us({f: (lambda fn=vm[f"{name}_{f}"]: fn(*args)) for f in QKV_ALL})
         row["cold_GBps_weights"] = {f: wbytes / v / 1e3 for f, v in row["cold_us"].items()}
@@ -224,10 +254,19 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(QKV)))
+    ap.add_argument("--variants", help="prepare: only these launch forms (comma-separated, see select())")
     args = ap.parse_args()
     if args.step == "prepare":
-        prepare(args.dir)
+        select(args.variants)
+        for table in (SHAPES, QKV):  # only the shapes asked for are built
+            for name in [n for n in table if n not in args.shapes.split(",")]:
+                del table[name]
+        prepare(args.dir, args.variants)
         return 0
+    if args.device == "cuda":
+        select(json.loads((args.dir / "index.json").read_text()).get("variants"))
+    else:
+        select(args.variants)
     import torch
 
     doc = {"benchmark": "dense_gemm", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,

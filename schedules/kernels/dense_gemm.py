@@ -26,7 +26,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
-from .grouped_experts import (_MMA_TYPE, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
+from .grouped_experts import (_MMA_TYPE, DYN_SMEM_LIMIT, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
                               _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared, check_tile, tile_buffer, tile_copy_row, tile_scope)
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -48,6 +48,9 @@ class DenseSpec:
     l2_prefetch: int = 256  # cp.async stages: the L2::<n>B prefetch hint of the weight copies (0 none, 64, 128, 256)
     dyn_shared: int = 0  # cp.async stages: 0, static shared memory (at most SMEM_LIMIT bytes); else the stages live in
     #                      dynamic shared memory of at most this many bytes (sm_90: up to grouped_experts.DYN_SMEM_LIMIT), for more in flight
+    k_groups: int = 1  # cp.async stages: G groups of NW warps a block, each over K / G of the k range (its own stages),
+    #                    their sums added through shared memory at the end: G times the warps on the same tiles, a
+    #                    G times shorter chain of k-steps (decode batches give few blocks: 128 tokens x 2048 rows is 128)
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -62,6 +65,16 @@ class DenseSpec:
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 16:
             raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..16, got {self.stages!r}")
         check_dyn_shared(self.dyn_shared, "dense_gemm")
+        if self.k_groups not in K_GROUPS:
+            raise MoecError(f"dense_gemm: k_groups must be one of {', '.join(map(str, K_GROUPS))}, got {self.k_groups!r}")
+        if self.k_groups > 1:
+            if not self.stages:
+                raise MoecError("dense_gemm: k_groups > 1 needs cp.async stages (stages >= 2)")
+            if 32 * self.warps * self.k_groups > 1024:
+                raise MoecError(f"dense_gemm: {self.warps} warps x {self.k_groups} k groups exceed 1024 threads a block")
+            if reduce_bytes(self) > SMEM_LIMIT:
+                raise MoecError(f"dense_gemm: the k groups' sums ({reduce_bytes(self)} bytes) exceed {SMEM_LIMIT} bytes of "
+                                "static shared memory; use fewer k groups or token tiles")
         if self.l2_prefetch not in (0, 64, 128, 256):
             raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         if self.stages and pipe_stages(self)[0] < 2:
@@ -72,6 +85,14 @@ class DenseSpec:
         return asdict(self)
 
 
+K_GROUPS = (1, 2, 4, 8)
+
+
+def reduce_bytes(spec: DenseSpec) -> int:
+    """Static shared memory of the k groups' sums: groups 1..G-1's float32 accumulators, G - 1 x 32 NW x 4 RT NT."""
+    return (spec.k_groups - 1) * 32 * spec.warps * 4 * spec.row_tiles * spec.n_tiles * 4
+
+
 def eligible(spec: DenseSpec) -> str | None:
     """None if the kernel takes ``spec``, else why not (the tensor-core form's conditions, on every target)."""
     if spec.w_dtype not in _MMA_TYPE:
@@ -80,6 +101,8 @@ def eligible(spec: DenseSpec) -> str | None:
         return f"activations {spec.x_dtype} and weight {spec.w_dtype} differ in dtype"
     if spec.in_features % MMA_K:
         return f"{spec.in_features} input features are not a multiple of {MMA_K}"
+    if spec.in_features % (MMA_K * spec.k_groups):
+        return f"{spec.in_features} input features do not split into {spec.k_groups} k groups of multiples of {MMA_K}"
     if spec.out_features % 16:
         return f"{spec.out_features} output features are not a multiple of 16"
     return None
@@ -107,12 +130,15 @@ def shared_limit(spec: DenseSpec) -> int:
 
 def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
     """``(stages, shared bytes per stage)`` of the cp.async form: at most ``spec.stages``, as many as fit in
-    ``shared_limit(spec)`` (0: the register form). A stage is one k-step of 64: each warp's RT tiles of 16 rows x
-    128 bytes and the pass's 8 NT token rows x 128 bytes."""
-    per_stage = spec.warps * spec.row_tiles * 16 * MMA_K * 2 + 8 * spec.n_tiles * MMA_K * 2
+    ``shared_limit(spec)`` (0: the register form). A stage is one k-step of 64 of each k group: each warp's RT
+    tiles of 16 rows x 128 bytes and the pass's 8 NT token rows x 128 bytes."""
+    per_stage = (spec.warps * spec.row_tiles * 16 * MMA_K * 2 + 8 * spec.n_tiles * MMA_K * 2) * spec.k_groups
     if not spec.stages:
         return 0, per_stage
-    n = min(spec.stages, shared_limit(spec) // per_stage)
+    # the k groups' sums take static shared memory beside the stages (a block's static and dynamic together: at most
+    # DYN_SMEM_LIMIT)
+    room = SMEM_LIMIT - reduce_bytes(spec) if not spec.dyn_shared else min(spec.dyn_shared, DYN_SMEM_LIMIT - reduce_bytes(spec))
+    n = min(spec.stages, room // per_stage)
     return (n if n >= 2 else 0), per_stage
 
 
@@ -121,9 +147,12 @@ def launch_config(spec: DenseSpec) -> dict:
     if spec.stages:
         st, per = pipe_stages(spec)
         form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
-        return {"form": form, "stages": st, "shared_bytes": st * per,
-                "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)), "threads": 32 * spec.warps,
-                "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles, "steps": spec.in_features // MMA_K}
+        if spec.k_groups > 1:
+            form += f", {spec.k_groups} k groups"
+        return {"form": form, "stages": st, "shared_bytes": st * per + reduce_bytes(spec),
+                "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
+                "threads": 32 * spec.warps * spec.k_groups, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
+                "steps": spec.in_features // MMA_K // spec.k_groups, "k_groups": spec.k_groups}
     return {"form": "mma.sync m16n8k16", "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
             "threads": 32 * spec.warps, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
             "steps": spec.in_features // MMA_K}
@@ -187,35 +216,68 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     # ``chunk // 8`` of the pass). Tiles, grid and epilogue are the register form's.
     S = pipe_stages(spec)[0]
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step (staged form)
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch) if S else _mma_mainloop()
+    # ``spec.k_groups`` G: warps NW g .. NW (g + 1) - 1 run the k-steps [g KC / G, (g + 1) KC / G) of the same tiles,
+    # each group with its own token stages; groups 1..G-1 leave their sums in ``red`` for group 0 to add and store
+    G = spec.k_groups
+    KG, KO = KC // G, K // G  # k-steps and input features of a group
+    A = RT * 4 * NT  # accumulators a thread
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, G, S * NW * G * RT * 1024) if S else _mma_mainloop()
     XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
     # the cp.async stages (a one-element placeholder in the register form); past 48 KB in dynamic shared memory
     SSC = ("shared.dyn" if spec.dyn_shared else "shared") if S else "local"
     SW = S * NW * RT * 1024 if S else 1  # [stage][warp][tile][rh][c][lane][8]
     SX = S * TOK * 64 if S else 1  # [stage][token][chunk (swizzled)][8]
+    if G > 1:  # one buffer: the weight stages of all warps, then each group's token stages (two buffers of the k-group
+        #        form in dynamic shared memory were laid over each other by TVM's merge of dynamic shared allocations)
+        SW, SX = S * NW * G * RT * 1024 + G * S * TOK * 64, 1
+    RED, RSC = ((G - 1) * A * 32 * NW, "shared") if G > 1 else (1, "local")  # [group - 1][accumulator][thread of the group]
+
+    def grp(tx):  # the thread's k group
+        return tx // (32 * NW)
+
+    def tl(tx):  # the thread's index within its k group
+        return tx if G == 1 else tx % (32 * NW)
+
+    def kofs(k, tx):  # input feature k of the thread's group
+        return k if G == 1 else grp(tx) * KO + k
 
     @T.macro
-    def part(x, w, y, n_out, bbl, pb, tx, wa, af, xb, xf, acc, ws, xs):
-        # the block's rows [bbl ROWS, bbl ROWS + ROWS) of w [n_out, K] against the pass's tokens, into y
-        lane: T.let[T.int32] = tx % 32
-        g: T.let[T.int32] = lane // 4
-        q: T.let[T.int32] = lane % 4
-        rb: T.let[T.int32] = bbl * ROWS + (tx // 32) * (RT * 16)
-        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
-        nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
-        if S > 0:
-            mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, XL,
-                     lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, k],
-                     lambda j: (j * 32 * NW + tx) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, k], ab)
-        else:
-            mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out,
-                     lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
+    def store(y, n_out, rb, p0, nv, g, q, acc):
         for r in T.unroll(RT):
             if rb + r * 16 < n_out:
                 for n in T.unroll(NT):
                     for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
                         if n * 8 + 2 * q + c % 2 < nv:
                             y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+
+    @T.macro
+    def part(x, w, y, n_out, bbl, pb, tx, wa, af, xb, xf, acc, ws, xs, red):
+        # the block's rows [bbl ROWS, bbl ROWS + ROWS) of w [n_out, K] against the pass's tokens, into y
+        lane: T.let[T.int32] = tx % 32
+        g: T.let[T.int32] = lane // 4
+        q: T.let[T.int32] = lane % 4
+        rb: T.let[T.int32] = bbl * ROWS + (tl(tx) // 32) * (RT * 16)
+        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
+        nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
+        if S > 0:
+            mainloop(ws, ws if G > 1 else xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KG, S, NW * G, XL,
+                     lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, kofs(k, tx)],
+                     lambda j: (j * 32 * NW + tl(tx)) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tl(tx)) // 8, kofs(k, tx)], ab)
+        else:
+            mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out,
+                     lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
+        if G > 1:
+            if grp(tx) > 0:
+                for i in T.unroll(A):
+                    red[((grp(tx) - 1) * A + i) * 32 * NW + tl(tx)] = acc[i]
+            T.tvm_storage_sync("shared")
+            if grp(tx) == 0:
+                for j in T.unroll(G - 1):
+                    for i in T.unroll(A):
+                        acc[i] = acc[i] + red[(j * A + i) * 32 * NW + tx]
+                store(y, n_out, rb, p0, nv, g, q, acc)
+        else:
+            store(y, n_out, rb, p0, nv, g, q, acc)
 
     if len(outs) == 1:
         @T.prim_func(s_tir=True)
@@ -227,7 +289,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             y = T.match_buffer(y_h, (M, N), odt)
             for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
                 for bb in T.thread_binding(NBY, thread="blockIdx.y"):
-                    for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
                         with T.sblock("dense"):
                             T.reads()
                             T.writes()
@@ -238,7 +300,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
                             acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                             ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
                             xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
-                            part(x, w, y, N, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                            red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
+                            part(x, w, y, N, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
 
         return dense_gemm
 
@@ -256,7 +319,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             y2 = T.match_buffer(y2_h, (M, N2), odt)
             for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
                 for bb in T.thread_binding(NB1 + NB2, thread="blockIdx.y"):
-                    for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                    for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
                         with T.sblock("dense"):
                             T.reads()
                             T.writes()
@@ -267,10 +330,11 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
                             acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
                             ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
                             xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
+                            red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
                             if bb < NB1:  # block-uniform: each block's rows lie in one weight
-                                part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                                part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
                             else:
-                                part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                                part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
 
         return dense_gemm2
 
@@ -291,7 +355,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
         y3 = T.match_buffer(y3_h, (M, N3), odt)
         for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
             for bb in T.thread_binding(NB1 + NB2 + NB3, thread="blockIdx.y"):
-                for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
+                for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
                     with T.sblock("dense"):
                         T.reads()
                         T.writes()
@@ -302,12 +366,13 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
                         ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
                         xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
+                        red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
                         if bb < NB1:
-                            part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                            part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
                         elif bb < NB1 + NB2:
-                            part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                            part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
                         else:
-                            part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, wa, af, xb, xf, acc, ws, xs)
+                            part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
 
     return dense_gemm3
 

@@ -590,7 +590,7 @@ def _mma_mainloop(widen=None):
     return mainloop
 
 
-def _mma_pipe_mainloop(l2_prefetch: int = 0):
+def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0):
     """The k loop of the cp.async forms of gate_up and down (``spec.stages``), as a TIR macro.
 
     Same tiles, fragments and k permutation as ``_mma_mainloop``, but each k-step's operands go through shared
@@ -607,12 +607,30 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
     load phase read rows g, g + 1: disjoint banks). One ``__syncthreads`` per step: after step kc's group
     has landed (``cp.async.wait_group S - 2``) and before step kc + S - 1's copies overwrite the stage that
     step kc - 1 read. Tokens of a tile past ``nv`` read stale shared memory: their mma columns are never
-    stored. Rows of tiles with ``not tile_ok(t)`` are neither copied nor multiplied."""
+    stored. Rows of tiles with ``not tile_ok(t)`` are neither copied nor multiplied.
+
+    ``k_groups`` G > 1 (``dense_gemm``'s k split within a block): ``nw`` counts the block's warps, G groups of
+    ``nw // G`` that each run this loop over their own k range (the caller's ``w_at`` / ``x_at`` add the group's k
+    offset and ``x_ok`` / ``x_at`` number chunks by the thread's index within its group). Weight slots are the
+    warp's own as before; each group copies its token rows into its own ``xs`` region (``stages * tok * 64``
+    elements, group ``tx // (32 nw / G)``, from element ``x_base`` on: the caller may pass one buffer as ``ws`` and
+    ``xs``), the chunks numbered within the group. All groups take the same number of steps, so the block's barriers
+    stay uniform."""
     cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
     cpx = "cp.async.cg.shared.global"
+    assert isinstance(k_groups, int) and k_groups >= 1, f"k_groups {k_groups!r}"
+
+    def xt_of(tx, nw):  # the thread's index within its group
+        return tx if k_groups == 1 else tx % (32 * (nw // k_groups))
+
+    def xn_of(nw):  # the warps of a group
+        return nw // k_groups
+
+    def xoff(idx, tx, nw, tok, stages):  # idx in the group's own token stages
+        return idx if k_groups == 1 else idx + x_base + (tx // (32 * (nw // k_groups))) * (stages * tok * 64)
 
     @T.macro
-    def issue(ws, xs, st, kc, tx, g, q, tiles, tok, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at):
+    def issue(ws, xs, st, kc, tx, g, q, tiles, tok, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at, stages):
         for t in T.unroll(tiles):
             if tile_ok(t):
                 for rh in T.unroll(2):
@@ -621,12 +639,13 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
                             T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8]),
                             T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * 8)), 16))
         for j in T.unroll(xl):
-            if (tok * 8) % (32 * nw) == 0 or j * 32 * nw + tx < tok * 8:
+            if (tok * 8) % (32 * xn_of(nw)) == 0 or j * 32 * xn_of(nw) + xt_of(tx, nw) < tok * 8:
                 if x_ok(j):
                     T.evaluate(T.ptx[cpx](
-                        T.address_of(xs[((st * tok + (j * 32 * nw + tx) // 8) * 8 + ((tx % 8) // 4 + (j * 32 * nw + tx) // 8) % 2 * 4
-                                         + tx % 4) * 8]),
-                        T.address_of(x_at(j, kc * 64 + (tx % 8) * 8)), 16))
+                        T.address_of(xs[xoff(((st * tok + (j * 32 * xn_of(nw) + xt_of(tx, nw)) // 8) * 8
+                                              + ((xt_of(tx, nw) % 8) // 4 + (j * 32 * xn_of(nw) + xt_of(tx, nw)) // 8) % 2 * 4
+                                              + xt_of(tx, nw) % 4) * 8, tx, nw, tok, stages)]),
+                        T.address_of(x_at(j, kc * 64 + (xt_of(tx, nw) % 8) * 8)), 16))
 
     @T.macro
     def mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, tiles, nt, steps, stages, nw, xl, tile_row, tile_ok, w_at, x_ok,
@@ -636,14 +655,14 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
         T.tvm_storage_sync("shared")  # the previous pass's last steps are read: its stages may be refilled
         for s0 in T.unroll(stages - 1):
             if s0 < steps:
-                issue(ws, xs, s0, s0, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at)
+                issue(ws, xs, s0, s0, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at, stages)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         for kc in T.serial(steps):
             T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
             T.tvm_storage_sync("shared")
             if kc + stages - 1 < steps:
                 issue(ws, xs, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok,
-                      w_at, x_ok, x_at)
+                      w_at, x_ok, x_at, stages)
             T.evaluate(T.ptx["cp.async.commit_group"]())
             for t in T.unroll(tiles):
                 if tile_ok(t):
@@ -660,7 +679,8 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0):
                 if n * 8 < nv:
                     for c in T.unroll(2):
                         for v in T.vectorized(8):
-                            xb[c * 8 + v] = xs[(((kc % stages) * nt * 8 + n * 8 + g) * 8 + (c + g) % 2 * 4 + q) * 8 + v]
+                            xb[c * 8 + v] = xs[xoff((((kc % stages) * nt * 8 + n * 8 + g) * 8 + (c + g) % 2 * 4 + q) * 8 + v, tx, nw,
+                                                    nt * 8, stages)]
                     for i in T.unroll(16):
                         xf[i] = xb[i]
                     for t in T.unroll(tiles):

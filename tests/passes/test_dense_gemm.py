@@ -461,3 +461,71 @@ def test_cuda_dynamic_shared_stages_emulated(stages, n_tiles):
     with pytest.raises(MoecError, match="stages must be"):
         DenseSpec(64, 64, stages=17, dyn_shared=100000).check()
     assert pipe_stages(DenseSpec(64, 64, stages=16, n_tiles=n_tiles, dyn_shared=5 * per)) == (5, per)  # as many as fit
+
+
+@pytest.mark.parametrize("k_groups, warps, stages, n_tiles, k", [(2, 4, 4, 4, 128), (2, 4, 3, 2, 640), (4, 2, 4, 4, 1024),
+                                                                    (8, 1, 2, 8, 512)])
+def test_cuda_k_groups_emulated(k_groups, warps, stages, n_tiles, k):
+    """``k_groups``: G groups of warps a block, each over its own k range with its own token stages, summed through
+    shared memory. On the CPU emulation of the generated code, against NumPy: a group with one k-step (fewer than its
+    stages: 128 / 2), with more (640 / 2: 5), a partial last pass and one token; the k-groups' sums are in static
+    shared memory, the stages in dynamic shared memory where past 48 KB; nvcc accepts it."""
+    from cuda_emu import EmulatedKernel
+    from tvm.support import nvcc
+
+    from moec.schedules.kernels.dense_gemm import pipe_stages, reduce_bytes
+
+    n = 96
+    per = (warps * 16 * 64 * 2 + 8 * n_tiles * 64 * 2) * k_groups
+    dyn = stages * per if stages * per > 49152 else 0
+    spec = DenseSpec(out_features=n, in_features=k, warps=warps, stages=stages, n_tiles=n_tiles, k_groups=k_groups, dyn_shared=dyn)
+    assert pipe_stages(spec) == (stages, per)
+    cfg = launch_config(spec)
+    assert cfg["threads"] == 32 * warps * k_groups and cfg["steps"] == k // 64 // k_groups
+    assert cfg["shared_bytes"] == stages * per + reduce_bytes(spec)
+    src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda")}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert f"__launch_bounds__({32 * warps * k_groups})" in src and ("extern __shared__" in src) == bool(dyn)
+    if k_groups == 4:
+        with make_target("cuda", "sm_90"):
+            assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    kern = EmulatedKernel(src, "dense_gemm_kernel")
+    for m in (1, 37):
+        rng = np.random.default_rng(m + k)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+        y = np.full((m, n), np.nan, np.float32)  # every element must be written
+        kern((-(-m // cfg["tokens_per_block"]), cfg["blocks"][1], 1), cfg["threads"], x=x.view(np.uint16), w=w.view(np.uint16), y=y, M=m)
+        np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-3)
+
+
+def test_cuda_k_groups_merged_emulated():
+    """The q/k/v launch (three weights) with k groups: each row block's groups sum into the right weight's output."""
+    from cuda_emu import EmulatedKernel
+
+    parts, k = (64, 32, 32), 256
+    spec = DenseSpec(out_features=sum(parts), in_features=k, stages=2, n_tiles=2, k_groups=2)  # static shared memory
+    src = tvm.compile(tvm.IRModule({"dense_gemm3": make_dense(spec, "cuda", parts)}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    kern = EmulatedKernel(src, "dense_gemm3_kernel")
+    cfg = launch_config(spec)
+    m = 19
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    ws = [rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16) for n in parts]
+    ys = [np.full((m, n), np.nan, np.float32) for n in parts]
+    blocks = sum(-(-n // 64) for n in parts)
+    kern((-(-m // cfg["tokens_per_block"]), blocks, 1), cfg["threads"], x=x.view(np.uint16), w1=ws[0].view(np.uint16),
+         w2=ws[1].view(np.uint16), w3=ws[2].view(np.uint16), y1=ys[0], y2=ys[1], y3=ys[2], M=m)
+    for w, y in zip(ws, ys):
+        np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-3)
+
+
+def test_k_groups_refusals():
+    with pytest.raises(MoecError, match="k_groups must be one of"):
+        DenseSpec(64, 128, stages=4, k_groups=3).check()
+    with pytest.raises(MoecError, match="needs cp.async stages"):
+        DenseSpec(64, 128, k_groups=2).check()
+    with pytest.raises(MoecError, match="exceed 1024 threads"):
+        DenseSpec(64, 1024, warps=8, stages=2, k_groups=8, dyn_shared=200000).check()
+    with pytest.raises(MoecError, match="static shared memory"):
+        DenseSpec(64, 1024, warps=4, n_tiles=8, stages=2, k_groups=8, dyn_shared=200000).check()
+    assert "do not split into 4 k groups" in eligible(DenseSpec(64, 192, stages=4, k_groups=4))
