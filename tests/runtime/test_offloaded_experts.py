@@ -340,3 +340,19 @@ def test_cuda_stream_copies_match_resident_on_gpu(arts, tmp_path):
             np.testing.assert_array_equal(g, w)
         # this model's copies are 24 KB, bound by latency: 0.94 GB/s on the H200 (bench/results/gpu_tests_h200_5c1bc86.json)
         assert e.experts.waits + e.experts.ready > 0 and e.experts.copy_bandwidth() > 1e8
+
+
+def test_dropped_engine_frees_its_experts(arts):
+    """An engine's offloaded experts (slot pools, pinned host weights) go with the engine: the residency hook keeps
+    only a weak reference, so a later engine's first forward does not pay for freeing the last one's."""
+    import gc
+    import weakref
+
+    _, _, slots8, _ = arts
+    e, _ = _run(slots8, [[1, 2, 3]], 1)
+    store = weakref.ref(e.experts)
+    del e
+    gc.collect()
+    assert store() is None
+    e2, out = _run(slots8, [[1, 2, 3]], 1)  # the next engine's residency is its own
+    assert e2.experts.copies > 0 and np.isfinite(out[-1]).all()
