@@ -74,7 +74,7 @@ def compile(  # noqa: A001 - the public name users call
     tuning_db: str | Path | None = "auto",
     dense_gemm: bool = True,
     rms_norm: bool = True,
-    cuda_graph=False,
+    cuda_graph="auto",
     expert_slots: int | None = None,
     gpu_memory_budget: int | None = None,
     prefill_gemm: str = "auto",
@@ -159,13 +159,15 @@ def compile(  # noqa: A001 - the public name users call
         Bytes of device memory for the model's weights: when they do not all fit, the experts are offloaded
         (as ``expert_slots``) into as many slots as the budget leaves after the weights that stay on the device
         (attention, norms, routers, embeddings). The KV cache is not counted.
-    cuda_graph : bool | moec.passes.cuda_graph.GraphBounds
+    cuda_graph : "auto" | bool | moec.passes.cuda_graph.GraphBounds
         CUDA only: also build ``decode_graph``, the decode step with its kernel launches captured and
         replayed as CUDA graphs (``moec.passes.cuda_graph``), for steps of at most ``max_batch`` streams
         of at most ``max_context`` tokens (``True``: ``GraphBounds()``, 128 and 4096). Its intermediates
         get memory planned for those bounds, held while the engine lives. The engine uses it for the
         steps within the bounds (``moec.load(..., cuda_graph=False)`` turns it off) and the plain
-        ``decode`` for the rest. Off by default.
+        ``decode`` for the rest. "auto" (default): ``GraphBounds()`` for the CUDA target unless the experts
+        are offloaded (``expert_slots`` or ``gpu_memory_budget``: the runtime's residency calls between the
+        kernels cannot be replayed), otherwise off.
 
     Returns
     -------
@@ -194,7 +196,7 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"prefill GEMMs must be 'auto', 'streamed' or 'tiled', got {prefill_gemm!r}")
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
-    graph_bounds = _graph_bounds(cuda_graph)
+    graph_bounds = _graph_bounds(cuda_graph, tgt, expert_slots is not None or gpu_memory_budget is not None)
     if gpu_memory_budget is not None and (not isinstance(gpu_memory_budget, int) or isinstance(gpu_memory_budget, bool)
                                           or gpu_memory_budget < 1):
         raise MoecError(f"the device memory budget must be a positive number of bytes, got {gpu_memory_budget!r}")
@@ -418,10 +420,12 @@ class UnreplacedExperts(UserWarning):
     """Recognised MoE layers left in the imported (per-token weight gather) form."""
 
 
-def _graph_bounds(cuda_graph):
+def _graph_bounds(cuda_graph, tgt, offloading: bool):
     """The ``GraphBounds`` of the ``cuda_graph`` option (None when off)."""
     from ..passes.cuda_graph import GraphBounds
 
+    if isinstance(cuda_graph, str) and cuda_graph == "auto":
+        return GraphBounds() if tgt.kind.name == "cuda" and not offloading else None
     if cuda_graph is False or cuda_graph is None:
         return None
     if cuda_graph is True:

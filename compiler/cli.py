@@ -66,8 +66,11 @@ def cmd_compile(args) -> int:
 
 
 def _graph_bounds(args):
-    """``--cuda-graph`` with its bounds as ``moec.compile``'s ``cuda_graph`` (False when not given)."""
-    if not args.cuda_graph:
+    """``--cuda-graph`` / ``--no-cuda-graph`` with the bounds as ``moec.compile``'s ``cuda_graph``; neither: the default
+    (on for --target cuda unless the experts are offloaded)."""
+    if args.cuda_graph is False:
+        return False
+    if args.cuda_graph is None and (args.target != "cuda" or args.expert_slots is not None or args.gpu_memory_budget is not None):
         return False
     from ..passes.cuda_graph import GraphBounds
 
@@ -311,9 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MetaSchedule records from `moec tune`: auto (default) uses the target's database in the moec "
                         "cache if there is one; kernels without records keep the dlight rules")
     g = p.add_argument_group("CUDA graphs (--target cuda)")
-    g.add_argument("--cuda-graph", action="store_true",
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="also build the decode step as CUDA graphs (captured once per batch size and table widths, then "
-                        "replayed: no per-kernel launch or VM work); the engine uses them for steps within the bounds")
+                        "replayed: no per-kernel launch or VM work); the engine uses them for steps within the bounds. "
+                        "Default: on for --target cuda unless the experts are offloaded (--expert-slots, "
+                        "--gpu-memory-budget)")
     g.add_argument("--graph-max-batch", type=int, default=128, help="most streams in a step the graphs serve (memory is "
                                                                       "planned for it; default 128)")
     g.add_argument("--graph-max-context", type=int, default=4096,
@@ -437,8 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", default="1,16,64,128", help="comma-separated concurrent streams")
     p.add_argument("--contexts", default="512,1024,2048,4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--systems", default="moec-bf16,moec-fp8,moec-tiered,hf-compile",
-                   help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (each also as moec-<cache>-graph: "
-                        "built with --cuda-graph, and moec-<cache>-offload / -prefetch: experts offloaded into "
+                   help="comma-separated: moec-paged, moec-bf16, moec-fp8, moec-tiered (on CUDA with CUDA graphs, as "
+                        "moec compile's default; each also as moec-<cache>-nograph: built with --no-cuda-graph, and "
+                        "moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
                         "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident; "
                         "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed), "

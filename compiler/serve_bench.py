@@ -18,8 +18,11 @@ first such system's at the point (``tokens_vs``: offloaded experts must agree fu
 
   moec-paged | moec-bf16 | moec-fp8 | moec-tiered   the model exported with torch.export and compiled by
                                                     moec with that KV cache (artifacts kept in --work)
-  moec-<cache>-graph                                the same with ``--cuda-graph`` (bounds: the grid's largest
-                                                    streams and context): decode steps replay CUDA graphs
+                                                    (on CUDA with CUDA graphs, moec compile's default there, bounded
+                                                    by the grid's largest streams and context; not with offloaded
+                                                    experts)
+  moec-<cache>-nograph                              the same with ``--no-cuda-graph``: every kernel launched per step
+  moec-<cache>-graph                                the same as moec-<cache> (the graphs, now the default)
   moec-<cache>-fp8experts                           the routed experts' weights in FP8 e4m3 with per-channel
                                                     scales (``--expert-weights fp8``); its floor counts those bytes
   moec-<cache>-offload[-fp8]                        experts offloaded into ``--expert-slots`` device slots,
@@ -91,7 +94,7 @@ def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
     return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager",
+           "moec-tiered-graph", "moec-paged-nograph", "moec-bf16-nograph", "moec-fp8-nograph", "moec-tiered-nograph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager",
            "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
@@ -348,19 +351,20 @@ class _Moec:
         self.profile = profile
         self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
-        graph = False
-        if kind.endswith("-graph"):
+        offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
+        graph = False  # as moec compile's default: CUDA graphs on CUDA unless the experts are offloaded (or -nograph)
+        if device == "cuda" and not offload and not kind.endswith("-nograph"):
             from ..passes.cuda_graph import GraphBounds
 
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
-        offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
         fp8_experts = _fp8_experts(kind)
         from ..schedules.kernels.tiered_decode import DECODE_KERNELS
 
         decode_kernel = f"split-{kind.rsplit('-', 1)[-1]}"  # moec-tiered-<form>: --decode-kernel split-<form>
         decode_kernel = decode_kernel if decode_kernel in DECODE_KERNELS else None
         prefill_gemm = next((g for g in ("tiled", "streamed") if kind.endswith(f"-p{g}")), "auto")
-        tag = ("-graph" if graph else f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
+        tag = (f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
+            "-nograph" if kind.endswith("-nograph") else "") + (
             ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + (f"-p{prefill_gemm}" if prefill_gemm != "auto" else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():

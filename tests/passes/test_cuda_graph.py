@@ -208,3 +208,30 @@ def test_branches_end_regions():
     assert ["if"] in kinds and all(k == ["if"] or "if" not in k for k in kinds)
     assert sum(kinds, []) == sum([["if" if isinstance(b.value, relax.If) else "op" for b in block.bindings]
                                   for block in f.body.blocks], [])  # same bindings, same order
+
+
+def test_graphs_by_default_on_cuda():
+    """``cuda_graph="auto"`` (moec.compile's default) and the CLI without --[no-]cuda-graph: graphs for the CUDA target,
+    none for the CPU or where the experts are offloaded (the runtime's residency calls sit between the kernels)."""
+    import argparse
+
+    from moec.compiler.build import _graph_bounds
+    from moec.compiler.cli import _graph_bounds as cli_bounds
+    from moec.compiler.targets import make_target
+
+    cuda, cpu = make_target("cuda"), make_target("llvm")
+    assert _graph_bounds("auto", cuda, False) == GraphBounds()
+    assert _graph_bounds("auto", cuda, True) is None and _graph_bounds("auto", cpu, False) is None
+    assert _graph_bounds(False, cuda, False) is None and _graph_bounds(True, cuda, False) == GraphBounds()
+    with pytest.raises(MoecError, match="cuda_graph must be"):
+        _graph_bounds("on", cuda, False)
+
+    def args(**kw):
+        base = dict(cuda_graph=None, target="cuda", expert_slots=None, gpu_memory_budget=None, graph_max_batch=64,
+                    graph_max_context=2048)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert cli_bounds(args()) == GraphBounds(64, 2048)
+    assert cli_bounds(args(target="llvm")) is False and cli_bounds(args(expert_slots=8)) is False
+    assert cli_bounds(args(gpu_memory_budget=1 << 30)) is False and cli_bounds(args(cuda_graph=False)) is False
+    assert cli_bounds(args(cuda_graph=True, expert_slots=8)) == GraphBounds(64, 2048)  # refused later by compile

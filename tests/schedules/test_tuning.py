@@ -212,5 +212,7 @@ def test_cuda_tiered_compile_applies_records_without_a_gpu(tuned, tmp_path):
                        debug_dump=tmp_path / "dump")
     tuning = _manifest(art)["tuning"]
     assert tuning["applied"] > 0 and tuning["dispatched_call_sites"] > 0
+    # CUDA graphs are on by default for the CUDA target, and the tuned dispatch branches stay outside the regions
+    assert _manifest(art)["options"]["cuda_graph"]["bounds"] == {"max_batch": 128, "max_context": 4096}
     scheduled = (tmp_path / "dump" / "phase3_scheduled.py").read_text()
     assert re.search(r"if \w+ == 128:", scheduled) and "R.match_cast" in scheduled
