@@ -94,8 +94,8 @@ def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
     return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
-           "moec-tiered-graph", "moec-paged-nograph", "moec-bf16-nograph", "moec-fp8-nograph", "moec-tiered-nograph", "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager",
-           "hf-compile") + tuple(
+           "moec-tiered-graph", "moec-paged-nograph", "moec-bf16-nograph", "moec-fp8-nograph", "moec-tiered-nograph",
+           "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager", "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
     f"moec-{c}-{p}" for c in ("paged", "bf16", "fp8", "tiered") for p in ("ptiled", "pstreamed"))
