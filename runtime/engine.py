@@ -480,6 +480,7 @@ class Engine:
         logits = [[] for _ in seq_ids]
         # chunk so that no call exceeds the prefill chunk size; (index, seq, tokens, offset in prompt)
         pending = [(i, s, t, 0) for i, (s, t) in enumerate(zip(seq_ids, token_id_lists))]
+        outs = []  # (device logits of a chunk, the prompt of each row)
         while pending:
             batch, budget, rest = [], self.prefill_chunk, []
             for i, s, t, off in pending:
@@ -498,12 +499,17 @@ class Engine:
                         pos.append(base + p - off)
                         owners.append(i)
                 base += len(take)
-            out = self._run(self._prefill, [s for _, s, _, _ in batch], [t for _, _, t, _ in batch], pos or [base - 1])
-            for row, i in enumerate(owners):
-                logits[i].append(out[row])
+            # the logits stay on the device until every chunk is enqueued: the host prepares chunk i + 1 (page tables,
+            # input copies, launches) while the device runs chunk i, instead of waiting for it
+            outs.append((self._run(self._prefill, [s for _, s, _, _ in batch], [t for _, _, t, _ in batch], pos or [base - 1],
+                                   on_device=True), owners))
             pending = rest
             if self.tiered is not None:
                 self.tiered.rerank([s for _, s, _, _ in batch])  # the prompt's tokens compete for tier 1 now
+        for out, owners in outs:
+            host = out.numpy()[0]
+            for row, i in enumerate(owners):
+                logits[i].append(host[row])
         if logit_positions is None:
             return list(seq_ids), np.stack([rows[0] for rows in logits])
         vocab = self.vocab_size

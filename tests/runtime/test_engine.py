@@ -68,6 +68,33 @@ def test_batch_independence_and_chunked_prefill(zoo):
     assert chunked == alone
 
 
+def test_prefill_chunks_are_enqueued_before_any_logits_are_read(zoo):
+    """A chunked prefill keeps each chunk's logits on the device and reads them after the last chunk is enqueued, so
+    the host prepares a chunk while the device runs the one before (one readback at the end, not one per chunk)."""
+    art = zoo.artifact("tiny", "onnx")
+    e = moec.load(art, prefill_chunk=4)
+    events, run = [], e._run
+
+    class Logged:
+        def __init__(self, t):
+            self.t = t
+
+        def numpy(self):
+            events.append("read")
+            return self.t.numpy()
+
+    def logged_run(*args, **kw):
+        events.append("run")
+        out = run(*args, **kw)
+        return Logged(out) if kw.get("on_device") else out
+
+    e._run = logged_run
+    seqs, logits = e.prefill(PROMPTS)
+    assert events.count("run") > 2 and events.index("read") > len(events) - 1 - events[::-1].index("run")
+    want = moec.load(art).prefill(PROMPTS)[1]
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_cache_exhausted_is_a_clear_error(zoo):
     engine = moec.load(zoo.artifact("tiny", "onnx"), max_total_tokens=64, page_size=16, max_batch=4)
     with pytest.raises(CacheExhausted, match="exhausted"):
