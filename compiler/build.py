@@ -420,12 +420,18 @@ class UnreplacedExperts(UserWarning):
     """Recognised MoE layers left in the imported (per-token weight gather) form."""
 
 
+def graphs_by_default(target_kind: str, offloading: bool) -> bool:
+    """``cuda_graph="auto"``: CUDA graphs for the CUDA target unless the experts are offloaded (the runtime's residency
+    calls sit between the kernels, and a graph cannot replay them)."""
+    return target_kind == "cuda" and not offloading
+
+
 def _graph_bounds(cuda_graph, tgt, offloading: bool):
     """The ``GraphBounds`` of the ``cuda_graph`` option (None when off)."""
     from ..passes.cuda_graph import GraphBounds
 
     if isinstance(cuda_graph, str) and cuda_graph == "auto":
-        return GraphBounds() if tgt.kind.name == "cuda" and not offloading else None
+        return GraphBounds() if graphs_by_default(tgt.kind.name, offloading) else None
     if cuda_graph is False or cuda_graph is None:
         return None
     if cuda_graph is True:

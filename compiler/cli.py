@@ -68,11 +68,14 @@ def cmd_compile(args) -> int:
 def _graph_bounds(args):
     """``--cuda-graph`` / ``--no-cuda-graph`` with the bounds as ``moec.compile``'s ``cuda_graph``; neither: the default
     (on for --target cuda unless the experts are offloaded)."""
+    from ..passes.cuda_graph import GraphBounds
+    from .build import graphs_by_default
+
     if args.cuda_graph is False:
         return False
-    if args.cuda_graph is None and (args.target != "cuda" or args.expert_slots is not None or args.gpu_memory_budget is not None):
+    if args.cuda_graph is None and not graphs_by_default(args.target, args.expert_slots is not None
+                                                         or args.gpu_memory_budget is not None):
         return False
-    from ..passes.cuda_graph import GraphBounds
 
     return GraphBounds(max_batch=args.graph_max_batch, max_context=args.graph_max_context)
 

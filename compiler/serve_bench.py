@@ -352,10 +352,11 @@ class _Moec:
         self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
-        graph = False  # as moec compile's default: CUDA graphs on CUDA unless the experts are offloaded (or -nograph)
-        if device == "cuda" and not offload and not kind.endswith("-nograph"):
-            from ..passes.cuda_graph import GraphBounds
+        from ..passes.cuda_graph import GraphBounds
+        from .build import graphs_by_default
 
+        graph = False  # as moec compile's default (graphs on CUDA unless the experts are offloaded), or -nograph
+        if graphs_by_default(device, offload) and not kind.endswith("-nograph"):
             graph = GraphBounds(max_batch=max_streams, max_context=max_context or max_tokens)
         fp8_experts = _fp8_experts(kind)
         from ..schedules.kernels.tiered_decode import DECODE_KERNELS
