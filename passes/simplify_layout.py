@@ -1,4 +1,5 @@
-"""SimplifyLayout: consecutive ``permute_dims`` composed into one, identity permutations dropped.
+"""SimplifyLayout: consecutive ``permute_dims`` composed into one, identity permutations dropped, a widening cast
+and the cast back dropped.
 
 The attention passes hand each layer's output back in the model's heads-first layout ([1, H, N, Dh]) as a
 permute of the tokens-first one; the model's own ``transpose(1, 2)`` then permutes it straight back. Composed,
@@ -8,7 +9,10 @@ Expects: any Relax module. Guarantees: ``permute_dims(permute_dims(x, p), q)`` b
 ``permute_dims(x, p . q)`` (when the inner result has no other use it is left dead), also through casts (the
 cast then follows the permute), reshapes that keep the shape, and reshapes that add leading unit axes which
 the outer permute keeps in place; an identity permutation becomes ``x``, and so does ``broadcast_to`` of a
-tensor to its own shape. The values are unchanged. Nothing else changes.
+tensor to its own shape. ``astype(L(astype(y, wide)), dt)`` becomes ``L(y)`` where ``y`` is of ``dt``, ``wide`` holds
+every ``dt`` value exactly (float32 of float16 / bfloat16) and ``L`` is reshapes and permutes (the tiered decode
+kernel writes the 16-bit dtype a model narrows its attention output to; the float32 in between goes). The values
+are unchanged. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import tvm
 from tvm import relax
 
 from ..compiler.graph import same_dim, same_shape
+
+
+_EXACT_IN = {"float32": ("float16", "bfloat16"), "float64": ("float16", "bfloat16", "float32")}  # wide: its exact subsets
 
 
 def _axes(call: relax.Call, rank: int) -> list[int]:
@@ -76,8 +83,30 @@ class _Rewriter(relax.PyExprMutator):
             x, axes = self._alias(bound.args[0]), [first[a] for a in axes]  # out[i] = in[first[axes[i]]]
         return x if axes == list(range(rank)) else relax.op.permute_dims(x, axes)
 
+    def _unwidened(self, call: relax.Call):
+        """``astype(L(astype(y, wide)), dt)`` with ``y`` of ``dt``, ``wide`` holding every ``dt`` value exactly and ``L``
+        reshapes and permutes: ``L(y)``; else None."""
+        dt = str(call.attrs.dtype)
+        layout, x = [], self._alias(call.args[0])
+        while _op(self._bound(x), "relax.reshape") or _op(self._bound(x), "relax.permute_dims"):
+            layout.append(self._bound(x))
+            x = self._alias(self._bound(x).args[0])
+        inner = self._bound(x)
+        if not _op(inner, "relax.astype") or dt not in _EXACT_IN.get(str(inner.attrs.dtype), ()):
+            return None
+        y = self._alias(inner.args[0])
+        if getattr(y.ty, "dtype", None) != dt:
+            return None
+        for op in reversed(layout):
+            y = self._emitted(relax.op.reshape(y, op.args[1]) if _op(op, "relax.reshape") else
+                              relax.op.permute_dims(y, op.attrs.axes))
+        return y
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        if _op(call, "relax.astype"):  # a widening cast and the narrowing back: neither
+            y = self._unwidened(call)
+            return call if y is None else y
         if _op(call, "relax.broadcast_to"):  # to its own shape: the identity
             x = call.args[0]
             return x if _shape(x) is not None and same_shape(_shape(x), _shape(call)) else call
@@ -91,7 +120,7 @@ class _Rewriter(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="SimplifyLayout")
 class SimplifyLayout:
-    """Compose consecutive permutations; drop identities."""
+    """Compose consecutive permutations; drop identities and exact cast round trips."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _Rewriter(mod)

@@ -59,9 +59,19 @@ def _q2_level(packed, d):
     return q2_value((T.Cast("uint32", packed) >> T.Cast("uint32", (d % 4) * 2)) & T.uint32(3))
 
 
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check_out_dtype(out_dtype: str) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"tiered decode: out_dtype must be one of {', '.join(OUT_DTYPES)}, got {out_dtype!r}")
+
+
 def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
-                       target: str = "llvm"):
-    """The decode attention PrimFunc for one head configuration (``target``: "llvm")."""
+                       target: str = "llvm", out_dtype: str = "float32"):
+    """The decode attention PrimFunc for one head configuration (``target``: "llvm"); ``out`` in ``out_dtype``
+    (float32, or the model's 16-bit dtype: rounded once, as a cast after a float32 output would)."""
+    _check_out_dtype(out_dtype)
     if target != "llvm":
         raise NotImplementedError("the CUDA schedule of the tiered decode kernel is not built yet")
     H, HKV, D, PS1, PS2 = num_heads, num_kv_heads, head_dim, t1_page, t2_page
@@ -91,7 +101,7 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
         t1_len = T.match_buffer(t1len_h, (B,), "int32")
         t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
-        out = T.match_buffer(out_h, (B, H, D), "float32")
+        out = T.match_buffer(out_h, (B, H, D), out_dtype)
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
         T.match_buffer(pacc_h, (B, H, S, D), "float32")  # split partials: used by the CUDA form only
@@ -145,7 +155,7 @@ def make_tiered_decode(num_heads: int, num_kv_heads: int, head_dim: int, t1_page
                                     _q2_level(t2_v[layer, page2, hk, j, d // 4], d))
                             m_val[h] = new_m[0]
                     for d in T.serial(D):
-                        out[b, h, d] = T.if_then_else(l_val[h] > T.float32(0), acc[d] / l_val[h], T.float32(0))
+                        out[b, h, d] = T.Cast(out_dtype, T.if_then_else(l_val[h] > T.float32(0), acc[d] / l_val[h], T.float32(0)))
                 # importance: each tier-1 token's probability, summed over the query heads of its KV head
                 for h in T.serial(H):
                     for i in T.serial(t1_len[b]):
@@ -193,7 +203,8 @@ def decode_form(num_heads: int, num_kv_heads: int, head_dim: int, t2_page: int, 
 
 
 def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16,
-                                  t2_page: int = 128, fields: bool = False, t2_mma: bool = False, paired: bool = False):
+                                  t2_page: int = 128, fields: bool = False, t2_mma: bool = False, paired: bool = False,
+                                  out_dtype: str = "float32"):
     """The CUDA form compiled models use, the fastest measured on the H200 at 128 x 4096 (all checked
     against NumPy there; bench/results/tiered_decode_h200_fields.json): 2-bit fields (one LOP3 and one
     FFMA a code), bases in registers, tier-2 tiles staged in 4 cp.async stages. OLMoE (one query head
@@ -213,14 +224,15 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
         g, lpt = num_heads // num_kv_heads, head_dim // 16
         scatter = g == 1 and min(8, t1_page, t2_page // (32 // lpt)) == lpt  # (the tile's KSTEP for one query head)
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True,
-                                       t1_half2=True, scatter_scores=scatter)
+                                       t1_half2=True, scatter_scores=scatter, out_dtype=out_dtype)
     if t2_mma:  # (tier 1 on tensor cores too where its pages are of 16 tokens; each tile's words loaded a tile ahead)
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True,
-                                       t1_mma=t1_page == 16, t2_prefetch=True)
+                                       t1_mma=t1_page == 16, t2_prefetch=True, out_dtype=out_dtype)
     if not fields:
-        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True)
+        return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True,
+                                       out_dtype=out_dtype)
     return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, reg_bases=True,
-                                   fields=True)
+                                   fields=True, out_dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -410,7 +422,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
                             t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False,
-                            scatter_scores: bool = False):
+                            scatter_scores: bool = False, out_dtype: str = "float32"):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -421,8 +433,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     (max over the warp by shuffles, rescale only when the max grows); each lane accumulates its 16
     channels over its token group, and the groups are summed once at the end. The split's tier-1
     tiles and tier-2 pages are every S-th of the sequence's. Writes (acc, m, l) per split and the
-    tier-1 scores. Kernel 2: one block per (sequence, KV head) merges the splits into ``out`` and
-    adds each tier-1 token's probability (summed over the KV head's query heads) to ``t1_mass``.
+    tier-1 scores. Kernel 2: one block per (sequence, KV head) merges the splits into ``out`` (of
+    ``out_dtype``: float32, or the model's 16-bit dtype, so that no cast kernel follows) and adds each
+    tier-1 token's probability (summed over the KV head's query heads) to ``t1_mass``.
 
     ``stages`` 0 loads the tier-2 codes straight into registers, tile by tile; ``stages`` S > 1 stages
     each tier-2 tile through shared memory with ``cp.async`` (16-byte copies, one commit group per
@@ -562,6 +575,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
 
         def e4m3_hi(w):  # bytes 2, 3 (channels 4 i + 2, 4 i + 3)
             return T.call_pure_extern("uint32", E4M3_HI, w)
+    _check_out_dtype(out_dtype)
     NT2 = min(D, 128)  # threads of the merge kernel
     MU = 4  # rounds of its tier-1 loop unrolled
     S2, S1 = stages, t1_stages
@@ -1238,7 +1252,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         t1_len = T.match_buffer(t1len_h, (B,), "int32")
         t2_table = T.match_buffer(t2tab_h, (B, M2), "int32")
         t2_np = T.match_buffer(t2np_h, (B,), "int32")
-        out = T.match_buffer(out_h, (B, H, D), "float32")
+        out = T.match_buffer(out_h, (B, H, D), out_dtype)
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
         part_acc = T.match_buffer(pacc_h, (B, H, S, D), "float32")
@@ -1530,7 +1544,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                     o[j] = o[j] + part_acc[b, hk * G + g, s, j * NT2 + tx] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
                             linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
                             for j in T.unroll(D // NT2):
-                                out[b, hk * G + g, j * NT2 + tx] = o[j] * linv[g]
+                                out[b, hk * G + g, j * NT2 + tx] = T.Cast(out_dtype, o[j] * linv[g])
                         # the tier-1 tokens NT2 at a time, MU rounds unrolled: their loads (score, page, mass) issue
                         # together instead of one dependent round after another
                         for c0 in T.serial(T.ceildiv(n1m, NT2 * MU)):

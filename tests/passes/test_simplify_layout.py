@@ -104,3 +104,67 @@ def test_through_a_cast_and_an_identity_broadcast():
     assert "relax.permute_dims" not in ops and "relax.broadcast_to" not in ops and ops.count("relax.astype") == 1
     x = np.random.default_rng(2).standard_normal((3, 4, 16)).astype(np.float32)
     np.testing.assert_array_equal(_run(after, x), _run(before, x))
+
+
+def _round_trip(inner: str, outer: str, layout: bool = True):
+    """``x`` (float16 / bfloat16 / float32) cast to ``inner``, laid out as the attention passes hand an output back,
+    then cast to ``outer``."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 4, 16], "bfloat16" if inner == "float32" else "float32"))
+    with bb.function("f", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.astype(x, inner))
+            if layout:
+                y = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(y, [1, 0, 2])), [1, 4, n, 16]))
+                y = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(y, [0, 2, 1, 3])), [1, n, 64]))
+            o = bb.emit_output(bb.emit(relax.op.astype(y, outer)))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+@pytest.mark.parametrize("layout", [True, False])
+def test_exact_cast_round_trip_is_dropped(layout):
+    """bfloat16 -> float32 -> (reshapes, permutes) -> bfloat16: no cast left, the same values (float32 holds every
+    bfloat16)."""
+    before = _round_trip("float32", "bfloat16", layout)
+    after = relax.transform.DeadCodeElimination(["f"])(SimplifyLayout()(before))
+    assert _ops(before).count("relax.astype") == 2 and "relax.astype" not in _ops(after)
+    assert "relax.permute_dims" not in _ops(after)
+    xs = np.random.default_rng(4).standard_normal((3, 4, 16)).astype(np.float32)
+    xb = _cast_module("bfloat16")(tvm.runtime.tensor(xs))  # bfloat16 input, made by a cast module
+    run = lambda mod: relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["f"](xb)  # noqa: E731
+    np.testing.assert_array_equal(_as_f32(run(after)), _as_f32(run(before)))
+
+
+def _cast_module(dtype):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, 4, 16], "float32"))
+    with bb.function("f", [x]):
+        with bb.dataflow():
+            o = bb.emit_output(bb.emit(relax.op.astype(x, dtype)))
+        bb.emit_func_output(o)
+    return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())["f"]
+
+
+def _as_f32(t):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(list(t.shape), str(t.dtype)))
+    with bb.function("f", [x]):
+        with bb.dataflow():
+            o = bb.emit_output(bb.emit(relax.op.astype(x, "float32")))
+        bb.emit_func_output(o)
+    return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())["f"](t).numpy()
+
+
+@pytest.mark.parametrize("inner,outer", [("bfloat16", "float32"), ("float16", "float32")])
+def test_lossy_cast_round_trip_stays(inner, outer):
+    """float32 -> bfloat16 / float16 -> float32 rounds: both casts stay."""
+    after = relax.transform.DeadCodeElimination(["f"])(SimplifyLayout()(_round_trip(inner, outer)))
+    assert _ops(after).count("relax.astype") == 2
+
+
+def test_widening_to_another_dtype_stays():
+    """bfloat16 -> float32 -> float16 is not a round trip: one cast at least stays."""
+    after = relax.transform.DeadCodeElimination(["f"])(SimplifyLayout()(_round_trip("float32", "float16")))
+    assert "relax.astype" in _ops(after)
