@@ -144,7 +144,9 @@ def compile(  # noqa: A001 - the public name users call
     rms_norm : bool
         Run every RMSNorm not fused with a router (attention input norms, QK-norms, the final norm) as one
         ``rms_norm`` kernel (``moec.passes.rms_norm``): one pass over the row instead of the three kernels
-        TVM's fusion leaves. On by default.
+        TVM's fusion leaves. On by default. With ``grouped_experts`` too, each MoE layer's combine (its tokens'
+        expert outputs summed) is computed in the residual add + RMSNorm kernel after it
+        (``moec.passes.fuse_combine_norm``): one launch a layer less, the same values.
     tuning_db : "auto" | "none" | str | Path
         MetaSchedule records from ``moec tune`` (``moec.schedules.database``): "auto" uses the target's
         default database (``~/.cache/moec/tuning/<target-key>/``) if it exists, a path that directory
@@ -298,10 +300,15 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.rms_norm import InsertRMSNorm
 
         norms = InsertRMSNorm(tgt, imported.source_name)
+    combine_norm = None
+    if norms is not None and grouped is not None:
+        from ..passes.fuse_combine_norm import FuseCombineIntoNorm
+
+        combine_norm = FuseCombineIntoNorm(norms, grouped, tgt, imported.source_name)
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
                                      phases=1 if _until_phase1 else 4, dense_gemm=dense, cuda_graph=graph_bounds,
-                                     rms_norm=norms)
+                                     rms_norm=norms, combine_norm=combine_norm)
     if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
         with tgt:
             return pipeline(imported.mod), pipeline.entries, tgt
@@ -361,7 +368,7 @@ def compile(  # noqa: A001 - the public name users call
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
             + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertRMSNorm"] * (norms is not None)
-            + ["InsertGroupedExperts"] * (grouped is not None)
+            + ["InsertGroupedExperts"] * (grouped is not None) + ["FuseCombineIntoNorm"] * (combine_norm is not None)
             + ["InsertDenseGEMM"] * (dense is not None) + ["FuseSoftmaxTopK", "AddGreedySampler", "LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
             "options": {"kv_cache": "paged" if tiered is None else kv_cache,
@@ -374,6 +381,7 @@ def compile(  # noqa: A001 - the public name users call
                         "grouped_experts": grouped.manifest() if grouped is not None else None,
                         "dense_gemm": dense.manifest() if dense is not None else None,
                         "rms_norm": norms.manifest() if norms is not None else None,
+                        "combine_norm": combine_norm.manifest() if combine_norm is not None else None,
                         "prefill_gemm": prefill_gemm,
                         "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
                         "debug_dump": str(debug_dump) if debug_dump else None},

@@ -112,7 +112,8 @@ def lowering_pipeline(target: tvm.target.Target, entries: list[str]) -> tvm.tran
 def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "model", debug_dump: str | Path | None = None,
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
                   fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
-                  grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None, rms_norm=None):
+                  grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None, rms_norm=None,
+                  combine_norm=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
@@ -126,7 +127,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     matmul (the coarse one after cascade gating) with its RMSNorm in the entries, and ``rms_norm`` (an
     ``InsertRMSNorm`` pass, or None) makes each remaining RMSNorm one kernel.
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
-    computation of the entries with the grouped expert GEMM kernels, and ``dense_gemm`` (an
+    computation of the entries with the grouped expert GEMM kernels, ``combine_norm`` (a ``FuseCombineIntoNorm``
+    pass, or None) computes each of their combines in the residual add + RMSNorm kernel after it, and ``dense_gemm`` (an
     ``InsertDenseGEMM`` pass, or None) each linear layer against a transposed 16-bit weight with ``dense_gemm``.
     ``cuda_graph`` (``GraphBounds``, CUDA only) adds ``decode_graph``, the decode step as CUDA graphs for steps
     within those bounds (``passes/cuda_graph.py``); None leaves the module as without it.
@@ -148,6 +150,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([fuse_router_norm] if fuse_router_norm is not None else []),
         *([rms_norm] if rms_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
+        *([combine_norm] if combine_norm is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),
         FuseSoftmaxTopK(target, source),
         AddGreedySampler(target, source),

@@ -96,6 +96,7 @@ struct int2 { int x, y; }; struct int4 { int x, y, z, w; };
 struct uchar4 { uchar x, y, z, w; }; struct char4 { signed char x, y, z, w; };
 // two 16-bit floats in 32 bits (the generated code declares 2-lane vector loads of 16-bit buffers with them)
 struct nv_bfloat162 { nv_bfloat16 x, y; nv_bfloat162() {} nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) : x(a), y(b) {} };
+struct nv_bfloat164 { nv_bfloat16 x, y, z, w; };  // (8-byte moves of four bfloat16)
 struct half2 { half x, y; half2() {} half2(half a, half b) : x(a), y(b) {} };
 static inline uint __pack_nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) { return (uint)a.x | ((uint)b.x << 16); }
 static inline uint __pack_half2(half a, half b) { return (uint)a.x | ((uint)b.x << 16); }

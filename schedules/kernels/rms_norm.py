@@ -13,7 +13,11 @@ dtype before multiplying by ``w`` (HF's ``w * h.to(dtype)``), so results equal i
 
 Buffers: x [N, D] (x_dtype), w [D] (weight_dtype), then the output y [N, D] (y_dtype). N is dynamic. With
 ``residual`` (the add before the norm in the residual stream): a, b [N, D], w, then the outputs x = a + b
-(x_dtype, rounded as the unfused add stores it; the norm reads it so) and y.
+(x_dtype, rounded as the unfused add stores it; the norm reads it so) and y. With ``combine`` K as well, b is the
+routed experts' combine, computed here: the buffers are a [N, D], s [N K, D] (float32: each token's K weighted
+expert outputs, slot by slot), ids [N, K] (the slots' expert ids; a slot whose id is out of range of the
+``experts`` is left out), w, then x and y; b = sum over the valid slots in slot order, rounded to x_dtype, as the
+grouped experts' ``combine`` kernel stores it (so x equals the unfused pair's bit for bit).
 
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
 (RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
@@ -48,6 +52,9 @@ class RMSNormSpec:
     weight_dtype: str = "float32"
     y_dtype: str = "float32"
     residual: bool = False  # x = a + b (both x_dtype) computed here and written out too (the residual stream)
+    combine: int = 0  # K > 0 (with residual): b is the sum of the K valid slots of s [N K, D] (the experts' combine)
+    experts: int = 0  # E: with combine, the range of valid expert ids
+    ids_dtype: str = "int64"  # with combine, the expert ids' dtype
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or self.hidden < 1:
@@ -57,11 +64,20 @@ class RMSNormSpec:
                 raise MoecError(f"rms_norm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
         if not self.eps >= 0:
             raise MoecError(f"rms_norm: eps must be >= 0, got {self.eps}")
+        if self.combine:
+            if not self.residual or not isinstance(self.combine, int) or self.combine < 1:
+                raise MoecError(f"rms_norm: combine must be a positive slot count with residual, got {self.combine!r}")
+            if not isinstance(self.experts, int) or self.experts < self.combine:
+                raise MoecError(f"rms_norm: combine of top-{self.combine} needs at least that many experts, got {self.experts!r}")
+            if self.ids_dtype not in ("int32", "int64"):
+                raise MoecError(f"rms_norm: ids_dtype must be int32 or int64, got {self.ids_dtype!r}")
+            if self.x_dtype not in ("float32", "bfloat16"):
+                raise MoecError(f"rms_norm: combine needs a float32 or bfloat16 residual stream, got {self.x_dtype}")
 
 
 def launch_config(spec: RMSNormSpec) -> dict:
     """The CUDA form's launch shape: threads per row, rows per block, vector width, chunks per thread."""
-    vec = 16 // max(_BYTES[dt] for dt in (spec.x_dtype, spec.weight_dtype, spec.y_dtype))
+    vec = 16 // max(_BYTES[dt] for dt in (spec.x_dtype, spec.weight_dtype, spec.y_dtype) + (("float32",) if spec.combine else ()))
     while spec.hidden % vec:
         vec //= 2
     chunks = spec.hidden // vec
@@ -88,17 +104,46 @@ def _f32(v):
     return T.Cast("float32", v)
 
 
+def _rounded(v, dtype: str):
+    """float32 ``v`` rounded to ``dtype`` (float32 or bfloat16) and back, as a store to memory and a load round it,
+    through its bits: TVM's bfloat16 legalization folds ``float32(bfloat16(v))`` back to ``v``. Round to nearest
+    even; a NaN stays a NaN."""
+    if dtype == "float32":
+        return v
+    u = T.reinterpret("uint32", v)
+    r = T.bitwise_and(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1)), T.uint32(0xFFFF0000))
+    nan = T.bitwise_and(u, T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000)
+    return T.reinterpret("float32", T.if_then_else(nan, T.bitwise_or(T.bitwise_and(u, T.uint32(0xFFFF0000)), T.uint32(0x00400000)), r))
+
+
+def _valid(ids, n, k, E):
+    """Slot k of row n holds an expert id in range (negative ids wrap, as numpy / ONNX index)."""
+    from .grouped_experts import _in_range, _norm_id
+
+    return _in_range(_norm_id(ids[n, k], E), E)
+
+
 def _make_llvm(spec: RMSNormSpec):
     D, eps = spec.hidden, float(spec.eps)
 
+    K, E = spec.combine, spec.experts
+
     @T.macro
-    def body(a, b, w, x, y, N):
+    def body(a, b, ids, w, x, y, N):
         for n in T.serial(N):
             with T.sblock("rms_norm"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                if spec.residual:  # the sum, rounded to its dtype as stored
+                cb = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                if K > 0:  # b: the valid slots' sum in slot order, rounded as the combine kernel stores it
+                    for d in T.serial(D):
+                        cb[0] = T.float32(0)
+                        for k in T.serial(K):
+                            if _valid(ids, n, k, E):
+                                cb[0] = cb[0] + b[n * K + k, d]
+                        x[n, d] = T.Cast(spec.x_dtype, _f32(a[n, d]) + _rounded(cb[0], spec.x_dtype))
+                elif spec.residual:  # the sum, rounded to its dtype as stored
                     for d in T.serial(D):
                         x[n, d] = T.Cast(spec.x_dtype, _f32(a[n, d]) + _f32(b[n, d]))
                 acc[0] = T.float32(0)
@@ -125,8 +170,11 @@ def _make_cuda(spec: RMSNormSpec):
         for r in T.unroll(5):
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
 
+    K, E = spec.combine, spec.experts
+    CV = VEC if K else 1  # (the combine's buffers)
+
     @T.macro
-    def body(a, b, w, x, y, N):
+    def body(a, b, ids, w, x, y, N):
         for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("rms_norm"):
@@ -135,6 +183,8 @@ def _make_cuda(spec: RMSNormSpec):
                     red = T.sblock_alloc_buffer((RB * RW,), "float32", scope="shared")
                     xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
                     bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
+                    cb = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # the combine's sums
+                    sv = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # one slot's chunk
                     wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
                     yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
                     acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -147,8 +197,20 @@ def _make_cuda(spec: RMSNormSpec):
                             if spec.residual:  # x = a + b, rounded as stored, written out
                                 for v in T.vectorized(VEC):
                                     xl[i * VEC + v] = a[n, (i * RT + rt) * VEC + v]
-                                for v in T.vectorized(VEC):
-                                    bl[v] = b[n, (i * RT + rt) * VEC + v]
+                                if K > 0:  # b: the valid slots' sum in slot order, rounded as the combine stores it
+                                    for v in T.unroll(VEC):
+                                        cb[v] = T.float32(0)
+                                    for k in T.unroll(K):
+                                        if _valid(ids, n, k, E):
+                                            for v in T.vectorized(VEC):
+                                                sv[v] = b[n * K + k, (i * RT + rt) * VEC + v]
+                                            for v in T.unroll(VEC):
+                                                cb[v] = cb[v] + sv[v]
+                                    for v in T.unroll(VEC):  # (exact: the rounded value is a bfloat16)
+                                        bl[v] = T.Cast(spec.x_dtype, _rounded(cb[v], spec.x_dtype))
+                                else:
+                                    for v in T.vectorized(VEC):
+                                        bl[v] = b[n, (i * RT + rt) * VEC + v]
                                 for v in T.unroll(VEC):
                                     xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
                                 for v in T.vectorized(VEC):
@@ -181,9 +243,27 @@ def _make_cuda(spec: RMSNormSpec):
 
 
 def _signature(spec: RMSNormSpec, body):
-    """The PrimFunc around ``body``: (x, w, y), or with ``residual`` (a, b, w, x, y); N dynamic."""
+    """The PrimFunc around ``body``: (x, w, y), with ``residual`` (a, b, w, x, y), with ``combine`` too
+    (a, s, ids, w, x, y); N dynamic."""
     D = spec.hidden
     attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
+
+    if spec.combine:
+        K = spec.combine
+
+        @T.prim_func(s_tir=True)
+        def combine_add_rms_norm(a_h: T.handle, s_h: T.handle, ids_h: T.handle, w_h: T.handle, x_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            a = T.match_buffer(a_h, (N, D), spec.x_dtype)
+            s = T.match_buffer(s_h, (N * K, D), "float32")
+            ids = T.match_buffer(ids_h, (N, K), spec.ids_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            body(a, s, ids, w, x, y, N)
+
+        return combine_add_rms_norm
 
     if spec.residual:
         @T.prim_func(s_tir=True)
@@ -195,7 +275,7 @@ def _signature(spec: RMSNormSpec, body):
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-            body(a, b, w, x, y, N)
+            body(a, b, a, w, x, y, N)  # (no ids: never read)
 
         return add_rms_norm
 
@@ -206,7 +286,7 @@ def _signature(spec: RMSNormSpec, body):
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, (D,), spec.weight_dtype)
         y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-        body(x, x, w, x, y, N)  # no residual: a and b are never read
+        body(x, x, x, w, x, y, N)  # no residual: a, b and ids are never read
 
     return rms_norm
 
@@ -228,4 +308,18 @@ def residual_sum(a, b):
     return (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(a.dtype)
 
 
-__all__ = ["RMSNormSpec", "check_supported", "launch_config", "make_rms_norm", "reference", "residual_sum"]
+def combine_sum(s, ids, experts: int, dtype):
+    """NumPy: the combine's ``b`` (each row's valid slots of ``s`` [N K, D] summed in slot order in float32,
+    rounded to ``dtype``)."""
+    import numpy as np
+
+    n, k = ids.shape
+    e = np.where(ids < 0, ids + experts, ids)
+    valid = (e >= 0) & (e < experts)
+    acc = np.zeros((n, s.shape[1]), np.float32)
+    for j in range(k):  # slot order, as the kernels add
+        acc = np.where(valid[:, j:j + 1], acc + s.reshape(n, k, -1)[:, j].astype(np.float32), acc)
+    return acc.astype(dtype)
+
+
+__all__ = ["RMSNormSpec", "check_supported", "combine_sum", "launch_config", "make_rms_norm", "reference", "residual_sum"]
