@@ -59,10 +59,17 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_s4w2g4": {"stages": 4, "warps": 2, "k_groups": 4, "dyn_shared": DYN},
             "_s3w1g8": {"stages": 3, "warps": 1, "k_groups": 8, "dyn_shared": DYN},
             "_s4nt2g4": {"stages": 4, "n_tiles": 2, "k_groups": 4, "dyn_shared": DYN},
-            "_s4nt8g2": {"stages": 4, "n_tiles": 8, "k_groups": 2, "dyn_shared": DYN}}
+            "_s4nt8g2": {"stages": 4, "n_tiles": 8, "k_groups": 2, "dyn_shared": DYN},
+            # fewer, larger blocks at decode batches: every block reads its pass's tokens (M x K) from the L2, so with
+            # 64-row blocks a 128-token step reads the tokens N / 64 times (an LM head: 400 MB of L2 traffic against
+            # 206 MB of weights); 8 warps (128 rows) halve that, 128-token passes read each weight row once
+            "_s4w8d": {"stages": 4, "warps": 8, "dyn_shared": DYN}, "_s4w8nt8d": {"stages": 4, "warps": 8, "n_tiles": 8, "dyn_shared": DYN},
+            "_s4nt16d": {"stages": 4, "n_tiles": 16, "dyn_shared": DYN},
+            "_s4w8nt16d": {"stages": 3, "warps": 8, "n_tiles": 16, "dyn_shared": DYN}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
-             "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"]}
+             "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
+             "merged_s4w8d": VARIANTS["_s4w8d"], "merged_s4w8nt8d": VARIANTS["_s4w8nt8d"], "merged_s4nt16d": VARIANTS["_s4nt16d"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
