@@ -15,6 +15,8 @@ from moec.compiler.errors import MoecError
 from moec.compiler.targets import make_target
 from moec.schedules.kernels.rms_norm import RMSNormSpec, combine_sum, launch_config, make_rms_norm, reference, residual_sum
 
+from moec_testing import prefill_and_decode
+
 NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 SPECS = [RMSNormSpec(2048, 1e-6, "float32", "bfloat16", "bfloat16", residual=True, combine=8, experts=64),
          RMSNormSpec(2048, 1e-6, "bfloat16", "bfloat16", "bfloat16", residual=True, combine=8, experts=64, ids_dtype="int32"),
@@ -120,7 +122,6 @@ def test_compiled_model_fuses_every_layer_and_equals_the_unfused_build(tmp_path,
     build's bit for bit over a prefill and four decode steps."""
     from moec.compiler.serve_bench import build_hf
     import moec.passes.fuse_combine_norm as fcn
-    from moec.runtime.engine import load
 
     model = build_hf("tiny-olmoe", dtype="bfloat16")
     logits, combines = [], []
@@ -137,14 +138,7 @@ def test_compiled_model_fuses_every_layer_and_equals_the_unfused_build(tmp_path,
             (spec,) = doc["options"]["combine_norm"]["kernels"].values()
             cfg = model.config
             assert (spec["combine"], spec["experts"]) == (cfg.num_experts_per_tok, cfg.num_experts) and spec["x_dtype"] == "float32"
-        engine = load(art, max_batch=2, max_total_tokens=512)
-        seqs, first = engine.prefill([[1, 5, 7, 9, 11, 3], [4, 4, 2]])
-        got, tok = [np.asarray(first)], [5, 6]
-        for _ in range(4):
-            step = np.asarray(engine.decode(seqs, tok))
-            got.append(step)
-            tok = [int(np.argmax(x)) for x in step]
-        logits.append(np.stack(got))
+        logits.append(prefill_and_decode(art, ([1, 5, 7, 9, 11, 3], [4, 4, 2]), 4)[0])
     assert combines == [0, 2]
     np.testing.assert_array_equal(logits[0], logits[1])
 

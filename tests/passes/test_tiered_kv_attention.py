@@ -13,6 +13,8 @@ from moec.passes.tiered_kv_attention import CACHE_ARGS, InsertTieredKVAttention,
 from moec.runtime.kv_cache import POOLS
 from moec.schedules.kernels.tiered_rerank import RERANK_KERNELS
 
+from moec_testing import prefill_and_decode
+
 
 def _calls_to(func, name):
     found = []
@@ -121,7 +123,6 @@ def test_compiled_matches_the_tiered_reference_decoder(trained_tiny, compiled, n
     model holds the same tiers, formats and importance as ``moec.models.kv_reference``."""
     from moec.models.kv_reference import TieredDecoder, TierPolicy
     from moec.models.train import corpus_of, load_trained
-    from moec.runtime.engine import load
 
     model, meta = load_trained(trained_tiny)
     toks = np.asarray(corpus_of(meta).tokens("heldout"))
@@ -240,7 +241,6 @@ def test_hf_exports_compile_with_the_tiered_cache(zoo, tmp_path, name):
     import torch
 
     import moec
-    from moec.runtime.engine import load
 
     model, vocab = zoo.model(name)
     rng = np.random.default_rng(3)
@@ -349,7 +349,6 @@ def test_decode_writes_the_dtype_the_model_narrows_to(tmp_path, monkeypatch):
     import moec
     import moec.passes.tiered_kv_attention as tka
     from moec.compiler.serve_bench import build_hf
-    from moec.runtime.engine import load
 
     model = build_hf("tiny-olmoe", dtype="bfloat16", layers=1)
     imported = import_model(model)
@@ -372,14 +371,7 @@ def test_decode_writes_the_dtype_the_model_narrows_to(tmp_path, monkeypatch):
             monkeypatch.setattr(tka, "decode_out_dtype", lambda func, structure: "float32")
         art = moec.compile(model, tmp_path / str(fuse), kv_cache="tiered", tuning_db=None, debug_dump=tmp_path / f"ir{fuse}")
         arts.append(casts_of_attention(tmp_path / f"ir{fuse}"))
-        engine = load(art, max_batch=2, max_total_tokens=512)
-        seqs, first = engine.prefill([[1, 5, 7, 9, 11, 3], [4, 4, 2]])
-        got, tok = [np.asarray(first)], [5, 6]
-        for _ in range(4):
-            step = np.asarray(engine.decode(seqs, tok))
-            got.append(step)
-            tok = [int(np.argmax(x)) for x in step]
-        logits.append(np.stack(got))
+        logits.append(prefill_and_decode(art, ([1, 5, 7, 9, 11, 3], [4, 4, 2]), 4)[0])
     (dt_fused, casts_fused), (dt_plain, casts_plain) = arts
     assert (dt_fused, dt_plain) == ("bfloat16", "float32") and casts_fused == casts_plain - 1
     np.testing.assert_array_equal(logits[0], logits[1])
