@@ -23,7 +23,7 @@ elimination after phase 1. Results equal the unfused graph's up to one rounding 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import tvm
 from tvm import relax
@@ -67,14 +67,47 @@ def _find(matcher: _Matcher) -> tuple[dict, dict, list[str]]:
     return found, adds, skipped
 
 
+def _depends(g, var, on) -> bool:
+    """Whether ``var``'s value is computed from ``on`` (bindings before ``on`` are not searched)."""
+    stack, seen = [var], set()
+    while stack:
+        v = stack.pop()
+        if v.same_as(on):
+            return True
+        if v in seen or g.order.get(v, -1) <= g.order[on]:
+            continue
+        seen.add(v)
+        stack.extend(g._var_args(g.value[v]))
+    return False
+
+
+def _pairs(g, found: dict) -> dict:
+    """``{second: first}``: consecutive norms of one spec (no residual add) in one launch at the second's place, where
+    the second is not computed from the first (a model's Q- and K-norms); taken in order, each in one pair at most.
+    What reads the first before the second moves after it (``_Rewriter``)."""
+    norms = sorted((v for v, (_, _, spec, add) in found.items() if add is None), key=lambda v: g.order[v])
+    pairs, i = {}, 0
+    while i + 1 < len(norms):
+        first, second = norms[i], norms[i + 1]
+        if found[first][2] == found[second][2] and not _depends(g, second, first):
+            pairs[second] = first
+            i += 2
+        else:
+            i += 1
+    return pairs
+
+
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, graph, matches: dict, adds: dict, kernel) -> None:
+    def __init__(self, mod, graph, matches: dict, adds: dict, kernel, pairs: dict | None = None) -> None:
         super().__init__(mod)
         self.g = graph
         self.matches = matches
         self.adds = adds  # residual add var -> its norm var
+        self.pairs = pairs or {}  # second norm var -> first: both computed at the second (one launch)
+        self.firsts = set(self.pairs.values())
+        self.pending, self.deferred = set(), []  # a first's var and what reads it before its second: emitted after it
         self.normed = {}  # norm var -> the fused kernel's normalised output (emitted at the add)
         self.kernel = kernel
         self.position = -1
@@ -109,6 +142,19 @@ class _Rewriter(relax.PyExprMutator):
             self.set_var_remap(var, self._back(self.builder_.emit(relax.TupleGetItem(out, 0)), shape))
             self.normed[norm] = self._back(self.builder_.emit(relax.TupleGetItem(out, 1)), nshape)
             return
+        if var in self.firsts:  # computed with its pair's second
+            self.pending.add(var)
+            return
+        if self.pending and any(v in self.pending for v in relax.analysis.free_vars(binding.value)):
+            self.pending.add(var)  # reads a first: after the pair (the second is not computed from it)
+            self.deferred.append(binding)
+            return
+        if var in self.pairs:
+            self._pair(self.pairs[var], var)
+            deferred, self.pending, self.deferred = self.deferred, set(), []
+            for b in deferred:
+                self.visit_var_binding_(b)
+            return
         m = self.matches.get(var)
         if m is None:
             super().visit_var_binding_(binding)
@@ -119,6 +165,18 @@ class _Rewriter(relax.PyExprMutator):
         y = self.builder_.emit(relax.call_tir(self.kernel(spec), [xv, self._materialize(w)],
                                               out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
         self.set_var_remap(var, self._back(y, shape))
+
+
+    def _pair(self, first, second) -> None:
+        (x1, w1, spec, _), (x2, w2, _, _) = self.matches[first], self.matches[second]
+        s1, s2 = list(shape_of(first)), list(shape_of(second))
+        (v1,), r1 = self._rows([self.visit_expr(x1)], s1, spec.hidden)
+        (v2,), r2 = self._rows([self.visit_expr(x2)], s2, spec.hidden)
+        out = self.builder_.emit(relax.call_tir(self.kernel(replace(spec, pair=True)), [v1, self._materialize(w1), v2, self._materialize(w2)],
+                                                out_ty=[relax.TensorType([r1, spec.hidden], spec.y_dtype),
+                                                        relax.TensorType([r2, spec.hidden], spec.y_dtype)]))
+        self.set_var_remap(first, self._back(self.builder_.emit(relax.TupleGetItem(out, 0)), s1))
+        self.set_var_remap(second, self._back(self.builder_.emit(relax.TupleGetItem(out, 1)), s2))
 
 
 @tvm.transform.module_pass(opt_level=0, name="InsertRMSNorm")
@@ -139,11 +197,12 @@ class InsertRMSNorm:
         self.target, self.source = target, source
         self.replaced: dict[str, int] = {}
         self.residual: dict[str, int] = {}  # of them, norms computed with the residual add before them
+        self.paired: dict[str, int] = {}  # pairs of them computed in one launch (a layer's Q- and K-norms)
         self.skipped: dict[str, list[str]] = {}
         self.kernels: dict[RMSNormSpec, str] = {}
 
     def manifest(self) -> dict:
-        return {"replaced": dict(self.replaced), "with_residual_add": dict(self.residual),
+        return {"replaced": dict(self.replaced), "with_residual_add": dict(self.residual), "paired": dict(self.paired),
                 "skipped": {k: v for k, v in self.skipped.items() if v},
                 "kernels": {name: asdict(spec) for spec, name in self.kernels.items()}}
 
@@ -158,9 +217,12 @@ class InsertRMSNorm:
             self.replaced[gv.name_hint] = len(matches)
             self.residual[gv.name_hint] = len(adds)
             self.skipped[gv.name_hint] = skipped
+            self.paired[gv.name_hint] = 0
             if not matches:
                 continue
-            rewriter = _Rewriter(out, matcher.g, matches, adds, None)
+            pairs = _pairs(matcher.g, matches)
+            self.paired[gv.name_hint] = len(pairs)
+            rewriter = _Rewriter(out, matcher.g, matches, adds, None, pairs)
             rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
             out = rewriter.builder_.get()

@@ -55,6 +55,7 @@ class RMSNormSpec:
     combine: int = 0  # K > 0 (with residual): b is the sum of the K valid slots of s [N K, D] (the experts' combine)
     experts: int = 0  # E: with combine, the range of valid expert ids
     ids_dtype: str = "int64"  # with combine, the expert ids' dtype
+    pair: bool = False  # two norms of this spec in one launch (x1, w1, x2, w2 -> y1, y2; each its own rows)
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or self.hidden < 1:
@@ -64,6 +65,8 @@ class RMSNormSpec:
                 raise MoecError(f"rms_norm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
         if not self.eps >= 0:
             raise MoecError(f"rms_norm: eps must be >= 0, got {self.eps}")
+        if self.pair and self.residual:
+            raise MoecError("rms_norm: a pair of norms takes no residual add")
         if self.combine:
             if not self.residual or not isinstance(self.combine, int) or self.combine < 1:
                 raise MoecError(f"rms_norm: combine must be a positive slot count with residual, got {self.combine!r}")
@@ -153,7 +156,12 @@ def _make_llvm(spec: RMSNormSpec):
                 for d in T.serial(D):
                     y[n, d] = T.Cast(spec.y_dtype, _f32(w[d]) * (_f32(x[n, d]) * acc[1]))
 
-    return _signature(spec, body)
+    @T.macro
+    def pair(x1, w1, y1, N1, x2, w2, y2, N2):
+        body(x1, x1, x1, w1, x1, y1, N1)
+        body(x2, x2, x2, w2, x2, y2, N2)
+
+    return _signature(spec, body, pair)
 
 
 def _make_cuda(spec: RMSNormSpec):
@@ -174,9 +182,9 @@ def _make_cuda(spec: RMSNormSpec):
     CV = VEC if K else 1  # (the combine's buffers)
 
     @T.macro
-    def body(a, b, ids, w, x, y, N):
-        for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+    def rows(a, b, ids, w, x, y, N, bx, tx):  # block bx's RB rows
+        if True:
+            if True:
                 with T.sblock("rms_norm"):
                     T.reads()
                     T.writes()
@@ -239,14 +247,45 @@ def _make_cuda(spec: RMSNormSpec):
                             for v in T.vectorized(VEC):
                                 y[n, (i * RT + rt) * VEC + v] = yl[v]
 
-    return _signature(spec, body)
+    @T.macro
+    def body(a, b, ids, w, x, y, N):
+        for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                rows(a, b, ids, w, x, y, N, bx, tx)
+
+    @T.macro
+    def pair(x1, w1, y1, N1, x2, w2, y2, N2):  # two norms of one spec in one launch: blockIdx.y picks the norm
+        for which in T.thread_binding(2, thread="blockIdx.y"):
+            for bx in T.thread_binding((T.max(N1, N2) + RB - 1) // RB, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if which == 0:  # block-uniform (rows past a norm's N are skipped)
+                        rows(x1, x1, x1, w1, x1, y1, N1, bx, tx)
+                    else:
+                        rows(x2, x2, x2, w2, x2, y2, N2, bx, tx)
+
+    return _signature(spec, body, pair)
 
 
-def _signature(spec: RMSNormSpec, body):
+def _signature(spec: RMSNormSpec, body, pair):
     """The PrimFunc around ``body``: (x, w, y), with ``residual`` (a, b, w, x, y), with ``combine`` too
-    (a, s, ids, w, x, y); N dynamic."""
+    (a, s, ids, w, x, y); with ``pair`` two norms (x1, w1, x2, w2, y1, y2; ``pair``'s body); N dynamic."""
     D = spec.hidden
     attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
+
+    if spec.pair:
+        @T.prim_func(s_tir=True)
+        def rms_norm_pair(x1_h: T.handle, w1_h: T.handle, x2_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle):
+            T.func_attr(attrs)
+            N1, N2 = T.int64(), T.int64()
+            x1 = T.match_buffer(x1_h, (N1, D), spec.x_dtype)
+            w1 = T.match_buffer(w1_h, (D,), spec.weight_dtype)
+            x2 = T.match_buffer(x2_h, (N2, D), spec.x_dtype)
+            w2 = T.match_buffer(w2_h, (D,), spec.weight_dtype)
+            y1 = T.match_buffer(y1_h, (N1, D), spec.y_dtype)
+            y2 = T.match_buffer(y2_h, (N2, D), spec.y_dtype)
+            pair(x1, w1, y1, N1, x2, w2, y2, N2)
+
+        return rms_norm_pair
 
     if spec.combine:
         K = spec.combine

@@ -1,6 +1,7 @@
 """InsertRMSNorm and the ``rms_norm`` kernel: NumPy numerics (llvm; CUDA on a GPU), the CUDA form's launch,
 the IR before / after, forms left alone, and compiled models against torch with the pass on and off."""
 
+import json
 import re
 
 import ml_dtypes
@@ -312,3 +313,71 @@ def test_compiled_equals_unfused_and_torch(zoo, tmp_path):
             np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
     with pytest.raises(MoecError, match="rms_norm must be True or False"):
         moec.compile(model, tmp_path / "bad", target="llvm", rms_norm="yes")
+
+
+# ---------------------------------------------------------------------------- two norms in one launch
+
+
+PAIRS = [RMSNormSpec(2048, 1e-6, "float32", "bfloat16", "bfloat16", pair=True),  # OLMoE's Q- and K-norms
+         RMSNormSpec(128, 1e-6, "bfloat16", "bfloat16", "bfloat16", pair=True)]  # per head: a warp a row
+
+
+@pytest.mark.parametrize("spec", PAIRS, ids=["f32-2048", "bf16-per-head"])
+def test_pair_kernel_matches_numpy_and_the_single_kernel(spec):
+    """``pair``: x1 [N1, D] and x2 [N2, D] (their own weights) in one launch, each as the one-norm kernel computes it:
+    llvm against NumPy; the CUDA form on the CPU emulation bit for bit against the emulated one-norm kernel (N1 != N2:
+    per-head norms of 4 query and 2 KV heads)."""
+    from dataclasses import replace
+
+    from cuda_emu import EmulatedKernel
+
+    rng = np.random.default_rng(7)
+    n1, n2 = 12, 6
+    x1, x2 = (rng.standard_normal((n, spec.hidden)).astype(NP[spec.x_dtype]) * s for n, s in ((n1, 1), (n2, 3)))
+    w1, w2 = (rng.uniform(0.5, 1.5, spec.hidden).astype(NP[spec.weight_dtype]) for _ in range(2))
+    ex = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "llvm")}), target=LLVM)
+    y1, y2 = (tvm.runtime.tensor(np.zeros((n, spec.hidden), NP[spec.y_dtype])) for n in (n1, n2))
+    ex["rms_norm"](*[tvm.runtime.tensor(t) for t in (x1, w1, x2, w2)], y1, y2)
+    for y, x, w in ((y1, x1, w1), (y2, x2, w2)):
+        np.testing.assert_allclose(y.numpy().astype(np.float32), reference(x, w, spec.eps, NP[spec.y_dtype]).astype(np.float32),
+                                   rtol=1e-2, atol=1e-2)
+    bits = lambda t: t.view(np.uint16) if t.dtype != np.float32 else t  # noqa: E731
+    cfg = launch_config(spec)
+    src = lambda s: tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(s, "cuda")}), target=make_target("cuda")).mod.imports[0].inspect_source()  # noqa: E731
+    pair, one = EmulatedKernel(src(spec), "rms_norm_kernel"), EmulatedKernel(src(replace(spec, pair=False)), "rms_norm_kernel")
+    got = [np.zeros((n, spec.hidden), NP[spec.y_dtype]) for n in (n1, n2)]
+    pair((-(-max(n1, n2) // cfg["rows_per_block"]), 2, 1), cfg["threads"], x1=bits(x1), w1=bits(w1), x2=bits(x2), w2=bits(w2),
+         y1=bits(got[0]), y2=bits(got[1]), N1=n1, N2=n2)
+    for g, x, w in zip(got, (x1, x2), (w1, w2)):
+        want = np.zeros_like(g)
+        one((-(-x.shape[0] // cfg["rows_per_block"]), 1, 1), cfg["threads"], x=bits(x), w=bits(w), y=bits(want), N=x.shape[0])
+        np.testing.assert_array_equal(bits(g), bits(want))
+
+
+def test_pair_refuses_a_residual():
+    with pytest.raises(MoecError, match="pair of norms takes no residual"):
+        make_rms_norm(RMSNormSpec(64, 1e-5, residual=True, pair=True))
+
+
+def test_q_and_k_norms_are_one_launch(zoo, tmp_path, monkeypatch):
+    """A bfloat16 OLMoE-shaped model (Q- and K-norms of one width, each over its whole projection): one ``pair`` call a
+    layer in decode and prefill, and the logits equal those of the build with two launches, bit for bit. The rope of Q,
+    read before the K-norm in the export, moves after the pair. HF OLMoE with grouped KV heads (norms of two widths)
+    keeps two launches."""
+    import moec.passes.rms_norm as rn
+    from moec.compiler.serve_bench import build_hf
+
+    from moec_testing import prefill_and_decode
+
+    model = build_hf("tiny-olmoe", dtype="bfloat16")
+    logits = []
+    for paired in (True, False):
+        if not paired:
+            monkeypatch.setattr(rn, "_pairs", lambda g, found: {})
+        art = moec.compile(model, tmp_path / str(paired), tuning_db=None)
+        doc = json.loads((art / "manifest.json").read_text())["options"]["rms_norm"]
+        assert doc["paired"] == ({"decode": 2, "prefill": 2} if paired else {"decode": 0, "prefill": 0})
+        logits.append(prefill_and_decode(art, ([1, 5, 7, 9, 11, 3], [4, 4, 2]), 4)[0])
+    np.testing.assert_array_equal(logits[0], logits[1])
+    gqa = json.loads((zoo.artifact("hf-olmoe", "pt2") / "manifest.json").read_text())["options"]["rms_norm"]
+    assert gqa["paired"] == {"decode": 0, "prefill": 0}
