@@ -1,6 +1,7 @@
 """FuseCombineIntoNorm and the ``rms_norm`` kernel with ``combine``: NumPy numerics (llvm, and the CUDA form on the
-CPU emulation of its generated code), refusals, the IR of a compiled model, its logits bit for bit against the
-unfused build, and a combine read by something else left alone."""
+CPU emulation of its generated code), refusals, and a combine read by something else left alone; with the other
+launch-saving decode fusions (InsertRMSNorm's Q/K pairs, the tiered decode writing the model's dtype), the IR of a
+compiled model and its logits bit for bit against the build without them."""
 
 import json
 import re
@@ -110,36 +111,51 @@ class _Unfused:
         return None
 
 
-def _combines(dump) -> int:
-    src = (dump / "phase2_fused.py").read_text()
-    dec = src[src.index("def decode("):]
-    return len(re.findall(r"cls\.moe_combine\b", dec[:dec.find("@R.function") if "@R.function" in dec else None]))
+def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
+    """A two-layer bfloat16 OLMoE-shaped model (float32 residual stream, Q- and K-norms of one width) with the tiered
+    cache, built with the launch-saving fusions and without them:
 
+    - FuseCombineIntoNorm: both layers' combines in the norms after them in decode (layer 1's input norm, the final
+      norm), layer 0's in prefill (the final norm there reads the logit positions' rows only);
+    - InsertRMSNorm's pairs: each layer's Q- and K-norms one launch, in decode and prefill;
+    - the tiered decode kernel writes bfloat16 (the dtype the model narrows the attention output to), and no cast
+      kernel follows it;
 
-def test_compiled_model_fuses_every_layer_and_equals_the_unfused_build(tmp_path, monkeypatch):
-    """A two-layer bfloat16 OLMoE-shaped model (float32 residual stream): both layers' combines move into the norms
-    after them in decode (layer 1's input norm, the final norm), layer 0's in prefill; logits equal the unfused
-    build's bit for bit over a prefill and four decode steps."""
-    from moec.compiler.serve_bench import build_hf
+    and the logits of a prefill and four greedy decode steps equal the unfused build's bit for bit."""
     import moec.passes.fuse_combine_norm as fcn
+    import moec.passes.rms_norm as rn
+    import moec.passes.tiered_kv_attention as tka
+    from moec.compiler.serve_bench import build_hf
 
     model = build_hf("tiny-olmoe", dtype="bfloat16")
-    logits, combines = [], []
+    cfg = model.config
+    logits, decode_ir = [], []
     for fuse in (True, False):
-        if not fuse:  # the pass leaves the module as it is
+        if not fuse:
             monkeypatch.setattr(fcn, "FuseCombineIntoNorm", _Unfused)
-        art = moec.compile(model, tmp_path / str(fuse), tuning_db=None, debug_dump=tmp_path / f"ir{fuse}")
-        combines.append(_combines(tmp_path / f"ir{fuse}"))
+            monkeypatch.setattr(rn, "_pairs", lambda g, found: {})
+            monkeypatch.setattr(tka, "decode_out_dtype", lambda func, structure: "float32")
+        art = moec.compile(model, tmp_path / str(fuse), kv_cache="tiered", tuning_db=None, debug_dump=tmp_path / f"ir{fuse}")
+        src = (tmp_path / f"ir{fuse}" / "phase2_fused.py").read_text()
+        dec = src[src.index("def decode("):]
+        decode_ir.append(dec[:dec.find("@R.function") if "@R.function" in dec else None])
         if fuse:
             doc = json.loads((art / "manifest.json").read_text())
-            # (prefill's final norm reads the logit positions' rows only, gathered from the combine: not fused)
-            assert doc["options"]["combine_norm"]["fused"] == {"decode": 2, "prefill": 1}
             assert "FuseCombineIntoNorm" in doc["passes"]
+            assert doc["options"]["combine_norm"]["fused"] == {"decode": 2, "prefill": 1}
             (spec,) = doc["options"]["combine_norm"]["kernels"].values()
-            cfg = model.config
-            assert (spec["combine"], spec["experts"]) == (cfg.num_experts_per_tok, cfg.num_experts) and spec["x_dtype"] == "float32"
+            assert (spec["combine"], spec["experts"], spec["x_dtype"]) == (cfg.num_experts_per_tok, cfg.num_experts, "float32")
+            assert doc["options"]["rms_norm"]["paired"] == {"decode": 2, "prefill": 2}
         logits.append(prefill_and_decode(art, ([1, 5, 7, 9, 11, 3], [4, 4, 2]), 4)[0])
+    fused, plain = decode_ir
+    combines = [len(re.findall(r"cls\.moe_combine\b", d)) for d in decode_ir]
     assert combines == [0, 2]
+    attn_dtype = [re.search(r'dtype="(\w+)"', next(ln for ln in d.splitlines() if "cls.tiered_decode," in ln)).group(1)
+                  for d in decode_ir]  # the kernel's first output, the attention
+    assert attn_dtype == ["bfloat16", "float32"]
+    # per layer: the combine, the second norm and the cast after the attention (reshapes are views, not launches)
+    launches = [len(re.findall(r"R\.call_tir(?:_inplace)?\(cls\.(?!reshape)", d)) for d in decode_ir]
+    assert launches[1] - launches[0] == 3 * 2
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
