@@ -26,52 +26,39 @@ import tvm
 from tvm import relax
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import KernelCache, dtype_of, num_input_entries, same_shape, shape_of
+from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, op_name, same_shape, shape_of
 from ..schedules.kernels.rms_norm import make_rms_norm
 
 
 def _callee(value) -> str | None:
     """The PrimFunc name a ``call_tir`` calls, or None."""
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir":
-        return value.args[0].name_hint
-    return None
-
-
-def _is_reshape(value) -> bool:
-    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.reshape"
+    return value.args[0].name_hint if op_name(value) == "relax.call_tir" else None
 
 
 class _Finder:
-    """The fusable (norm, combine) pairs of one function: ``{norm var: (other operand, y, ids, norm spec, combine
+    """The fusable (norm, combine) pairs of one entry: ``{norm var: (other operand, y, ids, w, norm spec, combine
     spec)}``."""
 
     def __init__(self, func: relax.Function, norm_specs: dict, combine_specs: dict) -> None:
-        self.bound, self.uses = {}, {}
-        for block in func.body.blocks:
-            for b in block.bindings:
-                self.bound[b.var] = b.value
-                for v in relax.analysis.free_vars(b.value):
-                    self.uses[v] = self.uses.get(v, 0) + 1
-        for v in relax.analysis.free_vars(func.body.body):
-            self.uses[v] = self.uses.get(v, 0) + 1
+        self.g = DataflowGraph(func, int(func.attrs["num_input"]))
         self.norm_specs, self.combine_specs = norm_specs, combine_specs
 
     def _combine_of(self, x):
         """The ``(combine call, spec)`` ``x`` is (through reshapes keeping its shape), each step read once, or None."""
-        shape = shape_of(x)
-        while isinstance(x, relax.Var) and self.uses.get(x) == 1:
-            value = self.bound.get(x)
+        g, shape = self.g, shape_of(x)
+        while isinstance(x, relax.Var) and len(g.users.get(x, [])) == 1:
+            value = g.value.get(x)
             name = _callee(value)
             if name in self.combine_specs:
                 return (value, self.combine_specs[name]) if same_shape(shape_of(x), shape) else None
-            if not _is_reshape(value):
+            if op_name(value) != "relax.reshape":
                 return None
             x = value.args[0]
         return None
 
     def pairs(self) -> dict:
         found = {}
-        for var, value in self.bound.items():
+        for var, value in self.g.value.items():
             spec = self.norm_specs.get(_callee(value))
             if spec is None or not spec.residual or spec.combine or spec.x_dtype not in ("float32", "bfloat16"):
                 continue

@@ -67,20 +67,6 @@ def _find(matcher: _Matcher) -> tuple[dict, dict, list[str]]:
     return found, adds, skipped
 
 
-def _depends(g, var, on) -> bool:
-    """Whether ``var``'s value is computed from ``on`` (bindings before ``on`` are not searched)."""
-    stack, seen = [var], set()
-    while stack:
-        v = stack.pop()
-        if v.same_as(on):
-            return True
-        if v in seen or g.order.get(v, -1) <= g.order[on]:
-            continue
-        seen.add(v)
-        stack.extend(g._var_args(g.value[v]))
-    return False
-
-
 def _pairs(g, found: dict) -> dict:
     """``{second: first}``: consecutive norms of one spec (no residual add) in one launch at the second's place, where
     the second is not computed from the first (a model's Q- and K-norms); taken in order, each in one pair at most.
@@ -89,7 +75,8 @@ def _pairs(g, found: dict) -> dict:
     pairs, i = {}, 0
     while i + 1 < len(norms):
         first, second = norms[i], norms[i + 1]
-        if found[first][2] == found[second][2] and not _depends(g, second, first):
+        before = g.order[first]  # (nothing bound before the first is computed from it)
+        if found[first][2] == found[second][2] and first not in g.ancestors(second, stop=lambda v: g.order.get(v, -1) <= before):
             pairs[second] = first
             i += 2
         else:

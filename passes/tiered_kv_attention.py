@@ -35,7 +35,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import dtype_of
+from ..compiler.graph import DataflowGraph, dtype_of
 from ..compiler.moe_structure import MoEStructure, analyze
 from ..runtime.kv_cache import POOLS, pool_specs
 from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs, keep_helpers
@@ -151,36 +151,26 @@ _LAYOUT_OPS = ("relax.reshape", "relax.permute_dims")
 _NARROWER = {"float32": ("float16", "bfloat16")}  # the 16-bit dtypes float32 holds exactly
 
 
-def narrowed_dtype(func: relax.Function, var: relax.Var) -> str | None:
+def narrowed_dtype(g: DataflowGraph, var: relax.Var) -> str | None:
     """The 16-bit dtype the float32 ``var`` is cast to before any arithmetic (its one use, through reshapes and
     permutes, an ``astype`` to it), or None."""
     if dtype_of(var) not in _NARROWER:
         return None
-    uses: dict = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            for v in relax.analysis.free_vars(b.value):
-                uses.setdefault(v, []).append(b)
     x = var
-    while len(uses.get(x, [])) == 1:
-        b = uses[x][0]
-        value = b.value
-        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+    while len(g.users.get(x, [])) == 1:
+        x = g.users[x][0]
+        if g.op(x) == "relax.astype":
+            return dtype_of(x) if dtype_of(x) in _NARROWER[dtype_of(var)] else None
+        if g.op(x) not in _LAYOUT_OPS:
             return None
-        if value.op.name == "relax.astype":
-            dt = str(value.attrs.dtype)
-            return dt if dt in _NARROWER[dtype_of(var)] else None
-        if value.op.name not in _LAYOUT_OPS:
-            return None
-        x = b.var
     return None
 
 
-def decode_out_dtype(func: relax.Function, structure: MoEStructure) -> str:
+def decode_out_dtype(g: DataflowGraph, structure: MoEStructure) -> str:
     """The dtype the decode kernel writes its output in: float32, or the 16-bit dtype every layer's attention output
     is narrowed to anyway (the kernel rounds once, where the cast after it did; ``_heads_out`` widens the result
     back to float32, which SimplifyLayout then cancels against the model's cast)."""
-    dts = {narrowed_dtype(func, layer.attention.out) for layer in structure.layers}
+    dts = {narrowed_dtype(g, layer.attention.out) for layer in structure.layers}
     return dts.pop() if len(dts) == 1 and None not in dts else "float32"
 
 
@@ -188,7 +178,7 @@ class _Kernels:
     """The tiered kernels of one head configuration, added to the module being built."""
 
     def __init__(self, bb: relax.BlockBuilder, structure: MoEStructure, opts: TieredOptions, target: tvm.target.Target,
-                 func: relax.Function) -> None:
+                 graph: DataflowGraph) -> None:
         from ..schedules.kernels.tiered_append import make_tiered_append
         from ..schedules.kernels.tiered_attention import make_tiered_attention, make_tiered_mass
         from ..schedules.kernels.tiered_rerank import make_tiered_rerank
@@ -206,7 +196,7 @@ class _Kernels:
         form = decode_form(structure, opts, kind)[1]  # (refuses split-mma where it cannot serve)
         self.t2_mma = form == "mma"
         # the decode kernel writes the attention output in the model's dtype (no cast kernel after it)
-        self.decode_out_dtype = decode_out_dtype(func, structure)
+        self.decode_out_dtype = decode_out_dtype(graph, structure)
         decode = make_tiered_decode_for_models(h, hkv, d, opts.t1_page, opts.t2_page, fields=form == "fields",
                                                t2_mma=self.t2_mma, paired=form == "paired", out_dtype=self.decode_out_dtype) \
             if kind == "cuda" else make_tiered_decode(h, hkv, d, opts.t1_page, opts.t2_page, out_dtype=self.decode_out_dtype)
@@ -375,7 +365,7 @@ class InsertTieredKVAttention:
         structure = analyze(func, self.num_inputs, self.source)
         self.structure = structure
         bb = relax.BlockBuilder()
-        kernels = _Kernels(bb, structure, self.options, self.target, func)
+        kernels = _Kernels(bb, structure, self.options, self.target, DataflowGraph(func, self.num_inputs))
         for with_pos in (True, False):
             build_entry(func, self.num_inputs, structure, kernels, self.options, with_pos, bb)
         if self.options.mode == "tiered":

@@ -183,69 +183,67 @@ def _make_cuda(spec: RMSNormSpec):
 
     @T.macro
     def rows(a, b, ids, w, x, y, N, bx, tx):  # block bx's RB rows
-        if True:
-            if True:
-                with T.sblock("rms_norm"):
-                    T.reads()
-                    T.writes()
-                    red = T.sblock_alloc_buffer((RB * RW,), "float32", scope="shared")
-                    xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
-                    bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
-                    cb = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # the combine's sums
-                    sv = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # one slot's chunk
-                    wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
-                    yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
-                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                    n: T.let[T.int64] = bx * RB + tx // RT
-                    rt: T.let[T.int32] = tx % RT  # this thread's place in its row
-                    # ---- the row's chunks, once, into registers; the sum of squares
-                    acc[0] = T.float32(0)
-                    for i in T.unroll(IT):
-                        if n < N and (full or (i * RT + rt) * VEC < D):
-                            if spec.residual:  # x = a + b, rounded as stored, written out
-                                for v in T.vectorized(VEC):
-                                    xl[i * VEC + v] = a[n, (i * RT + rt) * VEC + v]
-                                if K > 0:  # b: the valid slots' sum in slot order, rounded as the combine stores it
-                                    for v in T.unroll(VEC):
-                                        cb[v] = T.float32(0)
-                                    for k in T.unroll(K):
-                                        if _valid(ids, n, k, E):
-                                            for v in T.vectorized(VEC):
-                                                sv[v] = b[n * K + k, (i * RT + rt) * VEC + v]
-                                            for v in T.unroll(VEC):
-                                                cb[v] = cb[v] + sv[v]
-                                    for v in T.unroll(VEC):  # (exact: the rounded value is a bfloat16)
-                                        bl[v] = T.Cast(spec.x_dtype, _rounded(cb[v], spec.x_dtype))
-                                else:
+        with T.sblock("rms_norm"):
+            T.reads()
+            T.writes()
+            red = T.sblock_alloc_buffer((RB * RW,), "float32", scope="shared")
+            xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
+            bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
+            cb = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # the combine's sums
+            sv = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # one slot's chunk
+            wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+            yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
+            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+            n: T.let[T.int64] = bx * RB + tx // RT
+            rt: T.let[T.int32] = tx % RT  # this thread's place in its row
+            # ---- the row's chunks, once, into registers; the sum of squares
+            acc[0] = T.float32(0)
+            for i in T.unroll(IT):
+                if n < N and (full or (i * RT + rt) * VEC < D):
+                    if spec.residual:  # x = a + b, rounded as stored, written out
+                        for v in T.vectorized(VEC):
+                            xl[i * VEC + v] = a[n, (i * RT + rt) * VEC + v]
+                        if K > 0:  # b: the valid slots' sum in slot order, rounded as the combine stores it
+                            for v in T.unroll(VEC):
+                                cb[v] = T.float32(0)
+                            for k in T.unroll(K):
+                                if _valid(ids, n, k, E):
                                     for v in T.vectorized(VEC):
-                                        bl[v] = b[n, (i * RT + rt) * VEC + v]
-                                for v in T.unroll(VEC):
-                                    xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
-                                for v in T.vectorized(VEC):
-                                    x[n, (i * RT + rt) * VEC + v] = xl[i * VEC + v]
-                            else:
-                                for v in T.vectorized(VEC):
-                                    xl[i * VEC + v] = x[n, (i * RT + rt) * VEC + v]
-                            for v in T.unroll(VEC):
-                                acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
-                    warp_sum(acc, 0)
-                    if RW > 1:  # across the row's warps (every thread reaches the barrier)
-                        if tx % 32 == 0:
-                            red[tx // 32] = acc[0]
-                        T.tvm_storage_sync("shared")
-                        acc[0] = T.float32(0)
-                        for k in T.unroll(RW):
-                            acc[0] = acc[0] + red[(tx // RT) * RW + k]
-                    acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
-                    # ---- normalise and write
-                    for i in T.unroll(IT):
-                        if n < N and (full or (i * RT + rt) * VEC < D):
+                                        sv[v] = b[n * K + k, (i * RT + rt) * VEC + v]
+                                    for v in T.unroll(VEC):
+                                        cb[v] = cb[v] + sv[v]
+                            for v in T.unroll(VEC):  # (exact: the rounded value is a bfloat16)
+                                bl[v] = T.Cast(spec.x_dtype, _rounded(cb[v], spec.x_dtype))
+                        else:
                             for v in T.vectorized(VEC):
-                                wl[v] = w[(i * RT + rt) * VEC + v]
-                            for v in T.unroll(VEC):
-                                yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
-                            for v in T.vectorized(VEC):
-                                y[n, (i * RT + rt) * VEC + v] = yl[v]
+                                bl[v] = b[n, (i * RT + rt) * VEC + v]
+                        for v in T.unroll(VEC):
+                            xl[i * VEC + v] = T.Cast(spec.x_dtype, _f32(xl[i * VEC + v]) + _f32(bl[v]))
+                        for v in T.vectorized(VEC):
+                            x[n, (i * RT + rt) * VEC + v] = xl[i * VEC + v]
+                    else:
+                        for v in T.vectorized(VEC):
+                            xl[i * VEC + v] = x[n, (i * RT + rt) * VEC + v]
+                    for v in T.unroll(VEC):
+                        acc[0] = acc[0] + _f32(xl[i * VEC + v]) * _f32(xl[i * VEC + v])
+            warp_sum(acc, 0)
+            if RW > 1:  # across the row's warps (every thread reaches the barrier)
+                if tx % 32 == 0:
+                    red[tx // 32] = acc[0]
+                T.tvm_storage_sync("shared")
+                acc[0] = T.float32(0)
+                for k in T.unroll(RW):
+                    acc[0] = acc[0] + red[(tx // RT) * RW + k]
+            acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
+            # ---- normalise and write
+            for i in T.unroll(IT):
+                if n < N and (full or (i * RT + rt) * VEC < D):
+                    for v in T.vectorized(VEC):
+                        wl[v] = w[(i * RT + rt) * VEC + v]
+                    for v in T.unroll(VEC):
+                        yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                    for v in T.vectorized(VEC):
+                        y[n, (i * RT + rt) * VEC + v] = yl[v]
 
     @T.macro
     def body(a, b, ids, w, x, y, N):

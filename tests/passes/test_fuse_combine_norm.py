@@ -134,7 +134,7 @@ def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
         if not fuse:
             monkeypatch.setattr(fcn, "FuseCombineIntoNorm", _Unfused)
             monkeypatch.setattr(rn, "_pairs", lambda g, found: {})
-            monkeypatch.setattr(tka, "decode_out_dtype", lambda func, structure: "float32")
+            monkeypatch.setattr(tka, "decode_out_dtype", lambda graph, structure: "float32")
         art = moec.compile(model, tmp_path / str(fuse), kv_cache="tiered", tuning_db=None, debug_dump=tmp_path / f"ir{fuse}")
         src = (tmp_path / f"ir{fuse}" / "phase2_fused.py").read_text()
         dec = src[src.index("def decode("):]
