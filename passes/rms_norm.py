@@ -84,7 +84,6 @@ def _pairs(g, found: dict) -> dict:
     return pairs
 
 
-
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
     def __init__(self, mod, graph, matches: dict, adds: dict, kernel, pairs: dict | None = None) -> None:
@@ -152,7 +151,6 @@ class _Rewriter(relax.PyExprMutator):
         y = self.builder_.emit(relax.call_tir(self.kernel(spec), [xv, self._materialize(w)],
                                               out_ty=relax.TensorType([rows, spec.hidden], spec.y_dtype)))
         self.set_var_remap(var, self._back(y, shape))
-
 
     def _pair(self, first, second) -> None:
         (x1, w1, spec, _), (x2, w2, _, _) = self.matches[first], self.matches[second]

@@ -23,7 +23,7 @@ from tvm import relax
 from ..compiler.graph import same_dim, same_shape
 
 
-_EXACT_IN = {"float32": ("float16", "bfloat16"), "float64": ("float16", "bfloat16", "float32")}  # wide: its exact subsets
+EXACT_IN = {"float32": ("float16", "bfloat16"), "float64": ("float16", "bfloat16", "float32")}  # wide: its exact subsets
 
 
 def _axes(call: relax.Call, rank: int) -> list[int]:
@@ -92,7 +92,7 @@ class _Rewriter(relax.PyExprMutator):
             layout.append(self._bound(x))
             x = self._alias(self._bound(x).args[0])
         inner = self._bound(x)
-        if not _op(inner, "relax.astype") or dt not in _EXACT_IN.get(str(inner.attrs.dtype), ()):
+        if not _op(inner, "relax.astype") or dt not in EXACT_IN.get(str(inner.attrs.dtype), ()):
             return None
         y = self._alias(inner.args[0])
         if getattr(y.ty, "dtype", None) != dt:

@@ -40,6 +40,7 @@ from ..compiler.moe_structure import MoEStructure, analyze
 from ..runtime.kv_cache import POOLS, pool_specs
 from .paged_kv_attention import EntryRewriter, _bind_batch_to_one, entry_inputs, keep_helpers
 from .logit_positions import logits_at_positions
+from .simplify_layout import EXACT_IN  # (the round trips it cancels)
 
 CACHE_ARGS = ("q_pos", "slots", "q_row", "q_t1", "q_indptr", "t1_table", "t2_table", "t2_np")
 RERANK_ARGS = ("t1_table", "t1_len", "length", "demote", "new_t2")
@@ -148,19 +149,18 @@ def decode_form(structure: MoEStructure, opts: TieredOptions, kind: str) -> tupl
 
 
 _LAYOUT_OPS = ("relax.reshape", "relax.permute_dims")
-_NARROWER = {"float32": ("float16", "bfloat16")}  # the 16-bit dtypes float32 holds exactly
 
 
 def narrowed_dtype(g: DataflowGraph, var: relax.Var) -> str | None:
     """The 16-bit dtype the float32 ``var`` is cast to before any arithmetic (its one use, through reshapes and
     permutes, an ``astype`` to it), or None."""
-    if dtype_of(var) not in _NARROWER:
+    if dtype_of(var) not in EXACT_IN:
         return None
     x = var
     while len(g.users.get(x, [])) == 1:
         x = g.users[x][0]
         if g.op(x) == "relax.astype":
-            return dtype_of(x) if dtype_of(x) in _NARROWER[dtype_of(var)] else None
+            return dtype_of(x) if dtype_of(x) in EXACT_IN[dtype_of(var)] else None
         if g.op(x) not in _LAYOUT_OPS:
             return None
     return None
