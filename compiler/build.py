@@ -300,6 +300,11 @@ def compile(  # noqa: A001 - the public name users call
         from ..passes.rms_norm import InsertRMSNorm
 
         norms = InsertRMSNorm(tgt, imported.source_name)
+    rope_norm = None
+    if norms is not None:
+        from ..passes.fuse_rope_norm import FuseRoPEIntoNorm
+
+        rope_norm = FuseRoPEIntoNorm(norms, tgt, imported.source_name)
     combine_norm = None
     if norms is not None and grouped is not None:
         from ..passes.fuse_combine_norm import FuseCombineIntoNorm
@@ -308,7 +313,7 @@ def compile(  # noqa: A001 - the public name users call
     pipeline, insert = moec_pipeline(imported.num_inputs, tgt, imported.source_name, debug_dump, kv_cache_dtype, tiered,
                                      cascade, fuse_router_norm=fuse, grouped_experts=grouped, tuning=tuning,
                                      phases=1 if _until_phase1 else 4, dense_gemm=dense, cuda_graph=graph_bounds,
-                                     rms_norm=norms, combine_norm=combine_norm)
+                                     rms_norm=norms, combine_norm=combine_norm, rope_norm=rope_norm)
     if _until_phase1:  # moec tune: the entries after phase 1, before any lowering
         with tgt:
             return pipeline(imported.mod), pipeline.entries, tgt
@@ -367,7 +372,7 @@ def compile(  # noqa: A001 - the public name users call
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)
             + ["InsertPagedKVAttention" if tiered is None else "InsertTieredKVAttention"]
-            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertRMSNorm"] * (norms is not None)
+            + ["FuseRouterIntoNorm"] * (fuse is not None) + ["InsertRMSNorm", "FuseRoPEIntoNorm"] * (norms is not None)
             + ["InsertGroupedExperts"] * (grouped is not None) + ["FuseCombineIntoNorm"] * (combine_norm is not None)
             + ["InsertDenseGEMM"] * (dense is not None) + ["FuseSoftmaxTopK", "AddGreedySampler", "LegalizeOps", "FuseOps",
                "FuseTIR", "schedules.rules"] + ["PrepareDecodeGraph", "RewriteDecodeGraph"] * (graph_bounds is not None),
@@ -382,6 +387,7 @@ def compile(  # noqa: A001 - the public name users call
                         "dense_gemm": dense.manifest() if dense is not None else None,
                         "rms_norm": norms.manifest() if norms is not None else None,
                         "combine_norm": combine_norm.manifest() if combine_norm is not None else None,
+                        "rope_norm": rope_norm.manifest() if rope_norm is not None else None,
                         "prefill_gemm": prefill_gemm,
                         "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
                         "debug_dump": str(debug_dump) if debug_dump else None},

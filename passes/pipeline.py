@@ -113,7 +113,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
                   kv_dtype: str | None = None, tiered: TieredOptions | None = None, cascade: CascadeGating | None = None,
                   fuse_router_norm: FuseRouterIntoNorm | None = None, tuning=None, phases: int = 4,
                   grouped_experts=None, dense_gemm=None, cuda_graph: GraphBounds | None = None, rms_norm=None,
-                  combine_norm=None):
+                  combine_norm=None, rope_norm=None):
     """Build the pipeline; returns ``(pass, insert_pass)`` so callers can read the recognised structure.
 
     ``tuning`` (a ``schedules.database.TunedSchedules``) sees the phase-1 module and applies its
@@ -125,7 +125,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
     ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
     matmul (the coarse one after cascade gating) with its RMSNorm in the entries, and ``rms_norm`` (an
-    ``InsertRMSNorm`` pass, or None) makes each remaining RMSNorm one kernel.
+    ``InsertRMSNorm`` pass, or None) makes each remaining RMSNorm one kernel; ``rope_norm`` (a ``FuseRoPEIntoNorm``
+    pass, or None) computes the rotary embedding after Q- and K-norms in their kernel.
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
     computation of the entries with the grouped expert GEMM kernels, ``combine_norm`` (a ``FuseCombineIntoNorm``
     pass, or None) computes each of their combines in the residual add + RMSNorm kernel after it, and ``dense_gemm`` (an
@@ -149,6 +150,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         SimplifyLayout(),
         *([fuse_router_norm] if fuse_router_norm is not None else []),
         *([rms_norm] if rms_norm is not None else []),
+        *([rope_norm] if rope_norm is not None else []),
         *([grouped_experts] if grouped_experts is not None else []),
         *([combine_norm] if combine_norm is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),

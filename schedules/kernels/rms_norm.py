@@ -56,6 +56,14 @@ class RMSNormSpec:
     experts: int = 0  # E: with combine, the range of valid expert ids
     ids_dtype: str = "int64"  # with combine, the expert ids' dtype
     pair: bool = False  # two norms of this spec in one launch (x1, w1, x2, w2 -> y1, y2; each its own rows)
+    rope: int = 0  # Dh > 0: rotary embedding (rotate-half form) over heads of Dh elements applied to y, cos / sin given
+    rope_token: int = 0  # with rope, the elements of one token (its heads x Dh): row n's element d is token (n D + d) // this
+    rope_out: str = ""  # with rope, the output's dtype (the rotated values are computed in y_dtype; "" = y_dtype)
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype of what the kernel writes for y (the rotated values with ``rope``)."""
+        return (self.rope_out or self.y_dtype) if self.rope else self.y_dtype
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or self.hidden < 1:
@@ -76,12 +84,25 @@ class RMSNormSpec:
                 raise MoecError(f"rms_norm: ids_dtype must be int32 or int64, got {self.ids_dtype!r}")
             if self.x_dtype not in ("float32", "bfloat16"):
                 raise MoecError(f"rms_norm: combine needs a float32 or bfloat16 residual stream, got {self.x_dtype}")
+        if self.rope:
+            dh, tok = self.rope, self.rope_token
+            if self.residual:
+                raise MoecError("rms_norm: rope is applied to a norm without a residual add")
+            if not isinstance(dh, int) or dh < 2 or dh % 2 or self.hidden % dh:
+                raise MoecError(f"rms_norm: rope needs an even head size dividing the row ({self.hidden}), got {dh!r}")
+            if not isinstance(tok, int) or tok < dh or tok % dh:
+                raise MoecError(f"rms_norm: rope_token must be a positive multiple of the head size {dh}, got {tok!r}")
+            if self.y_dtype not in ("float32", "bfloat16"):
+                raise MoecError(f"rms_norm: rope is computed in float32 or bfloat16, got {self.y_dtype}")
+            if self.out_dtype not in DTYPES:
+                raise MoecError(f"rms_norm: rope_out must be one of {', '.join(DTYPES)}, got {self.rope_out!r}")
 
 
 def launch_config(spec: RMSNormSpec) -> dict:
     """The CUDA form's launch shape: threads per row, rows per block, vector width, chunks per thread."""
-    vec = 16 // max(_BYTES[dt] for dt in (spec.x_dtype, spec.weight_dtype, spec.y_dtype) + (("float32",) if spec.combine else ()))
-    while spec.hidden % vec:
+    dts = (spec.x_dtype, spec.weight_dtype, spec.y_dtype, spec.out_dtype) + (("float32",) if spec.combine else ())
+    vec = 16 // max(_BYTES[dt] for dt in dts)
+    while spec.hidden % vec or (spec.rope and (spec.rope // 2) % vec):  # (a chunk lies in one half of a head)
         vec //= 2
     chunks = spec.hidden // vec
     row_threads = min(256, 32 * -(-chunks // 32))
@@ -119,6 +140,12 @@ def _rounded(v, dtype: str):
     return T.reinterpret("float32", T.if_then_else(nan, T.bitwise_or(T.bitwise_and(u, T.uint32(0xFFFF0000)), T.uint32(0x00400000)), r))
 
 
+def _rope(y, rot, c, s, dtype: str):
+    """One rotated value ``y c + rot s`` with each product and the sum rounded to ``dtype`` (float32 or bfloat16), as
+    16-bit arithmetic on the GPU rounds each operation (and PyTorch does)."""
+    return _rounded(_rounded(y * c, dtype) + _rounded(rot * s, dtype), dtype)
+
+
 def _valid(ids, n, k, E):
     """Slot k of row n holds an expert id in range (negative ids wrap, as numpy / ONNX index)."""
     from .grouped_experts import _in_range, _norm_id
@@ -130,15 +157,18 @@ def _make_llvm(spec: RMSNormSpec):
     D, eps = spec.hidden, float(spec.eps)
 
     K, E = spec.combine, spec.experts
+    DH, HT = spec.rope, spec.rope_token
+    H2, YB = DH // 2, D if DH else 1
 
     @T.macro
-    def body(a, b, ids, w, x, y, N):
+    def body(a, b, ids, w, cs, sn, x, y, N):
         for n in T.serial(N):
             with T.sblock("rms_norm"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                 cb = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                yb = T.sblock_alloc_buffer((YB,), "float32", scope="local")  # (the normalised row, for rope)
                 if K > 0:  # b: the valid slots' sum in slot order, rounded as the combine kernel stores it
                     for d in T.serial(D):
                         cb[0] = T.float32(0)
@@ -153,13 +183,20 @@ def _make_llvm(spec: RMSNormSpec):
                 for d in T.serial(D):
                     acc[0] = acc[0] + _f32(x[n, d]) * _f32(x[n, d])
                 acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
-                for d in T.serial(D):
-                    y[n, d] = T.Cast(spec.y_dtype, _f32(w[d]) * (_f32(x[n, d]) * acc[1]))
+                if DH > 0:  # y rounded as the norm stores it, then rotated in float32, rounded once (as TVM's llvm code does)
+                    for d in T.serial(D):
+                        yb[d] = _rounded(_f32(w[d]) * (_f32(x[n, d]) * acc[1]), spec.y_dtype)
+                    for d in T.serial(D):
+                        y[n, d] = T.Cast(spec.out_dtype, yb[d] * _f32(cs[(n * D + d) // HT, d % DH]) + T.if_then_else(
+                            d % DH < H2, T.float32(-1) * yb[d + H2], yb[d - H2]) * _f32(sn[(n * D + d) // HT, d % DH]))
+                else:
+                    for d in T.serial(D):
+                        y[n, d] = T.Cast(spec.y_dtype, _f32(w[d]) * (_f32(x[n, d]) * acc[1]))
 
     @T.macro
-    def pair(x1, w1, y1, N1, x2, w2, y2, N2):
-        body(x1, x1, x1, w1, x1, y1, N1)
-        body(x2, x2, x2, w2, x2, y2, N2)
+    def pair(x1, w1, y1, N1, x2, w2, y2, N2, cs, sn):
+        body(x1, x1, x1, w1, cs, sn, x1, y1, N1)
+        body(x2, x2, x2, w2, cs, sn, x2, y2, N2)
 
     return _signature(spec, body, pair)
 
@@ -180,9 +217,11 @@ def _make_cuda(spec: RMSNormSpec):
 
     K, E = spec.combine, spec.experts
     CV = VEC if K else 1  # (the combine's buffers)
+    DH, HT = spec.rope, spec.rope_token
+    H2, YS, RV = DH // 2, RB * D if DH else 1, VEC if DH else 1  # (rope's buffers)
 
     @T.macro
-    def rows(a, b, ids, w, x, y, N, bx, tx):  # block bx's RB rows
+    def rows(a, b, ids, w, cs, sn, x, y, N, bx, tx):  # block bx's RB rows
         with T.sblock("rms_norm"):
             T.reads()
             T.writes()
@@ -194,6 +233,10 @@ def _make_cuda(spec: RMSNormSpec):
             wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
             yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
             acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+            ys = T.sblock_alloc_buffer((YS,), "float32", scope="shared")  # (rope: the rows normalised)
+            cl = T.sblock_alloc_buffer((RV,), spec.y_dtype, scope="local")
+            sl = T.sblock_alloc_buffer((RV,), spec.y_dtype, scope="local")
+            ol = T.sblock_alloc_buffer((RV,), spec.out_dtype, scope="local")
             n: T.let[T.int64] = bx * RB + tx // RT
             rt: T.let[T.int32] = tx % RT  # this thread's place in its row
             # ---- the row's chunks, once, into registers; the sum of squares
@@ -236,39 +279,85 @@ def _make_cuda(spec: RMSNormSpec):
                     acc[0] = acc[0] + red[(tx // RT) * RW + k]
             acc[1] = T.rsqrt(acc[0] / T.float32(D) + T.float32(eps))
             # ---- normalise and write
-            for i in T.unroll(IT):
-                if n < N and (full or (i * RT + rt) * VEC < D):
-                    for v in T.vectorized(VEC):
-                        wl[v] = w[(i * RT + rt) * VEC + v]
-                    for v in T.unroll(VEC):
-                        yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
-                    for v in T.vectorized(VEC):
-                        y[n, (i * RT + rt) * VEC + v] = yl[v]
+            if DH > 0:  # the row normalised (rounded as stored) into shared memory, then each chunk rotated against its partner
+                for i in T.unroll(IT):
+                    if n < N and (full or (i * RT + rt) * VEC < D):
+                        for v in T.vectorized(VEC):
+                            wl[v] = w[(i * RT + rt) * VEC + v]
+                        for v in T.unroll(VEC):
+                            ys[(tx // RT) * D + (i * RT + rt) * VEC + v] = _rounded(
+                                _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]), spec.y_dtype)
+                T.tvm_storage_sync("shared")
+                for i in T.unroll(IT):
+                    if n < N and (full or (i * RT + rt) * VEC < D):
+                        d0: T.let[T.int64] = T.Cast("int64", (i * RT + rt) * VEC)
+                        tok: T.let[T.int64] = (n * D + d0) // HT
+                        j0: T.let[T.int64] = d0 % DH  # (the chunk lies in one half of its head)
+                        for v in T.vectorized(VEC):
+                            cl[v] = cs[tok, j0 + v]
+                        for v in T.vectorized(VEC):
+                            sl[v] = sn[tok, j0 + v]
+                        for v in T.unroll(VEC):
+                            ol[v] = T.Cast(spec.out_dtype, _rope(
+                                ys[(tx // RT) * D + d0 + v], T.if_then_else(
+                                    j0 < H2, T.float32(-1) * ys[(tx // RT) * D + d0 + H2 + v], ys[(tx // RT) * D + d0 - H2 + v]),
+                                _f32(cl[v]), _f32(sl[v]), spec.y_dtype))
+                        for v in T.vectorized(VEC):
+                            y[n, d0 + v] = ol[v]
+            else:
+                for i in T.unroll(IT):
+                    if n < N and (full or (i * RT + rt) * VEC < D):
+                        for v in T.vectorized(VEC):
+                            wl[v] = w[(i * RT + rt) * VEC + v]
+                        for v in T.unroll(VEC):
+                            yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                        for v in T.vectorized(VEC):
+                            y[n, (i * RT + rt) * VEC + v] = yl[v]
 
     @T.macro
-    def body(a, b, ids, w, x, y, N):
+    def body(a, b, ids, w, cs, sn, x, y, N):
         for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                rows(a, b, ids, w, x, y, N, bx, tx)
+                rows(a, b, ids, w, cs, sn, x, y, N, bx, tx)
 
     @T.macro
-    def pair(x1, w1, y1, N1, x2, w2, y2, N2):  # two norms of one spec in one launch: blockIdx.y picks the norm
+    def pair(x1, w1, y1, N1, x2, w2, y2, N2, cs, sn):  # two norms of one spec in one launch: blockIdx.y picks the norm
         for which in T.thread_binding(2, thread="blockIdx.y"):
             for bx in T.thread_binding((T.max(N1, N2) + RB - 1) // RB, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if which == 0:  # block-uniform (rows past a norm's N are skipped)
-                        rows(x1, x1, x1, w1, x1, y1, N1, bx, tx)
+                        rows(x1, x1, x1, w1, cs, sn, x1, y1, N1, bx, tx)
                     else:
-                        rows(x2, x2, x2, w2, x2, y2, N2, bx, tx)
+                        rows(x2, x2, x2, w2, cs, sn, x2, y2, N2, bx, tx)
 
     return _signature(spec, body, pair)
 
 
 def _signature(spec: RMSNormSpec, body, pair):
     """The PrimFunc around ``body``: (x, w, y), with ``residual`` (a, b, w, x, y), with ``combine`` too
-    (a, s, ids, w, x, y); with ``pair`` two norms (x1, w1, x2, w2, y1, y2; ``pair``'s body); N dynamic."""
-    D = spec.hidden
+    (a, s, ids, w, x, y); with ``pair`` two norms (x1, w1, x2, w2, y1, y2; ``pair``'s body); with ``rope`` the tables
+    cos and sin [M, Dh] (y_dtype, M the tokens) follow the weights (x, w, cos, sin, y; x1, w1, x2, w2, cos, sin, y1,
+    y2). N dynamic."""
+    D, DH = spec.hidden, spec.rope
     attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
+
+    if spec.pair and DH:
+        @T.prim_func(s_tir=True)
+        def rms_norm_rope_pair(x1_h: T.handle, w1_h: T.handle, x2_h: T.handle, w2_h: T.handle, c_h: T.handle, s_h: T.handle,
+                               y1_h: T.handle, y2_h: T.handle):
+            T.func_attr(attrs)
+            N1, N2, M = T.int64(), T.int64(), T.int64()
+            x1 = T.match_buffer(x1_h, (N1, D), spec.x_dtype)
+            w1 = T.match_buffer(w1_h, (D,), spec.weight_dtype)
+            x2 = T.match_buffer(x2_h, (N2, D), spec.x_dtype)
+            w2 = T.match_buffer(w2_h, (D,), spec.weight_dtype)
+            cs = T.match_buffer(c_h, (M, DH), spec.y_dtype)
+            sn = T.match_buffer(s_h, (M, DH), spec.y_dtype)
+            y1 = T.match_buffer(y1_h, (N1, D), spec.out_dtype)
+            y2 = T.match_buffer(y2_h, (N2, D), spec.out_dtype)
+            pair(x1, w1, y1, N1, x2, w2, y2, N2, cs, sn)
+
+        return rms_norm_rope_pair
 
     if spec.pair:
         @T.prim_func(s_tir=True)
@@ -281,7 +370,7 @@ def _signature(spec: RMSNormSpec, body, pair):
             w2 = T.match_buffer(w2_h, (D,), spec.weight_dtype)
             y1 = T.match_buffer(y1_h, (N1, D), spec.y_dtype)
             y2 = T.match_buffer(y2_h, (N2, D), spec.y_dtype)
-            pair(x1, w1, y1, N1, x2, w2, y2, N2)
+            pair(x1, w1, y1, N1, x2, w2, y2, N2, x1, x1)  # (no rope: the tables are never read)
 
         return rms_norm_pair
 
@@ -298,7 +387,7 @@ def _signature(spec: RMSNormSpec, body, pair):
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-            body(a, s, ids, w, x, y, N)
+            body(a, s, ids, w, a, a, x, y, N)
 
         return combine_add_rms_norm
 
@@ -312,9 +401,23 @@ def _signature(spec: RMSNormSpec, body, pair):
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-            body(a, b, a, w, x, y, N)  # (no ids: never read)
+            body(a, b, a, w, a, a, x, y, N)  # (no ids, no rope tables: never read)
 
         return add_rms_norm
+
+    if DH:
+        @T.prim_func(s_tir=True)
+        def rms_norm_rope(x_h: T.handle, w_h: T.handle, c_h: T.handle, s_h: T.handle, y_h: T.handle):
+            T.func_attr(attrs)
+            N, M = T.int64(), T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            cs = T.match_buffer(c_h, (M, DH), spec.y_dtype)
+            sn = T.match_buffer(s_h, (M, DH), spec.y_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.out_dtype)
+            body(x, x, x, w, cs, sn, x, y, N)
+
+        return rms_norm_rope
 
     @T.prim_func(s_tir=True)
     def rms_norm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -323,7 +426,7 @@ def _signature(spec: RMSNormSpec, body, pair):
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, (D,), spec.weight_dtype)
         y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-        body(x, x, x, w, x, y, N)  # no residual: a, b and ids are never read
+        body(x, x, x, w, x, x, x, y, N)  # no residual, no rope: a, b, ids and the tables are never read
 
     return rms_norm
 
@@ -359,4 +462,26 @@ def combine_sum(s, ids, experts: int, dtype):
     return acc.astype(dtype)
 
 
-__all__ = ["RMSNormSpec", "check_supported", "combine_sum", "launch_config", "make_rms_norm", "reference", "residual_sum"]
+def rope_reference(y, cos, sin, head: int, token: int, out_dtype, per_op: bool = True):
+    """NumPy: the rotary embedding (rotate-half form) of the normalised rows ``y`` [N, D] (float32 or bfloat16), heads of
+    ``head`` elements, ``token`` elements a token (row n's element d is token (n D + d) // token); ``cos`` / ``sin``
+    [tokens, head] of y's dtype. ``per_op``: each product and the sum rounded to y's dtype (the CUDA form, PyTorch);
+    else computed in float32 and rounded once to ``out_dtype`` (the llvm form, as TVM's llvm code computes it)."""
+    import numpy as np
+
+    n, d = y.shape
+    yf = np.asarray(y, np.float32).reshape(-1, head)
+    h = head // 2
+    rot = np.concatenate([-yf[:, h:], yf[:, :h]], axis=1)
+    tok = (np.arange(n * d) // token).reshape(-1, head)[:, 0]
+    c, s = (np.asarray(t, np.float32)[tok] for t in (cos, sin))
+    if per_op:
+        r = lambda v: v.astype(y.dtype).astype(np.float32)  # noqa: E731
+        out = r(r(yf * c) + r(rot * s))
+    else:
+        out = yf * c + rot * s
+    return out.reshape(n, d).astype(out_dtype)
+
+
+__all__ = ["RMSNormSpec", "check_supported", "combine_sum", "launch_config", "make_rms_norm", "reference", "residual_sum",
+           "rope_reference"]
