@@ -118,11 +118,14 @@ def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
     - FuseCombineIntoNorm: both layers' combines in the norms after them in decode (layer 1's input norm, the final
       norm), layer 0's in prefill (the final norm there reads the logit positions' rows only);
     - InsertRMSNorm's pairs: each layer's Q- and K-norms one launch, in decode and prefill;
+    - FuseRoPEIntoNorm: the rotation of the queries and keys computed in that launch (the llvm form: in float32 after
+      the norm's rounding, as the unfused rotation kernel computes it there);
     - the tiered decode kernel writes bfloat16 (the dtype the model narrows the attention output to), and no cast
       kernel follows it;
 
     and the logits of a prefill and four greedy decode steps equal the unfused build's bit for bit."""
     import moec.passes.fuse_combine_norm as fcn
+    import moec.passes.fuse_rope_norm as frn
     import moec.passes.rms_norm as rn
     import moec.passes.tiered_kv_attention as tka
     from moec.compiler.serve_bench import build_hf
@@ -134,6 +137,7 @@ def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
         if not fuse:
             monkeypatch.setattr(fcn, "FuseCombineIntoNorm", _Unfused)
             monkeypatch.setattr(rn, "_pairs", lambda g, found: {})
+            monkeypatch.setattr(frn._Finder, "found", lambda self, form: ({}, []))
             monkeypatch.setattr(tka, "decode_out_dtype", lambda graph, structure: "float32")
         art = moec.compile(model, tmp_path / str(fuse), kv_cache="tiered", tuning_db=None, debug_dump=tmp_path / f"ir{fuse}")
         src = (tmp_path / f"ir{fuse}" / "phase2_fused.py").read_text()
@@ -146,6 +150,9 @@ def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
             (spec,) = doc["options"]["combine_norm"]["kernels"].values()
             assert (spec["combine"], spec["experts"], spec["x_dtype"]) == (cfg.num_experts_per_tok, cfg.num_experts, "float32")
             assert doc["options"]["rms_norm"]["paired"] == {"decode": 2, "prefill": 2}
+            assert doc["options"]["rope_norm"]["fused"] == {"decode": 4, "prefill": 4}  # (queries and keys, 2 layers)
+            (rope,) = doc["options"]["rope_norm"]["kernels"].values()
+            assert (rope["pair"], rope["rope"], rope["rope_token"]) == (True, cfg.hidden_size // cfg.num_attention_heads, cfg.hidden_size)
         logits.append(prefill_and_decode(art, ([1, 5, 7, 9, 11, 3], [4, 4, 2]), 4)[0])
     fused, plain = decode_ir
     combines = [len(re.findall(r"cls\.moe_combine\b", d)) for d in decode_ir]
@@ -153,9 +160,9 @@ def test_decode_fusions_equal_the_unfused_build(tmp_path, monkeypatch):
     attn_dtype = [re.search(r'dtype="(\w+)"', next(ln for ln in d.splitlines() if "cls.tiered_decode," in ln)).group(1)
                   for d in decode_ir]  # the kernel's first output, the attention
     assert attn_dtype == ["bfloat16", "float32"]
-    # per layer: the combine, the second norm and the cast after the attention (reshapes are views, not launches)
+    # per layer: the combine, the second norm, the two rotations and the cast after the attention (reshapes are views)
     launches = [len(re.findall(r"R\.call_tir(?:_inplace)?\(cls\.(?!reshape)", d)) for d in decode_ir]
-    assert launches[1] - launches[0] == 3 * 2
+    assert launches[1] - launches[0] == 5 * 2
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
