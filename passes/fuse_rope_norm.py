@@ -12,7 +12,8 @@ size, h = Dh / 2, C / S the cos and sin tables broadcast over the heads)::
     o = u, permuted back when t was, optionally cast               # [B, S, H, Dh]
 
 Each such ``o`` is computed by the norm's kernel itself (``rms_norm`` with ``rope``: the tables as [tokens, Dh]
-inputs, ``schedules.kernels.rms_norm``); a pair is fused where both of its norms are rotated with the same tables.
+inputs, ``schedules.kernels.rms_norm``); a pair is fused where both of its norms are rotated with the same tables
+(per-head norms with grouped KV heads: the keys have fewer heads a token, ``rope_token2``).
 
 Why: at decode batch sizes each kernel of a layer is a launch of a few microseconds, most of it latency; the
 rotation's two kernels (queries, keys) read back what the norm had just written. Two launches a layer less.
@@ -193,11 +194,11 @@ class _Finder:
             if None in ropes:
                 continue
             r0 = ropes[0]
-            if any(r.cos != r0.cos or r.sin != r0.sin or r.out_dtype != r0.out_dtype or r.head != r0.head
-                   or r.token != r0.token for r in ropes):
+            if any(r.cos != r0.cos or r.sin != r0.sin or r.out_dtype != r0.out_dtype or r.head != r0.head for r in ropes):
                 skipped.append(f"{var.name}: the pair's rotations differ (tables, head size or dtype)")
                 continue
-            fused = replace(spec, rope=r0.head, rope_token=r0.token, rope_out=r0.out_dtype)
+            second = ropes[-1].token if ropes[-1].token != r0.token else 0  # (grouped KV heads: fewer a token)
+            fused = replace(spec, rope=r0.head, rope_token=r0.token, rope_token2=second, rope_out=r0.out_dtype)
             try:
                 check_supported(fused, form)
             except MoecError as exc:

@@ -19,11 +19,19 @@ expert outputs, slot by slot), ids [N, K] (the slots' expert ids; a slot whose i
 ``experts`` is left out), w, then x and y; b = sum over the valid slots in slot order, rounded to x_dtype, as the
 grouped experts' ``combine`` kernel stores it (so x equals the unfused pair's bit for bit).
 
+With ``rope`` Dh (no residual), y is rotated before it is written (the rotary embedding after a model's Q- / K-norm,
+rotate-half form: element j < Dh / 2 of a head pairs with j + Dh / 2): ``o = y cos + rotate_half(y) sin`` with the
+tables cos, sin [tokens, Dh] in y_dtype, row n's element d belonging to token (n D + d) // ``rope_token``. The CUDA
+form rounds each product and the sum to y_dtype, as 16-bit arithmetic on the GPU does in the unfused kernel (and
+PyTorch); the llvm form computes the rotation in float32 and rounds once, as TVM's llvm code for the unfused kernel.
+
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
 (RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
 when a row needs fewer than 128 threads (per-head norms: a warp per row, 4 rows a block). Each thread
 loads its chunks once into registers, the sum of squares is reduced by warp shuffles (then through
 shared memory across the row's warps), and each thread writes its chunks normalised.
+With ``rope`` the normalised rows go through shared memory (one barrier), where each thread reads its chunks'
+partners.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class RMSNormSpec:
     pair: bool = False  # two norms of this spec in one launch (x1, w1, x2, w2 -> y1, y2; each its own rows)
     rope: int = 0  # Dh > 0: rotary embedding (rotate-half form) over heads of Dh elements applied to y, cos / sin given
     rope_token: int = 0  # with rope, the elements of one token (its heads x Dh): row n's element d is token (n D + d) // this
+    rope_token2: int = 0  # with rope and pair, the second norm's (grouped KV heads: fewer heads a token); 0: rope_token
     rope_out: str = ""  # with rope, the output's dtype (the rotated values are computed in y_dtype; "" = y_dtype)
 
     @property
@@ -90,8 +99,11 @@ class RMSNormSpec:
                 raise MoecError("rms_norm: rope is applied to a norm without a residual add")
             if not isinstance(dh, int) or dh < 2 or dh % 2 or self.hidden % dh:
                 raise MoecError(f"rms_norm: rope needs an even head size dividing the row ({self.hidden}), got {dh!r}")
-            if not isinstance(tok, int) or tok < dh or tok % dh:
-                raise MoecError(f"rms_norm: rope_token must be a positive multiple of the head size {dh}, got {tok!r}")
+            for t in (tok,) + ((self.rope_token2,) if self.rope_token2 else ()):
+                if not isinstance(t, int) or t < dh or t % dh:
+                    raise MoecError(f"rms_norm: rope_token must be a positive multiple of the head size {dh}, got {t!r}")
+            if self.rope_token2 and not self.pair:
+                raise MoecError("rms_norm: rope_token2 is the second norm's of a pair")
             if self.y_dtype not in ("float32", "bfloat16"):
                 raise MoecError(f"rms_norm: rope is computed in float32 or bfloat16, got {self.y_dtype}")
             if self.out_dtype not in DTYPES:
@@ -157,11 +169,11 @@ def _make_llvm(spec: RMSNormSpec):
     D, eps = spec.hidden, float(spec.eps)
 
     K, E = spec.combine, spec.experts
-    DH, HT = spec.rope, spec.rope_token
+    DH, HT, HT2 = spec.rope, spec.rope_token, spec.rope_token2 or spec.rope_token
     H2, YB = DH // 2, D if DH else 1
 
     @T.macro
-    def body(a, b, ids, w, cs, sn, x, y, N):
+    def body(a, b, ids, w, cs, sn, x, y, N, HT):
         for n in T.serial(N):
             with T.sblock("rms_norm"):
                 T.reads()
@@ -195,8 +207,8 @@ def _make_llvm(spec: RMSNormSpec):
 
     @T.macro
     def pair(x1, w1, y1, N1, x2, w2, y2, N2, cs, sn):
-        body(x1, x1, x1, w1, cs, sn, x1, y1, N1)
-        body(x2, x2, x2, w2, cs, sn, x2, y2, N2)
+        body(x1, x1, x1, w1, cs, sn, x1, y1, N1, HT)
+        body(x2, x2, x2, w2, cs, sn, x2, y2, N2, HT2)
 
     return _signature(spec, body, pair)
 
@@ -217,11 +229,11 @@ def _make_cuda(spec: RMSNormSpec):
 
     K, E = spec.combine, spec.experts
     CV = VEC if K else 1  # (the combine's buffers)
-    DH, HT = spec.rope, spec.rope_token
+    DH, HT, HT2 = spec.rope, spec.rope_token, spec.rope_token2 or spec.rope_token
     H2, YS, RV = DH // 2, RB * D if DH else 1, VEC if DH else 1  # (rope's buffers)
 
     @T.macro
-    def rows(a, b, ids, w, cs, sn, x, y, N, bx, tx):  # block bx's RB rows
+    def rows(a, b, ids, w, cs, sn, x, y, N, bx, tx, HT):  # block bx's RB rows
         with T.sblock("rms_norm"):
             T.reads()
             T.writes()
@@ -315,10 +327,10 @@ def _make_cuda(spec: RMSNormSpec):
                             y[n, (i * RT + rt) * VEC + v] = yl[v]
 
     @T.macro
-    def body(a, b, ids, w, cs, sn, x, y, N):
+    def body(a, b, ids, w, cs, sn, x, y, N, HT):
         for bx in T.thread_binding((N + RB - 1) // RB, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                rows(a, b, ids, w, cs, sn, x, y, N, bx, tx)
+                rows(a, b, ids, w, cs, sn, x, y, N, bx, tx, HT)
 
     @T.macro
     def pair(x1, w1, y1, N1, x2, w2, y2, N2, cs, sn):  # two norms of one spec in one launch: blockIdx.y picks the norm
@@ -326,9 +338,9 @@ def _make_cuda(spec: RMSNormSpec):
             for bx in T.thread_binding((T.max(N1, N2) + RB - 1) // RB, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if which == 0:  # block-uniform (rows past a norm's N are skipped)
-                        rows(x1, x1, x1, w1, cs, sn, x1, y1, N1, bx, tx)
+                        rows(x1, x1, x1, w1, cs, sn, x1, y1, N1, bx, tx, HT)
                     else:
-                        rows(x2, x2, x2, w2, cs, sn, x2, y2, N2, bx, tx)
+                        rows(x2, x2, x2, w2, cs, sn, x2, y2, N2, bx, tx, HT2)
 
     return _signature(spec, body, pair)
 
@@ -338,7 +350,7 @@ def _signature(spec: RMSNormSpec, body, pair):
     (a, s, ids, w, x, y); with ``pair`` two norms (x1, w1, x2, w2, y1, y2; ``pair``'s body); with ``rope`` the tables
     cos and sin [M, Dh] (y_dtype, M the tokens) follow the weights (x, w, cos, sin, y; x1, w1, x2, w2, cos, sin, y1,
     y2). N dynamic."""
-    D, DH = spec.hidden, spec.rope
+    D, DH, HT = spec.hidden, spec.rope, spec.rope_token
     attrs = {"tirx.is_scheduled": True, "global_symbol": "rms_norm", "tirx.noalias": True}
 
     if spec.pair and DH:
@@ -387,7 +399,7 @@ def _signature(spec: RMSNormSpec, body, pair):
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-            body(a, s, ids, w, a, a, x, y, N)
+            body(a, s, ids, w, a, a, x, y, N, 1)
 
         return combine_add_rms_norm
 
@@ -401,7 +413,7 @@ def _signature(spec: RMSNormSpec, body, pair):
             w = T.match_buffer(w_h, (D,), spec.weight_dtype)
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-            body(a, b, a, w, a, a, x, y, N)  # (no ids, no rope tables: never read)
+            body(a, b, a, w, a, a, x, y, N, 1)  # (no ids, no rope tables: never read)
 
         return add_rms_norm
 
@@ -415,7 +427,7 @@ def _signature(spec: RMSNormSpec, body, pair):
             cs = T.match_buffer(c_h, (M, DH), spec.y_dtype)
             sn = T.match_buffer(s_h, (M, DH), spec.y_dtype)
             y = T.match_buffer(y_h, (N, D), spec.out_dtype)
-            body(x, x, x, w, cs, sn, x, y, N)
+            body(x, x, x, w, cs, sn, x, y, N, HT)
 
         return rms_norm_rope
 
@@ -426,7 +438,7 @@ def _signature(spec: RMSNormSpec, body, pair):
         x = T.match_buffer(x_h, (N, D), spec.x_dtype)
         w = T.match_buffer(w_h, (D,), spec.weight_dtype)
         y = T.match_buffer(y_h, (N, D), spec.y_dtype)
-        body(x, x, x, w, x, x, x, y, N)  # no residual, no rope: a, b, ids and the tables are never read
+        body(x, x, x, w, x, x, x, y, N, 1)  # no residual, no rope: a, b, ids and the tables are never read
 
     return rms_norm
 

@@ -24,22 +24,29 @@ BF = ml_dtypes.bfloat16
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": BF}
 SPECS = [RMSNormSpec(256, 1e-6, "float32", "bfloat16", "bfloat16", pair=True, rope=32, rope_token=256, rope_out="float32"),
          RMSNormSpec(32, 1e-6, "bfloat16", "bfloat16", "bfloat16", rope=32, rope_token=128),  # per head: 4 rows a token
-         RMSNormSpec(128, 1e-5, "float32", "float32", "float32", pair=True, rope=64, rope_token=128)]
-IDS = ["olmoe-like-pair", "per-head-bf16", "fp32-pair"]
+         RMSNormSpec(128, 1e-5, "float32", "float32", "float32", pair=True, rope=64, rope_token=128),
+         # Qwen3-MoE-like per-head norms, 4 query heads and 2 KV heads a token: rows (8, 4) are 2 tokens for either
+         RMSNormSpec(32, 1e-6, "bfloat16", "bfloat16", "bfloat16", pair=True, rope=32, rope_token=128, rope_token2=64)]
+IDS = ["olmoe-like-pair", "per-head-bf16", "fp32-pair", "per-head-gqa-pair"]
 
 
-def _inputs(spec, rows=(5, 3), seed=0):
+def _tokens(spec, i):
+    return spec.rope_token2 or spec.rope_token if i else spec.rope_token
+
+
+def _inputs(spec, seed=0):
     rng = np.random.default_rng(seed)
+    rows = (8, 4) if spec.rope_token2 else (5, 3)
     xs = [(rng.standard_normal((n, spec.hidden)) * 3).astype(NP[spec.x_dtype]) for n in rows]
     ws = [rng.uniform(0.5, 1.5, spec.hidden).astype(NP[spec.weight_dtype]) for _ in rows]
-    tokens = -(-max(rows) * spec.hidden // spec.rope_token)
+    tokens = max(-(-n * spec.hidden // _tokens(spec, i)) for i, n in enumerate(rows))
     ang = rng.uniform(0, 6.3, (tokens, spec.rope))
     return xs, ws, np.cos(ang).astype(NP[spec.y_dtype]), np.sin(ang).astype(NP[spec.y_dtype])
 
 
-def _want(spec, x, w, cs, sn, per_op):
+def _want(spec, i, x, w, cs, sn, per_op):
     y = reference(x, w, spec.eps, NP[spec.y_dtype])
-    return rope_reference(y, cs, sn, spec.rope, spec.rope_token, NP[spec.out_dtype], per_op=per_op).astype(np.float32)
+    return rope_reference(y, cs, sn, spec.rope, _tokens(spec, i), NP[spec.out_dtype], per_op=per_op).astype(np.float32)
 
 
 def _compare(got, want, spec):
@@ -60,7 +67,7 @@ def test_llvm_form_matches_numpy(spec):
     ins = [xs[0], ws[0], xs[1], ws[1], cs, sn] if spec.pair else [xs[0], ws[0], cs, sn]
     ex["rms_norm"](*[tvm.runtime.tensor(t) for t in ins], *ys)
     for i in range(n):
-        _compare(ys[i].numpy().astype(np.float32), _want(spec, xs[i], ws[i], cs, sn, per_op=False), spec)
+        _compare(ys[i].numpy().astype(np.float32), _want(spec, i, xs[i], ws[i], cs, sn, per_op=False), spec)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
@@ -83,7 +90,7 @@ def test_cuda_form_emulated(spec):
         kern((-(-len(xs[0]) // cfg["rows_per_block"]), 1, 1), cfg["threads"], x=bits(xs[0]), w=bits(ws[0]), cs=bits(cs),
              sn=bits(sn), y=bits(ys[0]), N=len(xs[0]))
     for i in range(2 if spec.pair else 1):
-        _compare(ys[i].astype(np.float32), _want(spec, xs[i], ws[i], cs, sn, per_op=True), spec)
+        _compare(ys[i].astype(np.float32), _want(spec, i, xs[i], ws[i], cs, sn, per_op=True), spec)
 
 
 def test_per_op_reference_is_pytorchs_rotation():
@@ -111,6 +118,8 @@ def test_kernel_refusals():
         make_rms_norm(replace(base, rope=16, rope_token=40))
     with pytest.raises(MoecError, match="float32 or bfloat16"):
         make_rms_norm(RMSNormSpec(64, 1e-5, "float16", "float16", "float16", rope=16, rope_token=64))
+    with pytest.raises(MoecError, match="second norm's of a pair"):
+        make_rms_norm(replace(base, rope=16, rope_token=64, rope_token2=32))
     with pytest.raises(MoecError, match="rope_out"):
         make_rms_norm(replace(base, rope=16, rope_token=64, rope_out="int8"))
 
