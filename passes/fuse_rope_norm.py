@@ -18,12 +18,14 @@ inputs, ``schedules.kernels.rms_norm``); a pair is fused where both of its norms
 Why: at decode batch sizes each kernel of a layer is a launch of a few microseconds, most of it latency; the
 rotation's two kernels (queries, keys) read back what the norm had just written. Two launches a layer less.
 
-Guarantees after: every user of ``o`` reads the fused kernel's output reshaped to ``o``'s shape, which equals what the
-unfused kernels compute on the same target bit for bit: the CUDA form rounds each 16-bit product and the sum as
-the GPU's 16-bit arithmetic (and PyTorch) does, the llvm form computes in float32 and rounds once, as TVM's llvm code
-for the unfused graph does. The unfused bindings are left out (each was read only inside the matched chain). Norms
-whose output is read elsewhere, rotations of another form (interleaved pairs, a rotated part of the head), tables
-that are not [tokens, Dh] of the norm's dtype, and 16-bit float norms other than bfloat16 stay as they were.
+Guarantees after: every user of ``o`` reads the fused kernel's output reshaped to ``o``'s shape. The llvm form equals
+the unfused graph's llvm code bit for bit (the rotation in float32 after the norm's rounding, rounded once). The CUDA
+form rounds each 16-bit product and the sum as PyTorch's rotation does; TVM's unfused CUDA kernel computes the same
+operations in bfloat16 but leaves nvcc free to contract a product and the sum into one FMA, so on the GPU the two
+can differ by one 16-bit rounding (the fused form is PyTorch's). The unfused bindings are left out (each was read
+only inside the matched chain). Norms whose output is read elsewhere, rotations of another form (interleaved pairs,
+a rotated part of the head), tables that are not [tokens, Dh] of the norm's dtype, and 16-bit float norms other than
+bfloat16 stay as they were.
 """
 
 from __future__ import annotations

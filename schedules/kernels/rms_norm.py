@@ -22,8 +22,8 @@ grouped experts' ``combine`` kernel stores it (so x equals the unfused pair's bi
 With ``rope`` Dh (no residual), y is rotated before it is written (the rotary embedding after a model's Q- / K-norm,
 rotate-half form: element j < Dh / 2 of a head pairs with j + Dh / 2): ``o = y cos + rotate_half(y) sin`` with the
 tables cos, sin [tokens, Dh] in y_dtype, row n's element d belonging to token (n D + d) // ``rope_token``. The CUDA
-form rounds each product and the sum to y_dtype, as 16-bit arithmetic on the GPU does in the unfused kernel (and
-PyTorch); the llvm form computes the rotation in float32 and rounds once, as TVM's llvm code for the unfused kernel.
+form rounds each product and the sum to y_dtype, as PyTorch's rotation does; the llvm form computes the rotation in
+float32 and rounds once, as TVM's llvm code for the unfused graph does.
 
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
 (RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
@@ -154,7 +154,7 @@ def _rounded(v, dtype: str):
 
 def _rope(y, rot, c, s, dtype: str):
     """One rotated value ``y c + rot s`` with each product and the sum rounded to ``dtype`` (float32 or bfloat16), as
-    16-bit arithmetic on the GPU rounds each operation (and PyTorch does)."""
+    PyTorch rounds each operation of the rotation."""
     return _rounded(_rounded(y * c, dtype) + _rounded(rot * s, dtype), dtype)
 
 

@@ -72,8 +72,8 @@ def test_llvm_form_matches_numpy(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_cuda_form_emulated(spec):
-    """The CUDA form's generated code on the CPU emulator: each 16-bit product and the sum rounded (as the GPU's
-    bfloat16 arithmetic in the unfused kernel), bit for bit; rows of a pair past the shorter norm's end skipped."""
+    """The CUDA form's generated code on the CPU emulator: each 16-bit product and the sum rounded (as PyTorch does,
+    below), bit for bit; rows of a pair past the shorter norm's end skipped."""
     from cuda_emu import EmulatedKernel
 
     src = tvm.compile(tvm.IRModule({"rms_norm": make_rms_norm(spec, "cuda")}), target=make_target("cuda")).mod.imports[0].inspect_source()
