@@ -37,8 +37,7 @@ from tvm import relax
 from tvm.ir.prim.expr import IntImm
 
 from ..compiler.errors import MoecError
-from ..compiler.graph import (DataflowGraph, KernelCache, dtype_of, is_static, materialize, num_input_entries, op_name,
-                              same_dim, shape_of)
+from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, is_static, num_input_entries, op_name, same_dim, shape_of
 from ..schedules.kernels.rms_norm import check_supported, make_rms_norm
 
 _SWAP = [0, 2, 1, 3]
@@ -56,6 +55,7 @@ class _Rope:
     token: int  # H Dh: the elements of one token
     out_dtype: str
     chain: frozenset  # the bindings the fused kernel replaces (read only inside the chain)
+    at: int  # the binding order of the rotation's sum (the tables and the norm's inputs are bound before it)
 
 
 def _ints(expr) -> list[int] | None:
@@ -90,9 +90,8 @@ class _Finder:
             return "hi"
         return None
 
-    def _table(self, expr, t, permuted: bool, dtype: str, before: int):
-        """The rows of ``expr`` as a [tokens, Dh] table when it broadcasts over t's heads and is computed before binding
-        ``before`` (or from such a value through layout ops, which the rewrite emits again there), else None."""
+    def _table(self, expr, t, permuted: bool, dtype: str):
+        """The rows of ``expr`` as a [tokens, Dh] table when it broadcasts over t's heads, else None."""
         shape = shape_of(expr)
         if shape is None or len(shape) > 4 or dtype_of(expr) != dtype:
             return None
@@ -107,13 +106,10 @@ class _Finder:
             rows = shape[tok_ax]
         else:  # one table for every sequence of a batch: not one row a token
             return None
-        base = self.g.strip(expr)
-        if isinstance(base, relax.Var) and self.g.order.get(base, -1) >= before:
-            return None
         return rows
 
-    def rope_of(self, y, spec, before: int):
-        """The rotation of norm output ``y`` ([N, D] of ``spec``, the norm bound at ``before``), or None."""
+    def rope_of(self, y, spec):
+        """The rotation of norm output ``y`` ([N, D] of ``spec``), or None."""
         g, chain = self.g, [y]
         x = y
         while (u := self._only_user(x)) is not None and g.op(u) == "relax.reshape":
@@ -158,7 +154,7 @@ class _Finder:
             return None
         other = lambda m, mine: next((a for a in g.value[m].args if a != mine), None)  # noqa: E731
         cos, sin = other(mul_c, t), other(mul_s, cat)
-        rows = [self._table(e, t, permuted, spec.y_dtype, before) for e in (cos, sin)]
+        rows = [self._table(e, t, permuted, spec.y_dtype) for e in (cos, sin)]
         if None in rows or not same_dim(rows[0], rows[1]):
             return None
         chain += [lo, hi, mul_c, neg, cat, mul_s, add]
@@ -174,10 +170,22 @@ class _Finder:
             chain.append(u)
             final = u
         chain.remove(final)
-        return _Rope(final, cos, sin, rows[0], dh, heads * dh, dtype_of(final), frozenset(chain))
+        return _Rope(final, cos, sin, rows[0], dh, heads * dh, dtype_of(final), frozenset(chain), g.order[add])
+
+    def _read_before(self, ropes, at: int) -> set:
+        """The bindings before ``at`` that read a rotation's result, directly or through each other."""
+        early, stack = set(), [r.final for r in ropes]
+        while stack:
+            for u in self.g.users.get(stack.pop(), []):
+                if self.g.order[u] < at and u not in early:
+                    early.add(u)
+                    stack.append(u)
+        return early
 
     def found(self, form: str) -> tuple[dict, list[str]]:
-        out, skipped = {}, []
+        """``{norm call var: (fused spec, rotations, the norm's outputs, the binding the kernel runs at)}`` and why
+        matched norms were left."""
+        out, skipped, windows = {}, [], []
         for var, value in self.g.value.items():
             if op_name(value) != "relax.call_tir":
                 continue
@@ -192,7 +200,7 @@ class _Finder:
                 outs = sorted(items, key=lambda o: int(self.g.value[o].index))
                 if [int(self.g.value[o].index) for o in outs] != [0, 1]:
                     continue
-            ropes = [self.rope_of(o, spec, self.g.order[var]) for o in outs]
+            ropes = [self.rope_of(o, spec) for o in outs]
             if None in ropes:
                 continue
             r0 = ropes[0]
@@ -206,49 +214,70 @@ class _Finder:
             except MoecError as exc:
                 skipped.append(f"{var.name}: {exc}")
                 continue
-            out[var] = (fused, ropes, outs)
+            at = max(r.at for r in ropes)  # the kernel runs at the last rotation's sum: everything it reads is bound
+            early = self._read_before(ropes, at)  # what reads a rotation before then moves after it (the rewrite)
+            first = min(self.g.order[r.final] for r in ropes)
+            if early and early & self.g.ancestors(self.g.bindings[at].var, stop=lambda v: self.g.order.get(v, -1) < first):
+                skipped.append(f"{var.name}: the last rotation is computed from the first")
+                continue
+            if any(lo <= at and first <= hi for lo, hi in windows):  # (one kernel's deferral at a time)
+                skipped.append(f"{var.name}: its rotations interleave with another norm's")
+                continue
+            windows.append((first, at))
+            out[var] = (fused, ropes, outs, at)
         return out, skipped
 
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
+    """Leaves out each matched norm and its rotations' bindings and emits the fused kernel at the last rotation's sum
+    (the norm's output was read only there); what reads a rotation's result before then is emitted after it, in its
+    order (``_Finder.found`` checked that the last rotation is not computed from any of it)."""
+
     def __init__(self, mod, graph, found: dict, kernel) -> None:
         super().__init__(mod)
-        self.g, self.found, self.kernel = graph, found, kernel
-        self.skip = set()
-        for fused, ropes, outs in found.values():
+        self.g, self.kernel = graph, kernel
+        self.skip, self.at, self.made_at = set(), {}, {}
+        self.pending, self.deferred = set(), []  # rotations not emitted yet, and what read them before their kernel
+        for var, (fused, ropes, outs, at) in found.items():
+            at_var = self.g.bindings[at].var
             self.skip.update(outs)
-            for r in ropes:
-                self.skip.update(r.chain)
-        self.position = -1
+            self.skip.update(v for r in ropes for v in r.chain)
+            self.skip.update(r.final for r in ropes)
+            self.at[at_var] = (var, fused, ropes, outs)
+            self.made_at.update({r.final: at_var for r in ropes})
 
     def visit_var_binding_(self, binding) -> None:
         var = binding.var
-        self.position = self.g.order.get(var, self.position)
-        hit = self.found.get(var)
-        if hit is not None:
-            self._fuse(binding, *hit)
-            return
+        if var in self.at:
+            self._fuse(*self.at.pop(var))
+            if not self.pending:
+                deferred, self.deferred = self.deferred, []
+                for b in deferred:
+                    super().visit_var_binding_(b)
         if var in self.skip:
+            if self.made_at.get(var) in self.at:  # a rotation bound before its kernel runs
+                self.pending.add(var)
+            return
+        if self.pending and any(v in self.pending for v in relax.analysis.free_vars(binding.value)):
+            self.pending.add(var)
+            self.deferred.append(binding)
             return
         super().visit_var_binding_(binding)
 
-    def _table(self, expr, rows, head):
-        return self.builder_.emit(relax.op.reshape(materialize(self, self.g, self.position, expr), [rows, head]))
-
-    def _fuse(self, binding, fused, ropes, outs) -> None:
-        call = binding.value
+    def _fuse(self, norm, fused, ropes, outs) -> None:
         r0 = ropes[0]
-        cs, sn = (self._table(t, r0.tokens, r0.head) for t in (r0.cos, r0.sin))
-        args = [self.visit_expr(a) for a in call.args[1].fields]
-        n = len(args) // 2  # (x, w) or (x1, w1, x2, w2)
-        rows = [shape_of(o)[0] for o in outs]
-        out_ty = [relax.TensorType([r, fused.hidden], fused.out_dtype) for r in rows]
-        new = self.builder_.emit(relax.call_tir(self.kernel(fused), args + [cs, sn], out_ty=out_ty if n == 2 else out_ty[0]))
+        cs, sn = (self.builder_.emit(relax.op.reshape(self.visit_expr(t), [r0.tokens, r0.head])) for t in (r0.cos, r0.sin))
+        args = [self.visit_expr(a) for a in self.g.value[norm].args[1].fields]
+        pair = len(args) == 4  # (x1, w1, x2, w2) or (x, w)
+        out_ty = [relax.TensorType([shape_of(o)[0], fused.hidden], fused.out_dtype) for o in outs]
+        new = self.builder_.emit(relax.call_tir(self.kernel(fused), args + [cs, sn], out_ty=out_ty if pair else out_ty[0]))
         for i, r in enumerate(ropes):
-            y = self.builder_.emit(relax.TupleGetItem(new, i)) if n == 2 else new
+            y = self.builder_.emit(relax.TupleGetItem(new, i)) if pair else new
             self.set_var_remap(r.final, self.builder_.emit(relax.op.reshape(y, shape_of(r.final))))
-            self.skip.add(r.final)
+        self.pending.difference_update(r.final for r in ropes)
+        if self.pending <= {b.var for b in self.deferred}:  # only what read these rotations waits: it follows now
+            self.pending.clear()
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRoPEIntoNorm")
@@ -284,7 +313,7 @@ class FuseRoPEIntoNorm:
         for gv, func in num_input_entries(mod, "FuseRoPEIntoNorm", self.source):
             finder = _Finder(func, norm_specs)
             found, skipped = finder.found(form)
-            self.fused[gv.name_hint] = sum(len(outs) for _, _, outs in found.values())
+            self.fused[gv.name_hint] = sum(len(outs) for _, _, outs, _ in found.values())
             self.skipped[gv.name_hint] = skipped
             if not found:
                 continue

@@ -203,7 +203,8 @@ def _args(n=7, heads=4, dh=16, permute=True, seed=0):
 def test_ir_before_after_and_numerics(form):
     """The rotations leave the IR (no slices, negations, concats, permutes or casts: one ``rms_norm`` call with the
     tables, its outputs reshaped to the rotation's), and the entry computes the llvm form's NumPy reference (the norm
-    rounded to bfloat16, the rotation in float32) bit for bit; the unfused entry's results are within its roundings."""
+    rounded to bfloat16, the rotation in float32) bit for bit; the unfused entry's results are within its roundings.
+    (In the pair, the queries' result is reshaped before the keys' rotation: that reshape moves after the kernel.)"""
     before = _entry(form)
     fuse, after = _passes(before)
     ops = _ops(after["decode"])
