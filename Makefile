@@ -19,7 +19,7 @@ demo: setup
 	$(BIN)/moec demo --model tiny --batch 4 --new-tokens 32
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not gpu" -n auto --dist loadfile tests
+	$(BIN)/python -m pytest -q -m "not gpu" -n auto --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache
