@@ -37,6 +37,7 @@ _PRELUDE = r"""
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 #define DYN_SHARED_BYTES 232448  // the most dynamic shared memory a block takes on sm_90
+#define CUDART_INF_F INFINITY  // (math_constants.h)
 typedef unsigned int uint;
 struct dim3_ { int x, y, z; };
 static dim3_ blockIdx, blockDim, gridDim;

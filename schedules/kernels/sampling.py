@@ -5,7 +5,8 @@ largest value, the first such index on ties (as ``numpy.argmax``). A decode step
 ids to the host instead of N x V logits, and no host work scales with the vocabulary.
 
 CUDA: a block per row of ``THREADS`` threads; each thread scans a strided slice of the row (the
-block's loads are coalesced), then the (value, index) pairs are reduced inside each warp with
+block's loads are coalesced; eight of a thread's loads are issued before they are compared, in order, so a block
+has that many in flight: at a decode step's 128 rows, one block an SM, the loads' latency bounds the scan), then the (value, index) pairs are reduced inside each warp with
 shuffles and across warps through shared memory. llvm: a serial scan per row (what CI runs).
 NaN rows are not special-cased (a NaN never compares greater, so it is skipped).
 """
@@ -62,6 +63,7 @@ def _make_llvm(V: int, dtype: str, out_dtype: str):
 def _make_cuda(V: int, dtype: str, NT: int, out_dtype: str):
     NW = NT // 32
     IT = -(-V // NT)
+    UNROLL = min(8, IT)  # a thread's loads issued together: one row a block (128 rows at the headline) needs them
     WR = max(1, (NW - 1).bit_length())  # shuffle rounds over the warps' partial results
 
     def shfl(v, o):
@@ -90,15 +92,20 @@ def _make_cuda(V: int, dtype: str, NT: int, out_dtype: str):
                     bi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     ov = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     oi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    xv = T.sblock_alloc_buffer((UNROLL,), "float32", scope="local")
                     lane: T.let[T.int32] = tx % 32
                     warp: T.let[T.int32] = tx // 32
                     bv[0] = T.float32("-inf")
                     bi[0] = V  # no index yet: loses every tie against a real one
-                    for i in T.serial(IT):
-                        if i * NT + tx < V:
-                            if _f32(x[0, r, i * NT + tx]) > bv[0]:
-                                bv[0] = _f32(x[0, r, i * NT + tx])
-                                bi[0] = i * NT + tx
+                    for i0 in T.serial((IT + UNROLL - 1) // UNROLL):  # UNROLL loads in flight, then compared in order
+                        for u in T.unroll(UNROLL):
+                            if (i0 * UNROLL + u) * NT + tx < V:
+                                xv[u] = _f32(x[0, r, (i0 * UNROLL + u) * NT + tx])
+                        for u in T.unroll(UNROLL):
+                            if (i0 * UNROLL + u) * NT + tx < V:
+                                if xv[u] > bv[0]:
+                                    bv[0] = xv[u]
+                                    bi[0] = (i0 * UNROLL + u) * NT + tx
                     for k in T.unroll(5):
                         ov[0] = shfl(bv[0], T.shift_right(16, k))
                         oi[0] = shfl(bi[0], T.shift_right(16, k))

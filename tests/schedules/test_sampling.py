@@ -91,3 +91,20 @@ def test_cuda_matches_numpy_on_gpu(vocab, dtype):
     np.testing.assert_array_equal(got, np.argmax(x.astype(np.float32), axis=-1))
     got64 = _run(_build(vocab, dtype, "cuda", "int64"), x, tvm.cuda(), np.int64)
     np.testing.assert_array_equal(got64, got)
+
+
+@pytest.mark.parametrize("vocab,dtype", [(7, "float32"), (3000, "bfloat16"), (50304, "float32")])
+def test_cuda_form_emulated(vocab, dtype):
+    """The CUDA form's generated code on the CPU emulator against numpy.argmax: ties to the first index, rows with
+    nothing finite, a vocabulary shorter than a block, and OLMoE's (eight loads a thread in flight, then a partial
+    group past the row's end)."""
+    from cuda_emu import EmulatedKernel
+
+    src = _cuda_modules_src(_build(vocab, dtype, "cuda"))
+    kern = EmulatedKernel(src, "argmax_rows_kernel")
+    x = _rows(4, vocab, dtype, seed=vocab)
+    out = np.full((1, 4), -5, np.int32)
+    threads = min(THREADS, max(32, 1 << (vocab - 1).bit_length()))
+    xb = x.view(np.uint16) if dtype == "bfloat16" else x
+    kern((4, 1, 1), threads, x=xb, out=out, N=4)
+    np.testing.assert_array_equal(out, np.argmax(x.astype(np.float32), axis=-1))
