@@ -48,6 +48,7 @@ from ...compiler.errors import MoecError
 DTYPES = ("float32", "float16", "bfloat16")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _BLOCK_THREADS = 128  # rows share a block until it has this many threads
+_ROPE_SHARED = 40960  # bytes of a block's normalised rows with rope (the static limit is 48 KB; the sums take some)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ def check_supported(spec: RMSNormSpec, target: str = "llvm") -> None:
     spec.check()
     if target not in ("llvm", "cuda"):
         raise MoecError(f"rms_norm: target must be 'llvm' or 'cuda', got {target!r}")
+    if target == "cuda" and spec.rope and 4 * spec.hidden * launch_config(spec)["rows_per_block"] > _ROPE_SHARED:
+        raise MoecError(f"rms_norm: rope's rows of {spec.hidden} float32 values exceed {_ROPE_SHARED} bytes of shared memory")
 
 
 def make_rms_norm(spec: RMSNormSpec, target: str = "llvm"):

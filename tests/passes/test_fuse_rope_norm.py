@@ -120,6 +120,9 @@ def test_kernel_refusals():
         make_rms_norm(RMSNormSpec(64, 1e-5, "float16", "float16", "float16", rope=16, rope_token=64))
     with pytest.raises(MoecError, match="second norm's of a pair"):
         make_rms_norm(replace(base, rope=16, rope_token=64, rope_token2=32))
+    with pytest.raises(MoecError, match="exceed 40960 bytes of shared memory"):
+        make_rms_norm(RMSNormSpec(16384, 1e-5, "bfloat16", "bfloat16", "bfloat16", rope=128, rope_token=16384), "cuda")
+    make_rms_norm(RMSNormSpec(16384, 1e-5, "bfloat16", "bfloat16", "bfloat16", rope=128, rope_token=16384))  # (llvm: no limit)
     with pytest.raises(MoecError, match="rope_out"):
         make_rms_norm(replace(base, rope=16, rope_token=64, rope_out="int8"))
 
