@@ -22,8 +22,9 @@ Guarantees after: every user of ``o`` reads the fused kernel's output reshaped t
 the unfused graph's llvm code bit for bit (the rotation in float32 after the norm's rounding, rounded once). The CUDA
 form rounds each 16-bit product and the sum as PyTorch's rotation does; TVM's unfused CUDA kernel computes the same
 operations in bfloat16 but leaves nvcc free to contract a product and the sum into one FMA, so on the GPU the two
-can differ by one 16-bit rounding (the fused form is PyTorch's). The unfused bindings are left out (each was read
-only inside the matched chain). Norms whose output is read elsewhere, rotations of another form (interleaved pairs,
+can differ by one 16-bit rounding (the fused form is PyTorch's). The kernel runs where the last rotation's sum was
+bound (ONNX exports compute the tables after the norm); bindings that read the first rotation before then follow it.
+The unfused bindings are left out (each was read only inside the matched chain). Norms whose output is read elsewhere, rotations of another form (interleaved pairs,
 a rotated part of the head), tables that are not [tokens, Dh] of the norm's dtype, and 16-bit float norms other than
 bfloat16 stay as they were.
 """
