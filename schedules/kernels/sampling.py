@@ -18,9 +18,10 @@ from tvm.script import tirx as T
 THREADS = 1024
 
 
-def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm", out_dtype: str = "int32"):
+def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm", out_dtype: str = "int32", loads: int = 8):
     """The ``argmax_rows`` PrimFunc over rows of ``vocab`` values of ``dtype`` for ``target``, token ids of
-    ``out_dtype`` ("int32" or "int64")."""
+    ``out_dtype`` ("int32" or "int64"); CUDA: ``loads`` of a thread issued before they are compared (1: one at a
+    time, the form before 1375756, kept for bench/argmax.py)."""
     V = int(vocab)
     if V < 1:
         raise ValueError(f"argmax over an empty vocabulary ({V})")
@@ -28,8 +29,10 @@ def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm", out_dt
         raise ValueError(f"argmax token ids are int32 or int64, not {out_dtype}")
     if target != "cuda":
         return _make_llvm(V, dtype, out_dtype)
+    if not isinstance(loads, int) or not 1 <= loads <= 16:
+        raise ValueError(f"argmax loads a thread in flight must be 1..16, not {loads!r}")
     NT = min(THREADS, max(32, 1 << (V - 1).bit_length()))
-    return _make_cuda(V, dtype, NT, out_dtype)
+    return _make_cuda(V, dtype, NT, out_dtype, loads)
 
 
 def _f32(v):
@@ -60,10 +63,10 @@ def _make_llvm(V: int, dtype: str, out_dtype: str):
     return argmax_rows
 
 
-def _make_cuda(V: int, dtype: str, NT: int, out_dtype: str):
+def _make_cuda(V: int, dtype: str, NT: int, out_dtype: str, loads: int):
     NW = NT // 32
     IT = -(-V // NT)
-    UNROLL = min(8, IT)  # a thread's loads issued together: one row a block (128 rows at the headline) needs them
+    UNROLL = min(loads, IT)  # a thread's loads issued together: one row a block (128 rows at the headline) needs them
     WR = max(1, (NW - 1).bit_length())  # shuffle rounds over the warps' partial results
 
     def shfl(v, o):
