@@ -62,6 +62,8 @@ def test_int64_token_ids():
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     with pytest.raises(ValueError, match="int32 or int64"):
         make_argmax(300, "float32", "llvm", "float32")
+    with pytest.raises(ValueError, match="loads a thread in flight"):
+        make_argmax(300, "float32", "cuda", "int32", loads=0)
     src = _cuda_modules_src(_build(300, "float32", "cuda", "int64"))
     assert "int64_t* __restrict__" in src or "long long* __restrict__" in src
 
