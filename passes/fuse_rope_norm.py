@@ -40,6 +40,7 @@ from tvm.ir.prim.expr import IntImm
 from ..compiler.errors import MoecError
 from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, is_static, num_input_entries, op_name, same_dim, shape_of
 from ..schedules.kernels.rms_norm import check_supported, make_rms_norm
+from .simplify_layout import _axes
 
 _SWAP = [0, 2, 1, 3]
 
@@ -101,13 +102,9 @@ class _Finder:
         tok_ax, head_ax = (2, 1) if permuted else (1, 2)
         if not (same_dim(shape[3], tshape[3]) and same_dim(shape[head_ax], 1) and same_dim(shape[tok_ax], tshape[tok_ax])):
             return None
-        if same_dim(shape[0], tshape[0]):
-            rows = shape[0] * shape[tok_ax] if not same_dim(shape[0], 1) else shape[tok_ax]
-        elif same_dim(shape[0], 1) and same_dim(tshape[0], 1):
-            rows = shape[tok_ax]
-        else:  # one table for every sequence of a batch: not one row a token
-            return None
-        return rows
+        if same_dim(shape[0], 1):  # (one table for every sequence of a batch is not one row a token)
+            return shape[tok_ax] if same_dim(tshape[0], 1) else None
+        return shape[0] * shape[tok_ax] if same_dim(shape[0], tshape[0]) else None
 
     def rope_of(self, y, spec):
         """The rotation of norm output ``y`` ([N, D] of ``spec``), or None."""
@@ -125,7 +122,7 @@ class _Finder:
             return None
         t, permuted = r4, False
         u = self._only_user(r4)
-        if u is not None and g.op(u) == "relax.permute_dims" and [int(a) for a in g.value[u].attrs.axes] == _SWAP:
+        if u is not None and g.op(u) == "relax.permute_dims" and _axes(g.value[u], 4) == _SWAP:
             t, permuted = u, True
             chain.append(u)
         users = g.users.get(t, [])
@@ -143,7 +140,7 @@ class _Finder:
         cat = self._only_user(neg)
         if cat is None or cat != self._only_user(lo) or g.op(cat) != "relax.concat" or int(g.value[cat].attrs.axis) not in (-1, 3):
             return None
-        if [f for f in g.value[cat].args[0].fields] != [neg, lo]:
+        if list(g.value[cat].args[0].fields) != [neg, lo]:
             return None
         mul_s = self._only_user(cat)
         if mul_s is None or g.op(mul_s) != "relax.multiply":
@@ -162,7 +159,7 @@ class _Finder:
         final = add
         if permuted:
             u = self._only_user(final)
-            if u is None or g.op(u) != "relax.permute_dims" or [int(a) for a in g.value[u].attrs.axes] != _SWAP:
+            if u is None or g.op(u) != "relax.permute_dims" or _axes(g.value[u], 4) != _SWAP:
                 return None
             chain.append(u)
             final = u
@@ -250,12 +247,12 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding) -> None:
         var = binding.var
-        if var in self.at:
+        if var in self.at:  # the kernel, then what waited for it (windows never overlap: nothing else waits)
             self._fuse(*self.at.pop(var))
-            if not self.pending:
-                deferred, self.deferred = self.deferred, []
-                for b in deferred:
-                    super().visit_var_binding_(b)
+            self.pending.clear()
+            deferred, self.deferred = self.deferred, []
+            for b in deferred:
+                super().visit_var_binding_(b)
         if var in self.skip:
             if self.made_at.get(var) in self.at:  # a rotation bound before its kernel runs
                 self.pending.add(var)
@@ -276,9 +273,6 @@ class _Rewriter(relax.PyExprMutator):
         for i, r in enumerate(ropes):
             y = self.builder_.emit(relax.TupleGetItem(new, i)) if pair else new
             self.set_var_remap(r.final, self.builder_.emit(relax.op.reshape(y, shape_of(r.final))))
-        self.pending.difference_update(r.final for r in ropes)
-        if self.pending <= {b.var for b in self.deferred}:  # only what read these rotations waits: it follows now
-            self.pending.clear()
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRoPEIntoNorm")
