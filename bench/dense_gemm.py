@@ -65,11 +65,24 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             # 206 MB of weights); 8 warps (128 rows) halve that, 128-token passes read each weight row once
             "_s4w8d": {"stages": 4, "warps": 8, "dyn_shared": DYN}, "_s4w8nt8d": {"stages": 4, "warps": 8, "n_tiles": 8, "dyn_shared": DYN},
             "_s4nt16d": {"stages": 4, "n_tiles": 16, "dyn_shared": DYN},
-            "_s4w8nt16d": {"stages": 3, "warps": 8, "n_tiles": 16, "dyn_shared": DYN}}
+            "_s4w8nt16d": {"stages": 3, "warps": 8, "n_tiles": 16, "dyn_shared": DYN},
+            # k splits across blocks (``DenseSpec.k_splits``: each split's float32 sums to a workspace, a second kernel
+            # adds them): blocks of 128 tokens (the weight read once) and 64 or 128 rows, so a 128-token step reads
+            # the tokens from the L2 N / 64 or N / 128 times instead of the weight 4 times and the tokens N / 64
+            # times, while the splits keep 128-256 blocks on the GPU
+            "_k2nt8d": {"stages": 4, "n_tiles": 8, "k_splits": 2, "dyn_shared": DYN},
+            "_k4nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
+            "_k8nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 8, "dyn_shared": DYN},
+            "_k8w8nt16d": {"stages": 4, "warps": 8, "n_tiles": 16, "k_splits": 8, "dyn_shared": DYN},
+            "_k2w2nt16d": {"stages": 4, "warps": 2, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
-             "merged_s4w8d": VARIANTS["_s4w8d"], "merged_s4w8nt8d": VARIANTS["_s4w8nt8d"], "merged_s4nt16d": VARIANTS["_s4nt16d"]}
+             "merged_s4w8d": VARIANTS["_s4w8d"], "merged_s4w8nt8d": VARIANTS["_s4w8nt8d"], "merged_s4nt16d": VARIANTS["_s4nt16d"],
+             "merged_k2nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN},
+             "merged_k4nt16d": VARIANTS["_k4nt16d"], "merged_k4w8nt16d": {"stages": 4, "warps": 8, "n_tiles": 16, "k_splits": 4,
+                                                                           "dyn_shared": DYN},
+             "merged_k8w8nt16d": VARIANTS["_k8w8nt16d"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
@@ -114,9 +127,16 @@ def build_module(kind: str):
             m = tvm.tirx.Var("m", "int64")
             x = relax.Var("x", relax.TensorType((m, k), "bfloat16"))
             w = relax.Var("w", relax.TensorType((n, k), "bfloat16"))
+            splits = kw.get("k_splits", 1) if not kw.get("tiled") else 1
             with bb.function(name + suffix, [x, w]):
                 with bb.dataflow():
-                    y = bb.emit_output(relax.call_tir(gv, [x, w], out_ty=relax.TensorType([m, n], "float32")))
+                    if splits > 1:  # (the splits' sums: a workspace output)
+                        y = bb.emit(relax.call_tir(gv, [x, w], out_ty=[relax.TensorType([m, n], "float32"),
+                                                                       relax.TensorType([m, splits, n], "float32")]))
+                        y = bb.emit(relax.TupleGetItem(y, 0))
+                    else:
+                        y = bb.emit(relax.call_tir(gv, [x, w], out_ty=relax.TensorType([m, n], "float32")))
+                    y = bb.emit_output(y)
                 bb.emit_func_output(y)
     for name, (parts, k) in QKV.items():
         multi = make_dense(compiled_spec(sum(parts), k), kind, parts).without_attr("global_symbol").with_attr("op_pattern", 8)
@@ -133,8 +153,12 @@ def build_module(kind: str):
             ws = [relax.Var(f"w{i}", relax.TensorType((n, k), "bfloat16")) for i, n in enumerate(parts)]
             with bb.function(f"{name}_{form}", [x] + ws):
                 with bb.dataflow():
+                    splits = QKV_FORMS.get(form, {}).get("k_splits", 1) if kind == "cuda" else 1
                     if form != "separate":
-                        y = bb.emit(relax.call_tir(gms[form], [x] + ws, out_ty=[relax.TensorType([m, n], "float32") for n in parts]))
+                        y = bb.emit(relax.call_tir(gms[form], [x] + ws, out_ty=[relax.TensorType([m, n], "float32") for n in parts] + (
+                            [relax.TensorType([m, splits, sum(parts)], "float32")] if splits > 1 else [])))
+                        if splits > 1:
+                            y = bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(y, i)) for i in range(len(parts))]))
                     else:
                         y = relax.Tuple([bb.emit(relax.call_tir(g1, [x, w1], out_ty=relax.TensorType([m, n], "float32")))
                                          for g1, w1, n in zip(singles, ws, parts)])

@@ -51,6 +51,10 @@ class DenseSpec:
     k_groups: int = 1  # cp.async stages: G groups of NW warps a block, each over K / G of the k range (its own stages),
     #                    their sums added through shared memory at the end: G times the warps on the same tiles, a
     #                    G times shorter chain of k-steps (decode batches give few blocks: 128 tokens x 2048 rows is 128)
+    k_splits: int = 1  # cp.async stages: KS blocks over K / KS of the k range each (grid axis z), each storing its float32
+    #                    sums to a workspace [M, KS, N]; a second kernel adds the KS sums in split order into y. More
+    #                    blocks on the same tiles, so a block may take more tokens (n_tiles up to 16: the weight read
+    #                    once at 128 tokens) and more rows while the grid still fills the GPU
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -60,8 +64,9 @@ class DenseSpec:
         for what in ("x_dtype", "w_dtype", "out_dtype"):
             if getattr(self, what) not in DTYPES:
                 raise MoecError(f"dense_gemm: {what} must be one of {', '.join(DTYPES)}, got {getattr(self, what)!r}")
-        if self.n_tiles > 8 or self.row_tiles > 4:
-            raise MoecError(f"dense_gemm: at most 8 token tiles and 4 row tiles (registers), got {self.n_tiles}, {self.row_tiles}")
+        if self.n_tiles > (16 if self.stages else 8) or self.row_tiles > 4:
+            raise MoecError(f"dense_gemm: at most 8 token tiles (16 with cp.async stages) and 4 row tiles (registers), got "
+                            f"{self.n_tiles}, {self.row_tiles}")
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages == 1 or not 0 <= self.stages <= 16:
             raise MoecError(f"dense_gemm: stages must be 0 (register loads) or 2..16, got {self.stages!r}")
         check_dyn_shared(self.dyn_shared, "dense_gemm")
@@ -75,6 +80,10 @@ class DenseSpec:
             if reduce_bytes(self) > SMEM_LIMIT:
                 raise MoecError(f"dense_gemm: the k groups' sums ({reduce_bytes(self)} bytes) exceed {SMEM_LIMIT} bytes of "
                                 "static shared memory; use fewer k groups or token tiles")
+        if self.k_splits not in K_SPLITS:
+            raise MoecError(f"dense_gemm: k_splits must be one of {', '.join(map(str, K_SPLITS))}, got {self.k_splits!r}")
+        if self.k_splits > 1 and not self.stages:
+            raise MoecError("dense_gemm: k_splits > 1 needs cp.async stages (stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256):
             raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         if self.stages and pipe_stages(self)[0] < 2:
@@ -86,6 +95,7 @@ class DenseSpec:
 
 
 K_GROUPS = (1, 2, 4, 8)
+K_SPLITS = (1, 2, 4, 8, 16)
 
 
 def reduce_bytes(spec: DenseSpec) -> int:
@@ -101,8 +111,9 @@ def eligible(spec: DenseSpec) -> str | None:
         return f"activations {spec.x_dtype} and weight {spec.w_dtype} differ in dtype"
     if spec.in_features % MMA_K:
         return f"{spec.in_features} input features are not a multiple of {MMA_K}"
-    if spec.in_features % (MMA_K * spec.k_groups):
-        return f"{spec.in_features} input features do not split into {spec.k_groups} k groups of multiples of {MMA_K}"
+    if spec.in_features % (MMA_K * spec.k_groups * spec.k_splits):
+        split = f"{spec.k_splits} k splits x " if spec.k_splits > 1 else ""
+        return f"{spec.in_features} input features do not split into {split}{spec.k_groups} k groups of multiples of {MMA_K}"
     if spec.out_features % 16:
         return f"{spec.out_features} output features are not a multiple of 16"
     return None
@@ -149,13 +160,20 @@ def launch_config(spec: DenseSpec) -> dict:
         form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
         if spec.k_groups > 1:
             form += f", {spec.k_groups} k groups"
-        return {"form": form, "stages": st, "shared_bytes": st * per + reduce_bytes(spec),
-                "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
+        blocks = ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows))
+        if spec.k_splits > 1:
+            form += f", {spec.k_splits} k splits summed by a second kernel ({SPLIT_THREADS} threads a block, 4 outputs a thread)"
+            blocks += (spec.k_splits,)
+        return {"form": form, "stages": st, "shared_bytes": st * per + reduce_bytes(spec), "blocks": blocks,
                 "threads": 32 * spec.warps * spec.k_groups, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
-                "steps": spec.in_features // MMA_K // spec.k_groups, "k_groups": spec.k_groups}
+                "steps": spec.in_features // MMA_K // spec.k_groups // spec.k_splits, "k_groups": spec.k_groups,
+                "k_splits": spec.k_splits}
     return {"form": "mma.sync m16n8k16", "blocks": ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)),
             "threads": 32 * spec.warps, "rows_per_block": rows, "tokens_per_block": 8 * spec.n_tiles,
             "steps": spec.in_features // MMA_K}
+
+
+SPLIT_THREADS = 256  # threads a block of the k splits' sum
 
 
 def _attrs(name: str = "dense_gemm") -> dict:
@@ -169,7 +187,12 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     ``dense_gemm2(x, w1, w2, y1, y2)`` / ``dense_gemm3(x, w1, w2, w3, y1, y2, y3)`` with ``w_i [N_i, K]`` and
     ``y_i [M, N_i]`` (a model's q, k and v projections). The grid's row blocks run over the weights one after the
     other (each block's rows lie in one weight: blocks start at multiples of its rows within each weight), and
-    every block computes exactly what the one-weight kernel's block of those rows does."""
+    every block computes exactly what the one-weight kernel's block of those rows does.
+
+    ``spec.k_splits`` KS > 1: one more argument, last, ``sums [M, KS, N]`` float32 (a workspace, every element
+    written before it is read): split s stores the sums over its k range [s K / KS, (s + 1) K / KS) there (the
+    outputs' columns side by side with ``parts``), then a second kernel adds them in split order into the outputs.
+    The llvm form computes the same sums in the same order."""
     spec.check()
     why = eligible(spec)
     if why is not None:
@@ -182,33 +205,16 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
         raise MoecError(f"dense_gemm: parts {parts!r} must be 1 to 3 multiples of 16 summing to {spec.out_features}")
     N, K = spec.out_features, spec.in_features
     odt = spec.out_dtype
-
-    if target == "llvm" and len(outs) > 1:
-        return _dense_multi_llvm(spec, outs)
+    P, KSP = len(outs), spec.k_splits
+    N1, N2, N3 = (outs + (16, 16))[:3]  # (the widths past P are placeholders no code reads)
+    sum_out = _split_sum(outs, odt, KSP)
     if target == "llvm":
-        @T.prim_func(s_tir=True)
-        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-            T.func_attr(_attrs())
-            M = T.int64()
-            x = T.match_buffer(x_h, (M, K), spec.x_dtype)
-            w = T.match_buffer(w_h, (N, K), spec.w_dtype)
-            y = T.match_buffer(y_h, (M, N), odt)
-            for m in T.serial(M):
-                for n in T.serial(N):
-                    with T.sblock("dense"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        acc[0] = T.float32(0)
-                        for k in T.serial(K):
-                            acc[0] = acc[0] + T.Cast("float32", x[m, k]) * T.Cast("float32", w[n, k])
-                        y[m, n] = T.Cast(odt, acc[0])
-
-        return dense_gemm
+        return _dense_llvm(spec, outs, sum_out)
 
     NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
-    NBY = -(-N // ROWS)
+    NB1, NB2, NB3 = (-(-N1 // ROWS), -(-N2 // ROWS), -(-N3 // ROWS))
+    NBY = sum((NB1, NB2, NB3)[:P])
     wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
     # ``spec.stages``: the operands staged through shared memory by cp.async, up to S k-steps in flight per block
     # (``_mma_pipe_mainloop``, the grouped expert kernels' loop), so a block keeps S - 1 steps of its weight rows
@@ -216,10 +222,11 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     # ``chunk // 8`` of the pass). Tiles, grid and epilogue are the register form's.
     S = pipe_stages(spec)[0]
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step (staged form)
-    # ``spec.k_groups`` G: warps NW g .. NW (g + 1) - 1 run the k-steps [g KC / G, (g + 1) KC / G) of the same tiles,
-    # each group with its own token stages; groups 1..G-1 leave their sums in ``red`` for group 0 to add and store
+    # ``spec.k_groups`` G: warps NW g .. NW (g + 1) - 1 run the k-steps [g KC / G, (g + 1) KC / G) of the split's
+    # range, each group with its own token stages; groups 1..G-1 leave their sums in ``red`` for group 0 to add and store
     G = spec.k_groups
-    KG, KO = KC // G, K // G  # k-steps and input features of a group
+    KS, KO = K // KSP, K // KSP // G  # input features of a split and of a group
+    KG = KC // KSP // G  # k-steps of a group
     A = RT * 4 * NT  # accumulators a thread
     mainloop = _mma_pipe_mainloop(spec.l2_prefetch, G, S * NW * G * RT * 1024) if S else _mma_mainloop()
     XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
@@ -238,21 +245,25 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     def tl(tx):  # the thread's index within its k group
         return tx if G == 1 else tx % (32 * NW)
 
-    def kofs(k, tx):  # input feature k of the thread's group
-        return k if G == 1 else grp(tx) * KO + k
+    def kofs(k, tx, sp):  # input feature k of the thread's group in split sp
+        return (k if G == 1 else grp(tx) * KO + k) if KSP == 1 else sp * KS + (k if G == 1 else grp(tx) * KO + k)
 
     @T.macro
-    def store(y, n_out, rb, p0, nv, g, q, acc):
+    def store(y, n_out, rb, p0, nv, g, q, acc, sp, sums, col):
         for r in T.unroll(RT):
             if rb + r * 16 < n_out:
                 for n in T.unroll(NT):
                     for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
                         if n * 8 + 2 * q + c % 2 < nv:
-                            y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+                            if KSP == 1:
+                                y[p0 + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = T.Cast(odt, acc[(r * NT + n) * 4 + c])
+                            else:
+                                sums[p0 + n * 8 + 2 * q + c % 2, sp, col + rb + r * 16 + g + 8 * (c // 2)] = acc[(r * NT + n) * 4 + c]
 
     @T.macro
-    def part(x, w, y, n_out, bbl, pb, tx, wa, af, xb, xf, acc, ws, xs, red):
-        # the block's rows [bbl ROWS, bbl ROWS + ROWS) of w [n_out, K] against the pass's tokens, into y
+    def part(x, w, y, n_out, bbl, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, col):
+        # the block's rows [bbl ROWS, bbl ROWS + ROWS) of w [n_out, K] against the pass's tokens, into y (or split sp's
+        # sums of them, columns from col)
         lane: T.let[T.int32] = tx % 32
         g: T.let[T.int32] = lane // 4
         q: T.let[T.int32] = lane % 4
@@ -261,8 +272,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
         nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
         if S > 0:
             mainloop(ws, ws if G > 1 else xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KG, S, NW * G, XL,
-                     lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, kofs(k, tx)],
-                     lambda j: (j * 32 * NW + tl(tx)) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tl(tx)) // 8, kofs(k, tx)], ab)
+                     lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, kofs(k, tx, sp)],
+                     lambda j: (j * 32 * NW + tl(tx)) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tl(tx)) // 8, kofs(k, tx, sp)], ab)
         else:
             mainloop(wa, af, xb, xf, acc, g, q, nv, RT, NT, KC, lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out,
                      lambda row, k: w[row, k], lambda n: n * 8 + g < nv, lambda n, k: x[p0 + n * 8 + g, k], ab)
@@ -275,41 +286,67 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
                 for j in T.unroll(G - 1):
                     for i in T.unroll(A):
                         acc[i] = acc[i] + red[(j * A + i) * 32 * NW + tx]
-                store(y, n_out, rb, p0, nv, g, q, acc)
+                store(y, n_out, rb, p0, nv, g, q, acc, sp, sums, col)
         else:
-            store(y, n_out, rb, p0, nv, g, q, acc)
+            store(y, n_out, rb, p0, nv, g, q, acc, sp, sums, col)
 
-    if len(outs) == 1:
+    @T.macro
+    def block(x, pb, bb, tx, sp, sums, w1, y1, w2, y2, w3, y3):
+        # block (pb, bb[, sp]): its row block's weight (block-uniform: each block's rows lie in one weight)
+        with T.sblock("dense"):
+            T.reads()
+            T.writes()
+            wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
+            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
+            xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
+            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+            acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
+            ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
+            xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
+            red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
+            if P == 1:
+                part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, 0)
+            elif P == 2:
+                if bb < NB1:
+                    part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, 0)
+                else:
+                    part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, N1)
+            else:
+                if bb < NB1:
+                    part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, 0)
+                elif bb < NB1 + NB2:
+                    part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, N1)
+                else:
+                    part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, wa, af, xb, xf, acc, ws, xs, red, sp, sums, N1 + N2)
+
+    @T.macro
+    def grid(x, sums, w1, y1, w2, y2, w3, y3):
+        for pb in T.thread_binding((x.shape[0] + TOK - 1) // TOK, thread="blockIdx.x"):
+            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+                if KSP == 1:
+                    for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
+                        block(x, pb, bb, tx, 0, sums, w1, y1, w2, y2, w3, y3)
+                else:
+                    for sp in T.thread_binding(KSP, thread="blockIdx.z"):
+                        for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
+                            block(x, pb, bb, tx, sp, sums, w1, y1, w2, y2, w3, y3)
+        if KSP > 1:
+            sum_out(sums, y1, y2, y3)
+
+    if P == 1:
         @T.prim_func(s_tir=True)
-        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle, s_h: T.handle):
             T.func_attr(_attrs())
             M = T.int64()
             x = T.match_buffer(x_h, (M, K), spec.x_dtype)
             w = T.match_buffer(w_h, (N, K), wdt)
             y = T.match_buffer(y_h, (M, N), odt)
-            for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
-                for bb in T.thread_binding(NBY, thread="blockIdx.y"):
-                    for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
-                        with T.sblock("dense"):
-                            T.reads()
-                            T.writes()
-                            wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
-                            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
-                            xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
-                            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
-                            acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
-                            ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
-                            xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
-                            red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
-                            part(x, w, y, N, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-
-        return dense_gemm
-
-    N1, N2 = outs[0], outs[1]
-    NB1, NB2 = -(-N1 // ROWS), -(-N2 // ROWS)
-    if len(outs) == 2:
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            grid(x, sums, w, y, w, y, w, y)
+        f = dense_gemm
+    elif P == 2:
         @T.prim_func(s_tir=True)
-        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle):
+        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle, s_h: T.handle):
             T.func_attr(_attrs("dense_gemm2"))
             M = T.int64()
             x = T.match_buffer(x_h, (M, K), spec.x_dtype)
@@ -317,87 +354,134 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             w2 = T.match_buffer(w2_h, (N2, K), wdt)
             y1 = T.match_buffer(y1_h, (M, N1), odt)
             y2 = T.match_buffer(y2_h, (M, N2), odt)
-            for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
-                for bb in T.thread_binding(NB1 + NB2, thread="blockIdx.y"):
-                    for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
-                        with T.sblock("dense"):
-                            T.reads()
-                            T.writes()
-                            wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                            xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")
-                            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")
-                            acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
-                            ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
-                            xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
-                            red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
-                            if bb < NB1:  # block-uniform: each block's rows lie in one weight
-                                part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-                            else:
-                                part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-
-        return dense_gemm2
-
-    N3 = outs[2]
-    NB3 = -(-N3 // ROWS)
-
-    @T.prim_func(s_tir=True)
-    def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
-                    y3_h: T.handle):
-        T.func_attr(_attrs("dense_gemm3"))
-        M = T.int64()
-        x = T.match_buffer(x_h, (M, K), spec.x_dtype)
-        w1 = T.match_buffer(w1_h, (N1, K), wdt)
-        w2 = T.match_buffer(w2_h, (N2, K), wdt)
-        w3 = T.match_buffer(w3_h, (N3, K), wdt)
-        y1 = T.match_buffer(y1_h, (M, N1), odt)
-        y2 = T.match_buffer(y2_h, (M, N2), odt)
-        y3 = T.match_buffer(y3_h, (M, N3), odt)
-        for pb in T.thread_binding((M + TOK - 1) // TOK, thread="blockIdx.x"):
-            for bb in T.thread_binding(NB1 + NB2 + NB3, thread="blockIdx.y"):
-                for tx in T.thread_binding(32 * NW * G, thread="threadIdx.x"):
-                    with T.sblock("dense"):
-                        T.reads()
-                        T.writes()
-                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")
-                        xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")
-                        acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")
-                        ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)
-                        xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)
-                        red = T.sblock_alloc_buffer((RED,), "float32", scope=RSC)  # the k groups' sums (G > 1)
-                        if bb < NB1:
-                            part(x, w1, y1, N1, bb, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-                        elif bb < NB1 + NB2:
-                            part(x, w2, y2, N2, bb - NB1, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-                        else:
-                            part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, wa, af, xb, xf, acc, ws, xs, red)
-
-    return dense_gemm3
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            grid(x, sums, w1, y1, w2, y2, w1, y1)
+        f = dense_gemm2
+    else:
+        @T.prim_func(s_tir=True)
+        def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
+                        y3_h: T.handle, s_h: T.handle):
+            T.func_attr(_attrs("dense_gemm3"))
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), spec.x_dtype)
+            w1 = T.match_buffer(w1_h, (N1, K), wdt)
+            w2 = T.match_buffer(w2_h, (N2, K), wdt)
+            w3 = T.match_buffer(w3_h, (N3, K), wdt)
+            y1 = T.match_buffer(y1_h, (M, N1), odt)
+            y2 = T.match_buffer(y2_h, (M, N2), odt)
+            y3 = T.match_buffer(y3_h, (M, N3), odt)
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            grid(x, sums, w1, y1, w2, y2, w3, y3)
+        f = dense_gemm3
+    return _signature(f, KSP)
 
 
-def _dense_multi_llvm(spec: DenseSpec, outs: tuple[int, ...]):
-    """The serial form of ``dense_gemm2`` / ``dense_gemm3``: each output as ``make_dense``'s llvm loop."""
-    K, odt, xdt, wdt = spec.in_features, spec.out_dtype, spec.x_dtype, spec.w_dtype
-    N1, N2, N3 = (outs + (16,))[:3]
+def _signature(f, k_splits: int):
+    """``f`` as callers see it: without its last parameter (the splits' sums) when there is one split."""
+    if k_splits > 1:
+        return f
+    from tvm import tirx
+
+    return tirx.PrimFunc(list(f.params[:-1]), f.body, f.ret_type, f.attrs)
+
+
+def _split_sum(outs: tuple[int, ...], odt: str, k_splits: int):
+    """The k splits' second kernel (CUDA), as a TIR macro ``sum_out(sums, y1, y2, y3)``: thread i of the grid takes
+    the 4 columns from 4 (i % (N / 4)) of row i // (N / 4) (N = sum(outs); the outputs' widths are multiples of 16,
+    so a thread's columns lie in one output), adds ``sums[row, 0..KS-1]`` there in split order (16-byte loads) and stores
+    them, rounded to the outputs' dtype, into that output."""
+    P, NTOT, KSP = len(outs), sum(outs), k_splits
+    N1, N2 = (outs + (16, 16))[:2]
+    Q = NTOT // 4  # threads a row
 
     @T.macro
-    def one(x, w, y, n_out):
+    def put(y, row, col, acc4):
+        for v in T.unroll(4):
+            y[row, col + v] = T.Cast(odt, acc4[v])
+
+    @T.macro
+    def sum_out(sums, y1, y2, y3):
+        for bx in T.thread_binding((sums.shape[0] * Q + SPLIT_THREADS - 1) // SPLIT_THREADS, thread="blockIdx.x"):
+            for tx in T.thread_binding(SPLIT_THREADS, thread="threadIdx.x"):
+                with T.sblock("split_sum"):
+                    T.reads()
+                    T.writes()
+                    acc4 = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                    i: T.let[T.int64] = bx * SPLIT_THREADS + T.Cast("int64", tx)
+                    row: T.let[T.int64] = i // Q
+                    col: T.let[T.int64] = i % Q * 4
+                    if row < sums.shape[0]:
+                        for v in T.vectorized(4):
+                            acc4[v] = sums[row, 0, col + v]
+                        for s in T.unroll(KSP - 1):
+                            for v in T.vectorized(4):
+                                acc4[v] = acc4[v] + sums[row, s + 1, col + v]
+                        if P == 1:
+                            put(y1, row, col, acc4)
+                        elif P == 2:
+                            if col < N1:
+                                put(y1, row, col, acc4)
+                            else:
+                                put(y2, row, col - N1, acc4)
+                        else:
+                            if col < N1:
+                                put(y1, row, col, acc4)
+                            elif col < N1 + N2:
+                                put(y2, row, col - N1, acc4)
+                            else:
+                                put(y3, row, col - N1 - N2, acc4)
+
+    return sum_out
+
+
+def _dense_llvm(spec: DenseSpec, outs: tuple[int, ...], sum_out):
+    """The serial form (CPU builds and CI) of ``dense_gemm`` / ``dense_gemm2`` / ``dense_gemm3``: each output a loop
+    over (token, feature) with its float32 sum over k; with k splits, each split's sum into ``sums`` and their sum in
+    split order, as the CUDA form adds them."""
+    K, odt, xdt, wdt, KSP = spec.in_features, spec.out_dtype, spec.x_dtype, spec.w_dtype, spec.k_splits
+    N = spec.out_features
+    KS = K // KSP
+    N1, N2, N3 = (outs + (16, 16))[:3]
+    P = len(outs)
+
+    @T.macro
+    def one(x, w, y, n_out, sums, col):
         for m in T.serial(x.shape[0]):
             for n in T.serial(n_out):
                 with T.sblock("dense"):
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    acc[0] = T.float32(0)
-                    for k in T.serial(K):
-                        acc[0] = acc[0] + T.Cast("float32", x[m, k]) * T.Cast("float32", w[n, k])
-                    y[m, n] = T.Cast(odt, acc[0])
+                    if KSP == 1:
+                        acc[0] = T.float32(0)
+                        for k in T.serial(K):
+                            acc[0] = acc[0] + T.Cast("float32", x[m, k]) * T.Cast("float32", w[n, k])
+                        y[m, n] = T.Cast(odt, acc[0])
+                    else:
+                        for s in T.serial(KSP):
+                            acc[0] = T.float32(0)
+                            for k in T.serial(KS):
+                                acc[0] = acc[0] + T.Cast("float32", x[m, s * KS + k]) * T.Cast("float32", w[n, s * KS + k])
+                            sums[m, s, col + n] = acc[0]
+                        acc[0] = sums[m, 0, col + n]
+                        for s in T.serial(KSP - 1):
+                            acc[0] = acc[0] + sums[m, s + 1, col + n]
+                        y[m, n] = T.Cast(odt, acc[0])
 
-    if len(outs) == 2:
+    if P == 1:
         @T.prim_func(s_tir=True)
-        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle):
+        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle, s_h: T.handle):
+            T.func_attr(_attrs())
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), xdt)
+            w = T.match_buffer(w_h, (N, K), wdt)
+            y = T.match_buffer(y_h, (M, N), odt)
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            one(x, w, y, N, sums, 0)
+        f = dense_gemm
+    elif P == 2:
+        @T.prim_func(s_tir=True)
+        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle, s_h: T.handle):
             T.func_attr(_attrs("dense_gemm2"))
             M = T.int64()
             x = T.match_buffer(x_h, (M, K), xdt)
@@ -405,28 +489,29 @@ def _dense_multi_llvm(spec: DenseSpec, outs: tuple[int, ...]):
             w2 = T.match_buffer(w2_h, (N2, K), wdt)
             y1 = T.match_buffer(y1_h, (M, N1), odt)
             y2 = T.match_buffer(y2_h, (M, N2), odt)
-            one(x, w1, y1, N1)
-            one(x, w2, y2, N2)
-
-        return dense_gemm2
-
-    @T.prim_func(s_tir=True)
-    def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
-                    y3_h: T.handle):
-        T.func_attr(_attrs("dense_gemm3"))
-        M = T.int64()
-        x = T.match_buffer(x_h, (M, K), xdt)
-        w1 = T.match_buffer(w1_h, (N1, K), wdt)
-        w2 = T.match_buffer(w2_h, (N2, K), wdt)
-        w3 = T.match_buffer(w3_h, (N3, K), wdt)
-        y1 = T.match_buffer(y1_h, (M, N1), odt)
-        y2 = T.match_buffer(y2_h, (M, N2), odt)
-        y3 = T.match_buffer(y3_h, (M, N3), odt)
-        one(x, w1, y1, N1)
-        one(x, w2, y2, N2)
-        one(x, w3, y3, N3)
-
-    return dense_gemm3
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            one(x, w1, y1, N1, sums, 0)
+            one(x, w2, y2, N2, sums, N1)
+        f = dense_gemm2
+    else:
+        @T.prim_func(s_tir=True)
+        def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
+                        y3_h: T.handle, s_h: T.handle):
+            T.func_attr(_attrs("dense_gemm3"))
+            M = T.int64()
+            x = T.match_buffer(x_h, (M, K), xdt)
+            w1 = T.match_buffer(w1_h, (N1, K), wdt)
+            w2 = T.match_buffer(w2_h, (N2, K), wdt)
+            w3 = T.match_buffer(w3_h, (N3, K), wdt)
+            y1 = T.match_buffer(y1_h, (M, N1), odt)
+            y2 = T.match_buffer(y2_h, (M, N2), odt)
+            y3 = T.match_buffer(y3_h, (M, N3), odt)
+            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
+            one(x, w1, y1, N1, sums, 0)
+            one(x, w2, y2, N2, sums, N1)
+            one(x, w3, y3, N3, sums, N1 + N2)
+        f = dense_gemm3
+    return _signature(f, KSP)
 
 
 def reference(x, w, out_dtype="float32"):

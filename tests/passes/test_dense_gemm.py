@@ -529,3 +529,64 @@ def test_k_groups_refusals():
     with pytest.raises(MoecError, match="static shared memory"):
         DenseSpec(64, 1024, warps=4, n_tiles=8, stages=2, k_groups=8, dyn_shared=200000).check()
     assert "do not split into 4 k groups" in eligible(DenseSpec(64, 192, stages=4, k_groups=4))
+
+
+@pytest.mark.parametrize("k_splits, parts, n_tiles, warps, k", [(2, None, 4, 4, 256), (4, (64, 32, 32), 16, 4, 512),
+                                                                 (8, (48, 64), 8, 2, 512), (4, None, 16, 2, 2048)])
+def test_cuda_k_splits_emulated(k_splits, parts, n_tiles, warps, k):
+    """``k_splits``: KS blocks (grid axis z) over their own k ranges, each storing its float32 sums to the workspace,
+    then a second kernel adding them in split order into the outputs (one to three weights). On the CPU emulation of
+    both generated kernels, against NumPy and bit for bit against the llvm form (the same sums in the same order up
+    to the order within a split): one token, a partial pass and two passes; the workspace starts as NaN, so a sum read
+    before it was written shows; nvcc accepts the code."""
+    from cuda_emu import EmulatedKernel
+    from tvm.support import nvcc
+
+    n = sum(parts) if parts else 96
+    name = f"dense_gemm{len(parts)}" if parts else "dense_gemm"
+    per = warps * 16 * 64 * 2 + 8 * n_tiles * 64 * 2
+    spec = DenseSpec(out_features=n, in_features=k, warps=warps, stages=3, n_tiles=n_tiles, k_splits=k_splits,
+                     dyn_shared=3 * per if 3 * per > 49152 else 0)
+    cfg = launch_config(spec)
+    assert cfg["blocks"][2] == k_splits and cfg["steps"] == k // 64 // k_splits and cfg["k_splits"] == k_splits
+    src = tvm.compile(tvm.IRModule({name: make_dense(spec, "cuda", parts)}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert f"{name}_kernel_1" in src and "blockIdx.z" in src
+    if k_splits == 4:
+        with make_target("cuda", "sm_90"):
+            assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    gemm, add = EmulatedKernel(src, f"{name}_kernel"), EmulatedKernel(src, f"{name}_kernel_1")
+    cpu = tvm.compile(make_dense(spec, "llvm", parts), target="llvm")
+    widths = list(parts) if parts else [n]
+    for m in (1, 37, 2 * 8 * n_tiles):
+        rng = np.random.default_rng(m + k)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        ws = [rng.standard_normal((nw, k)).astype(ml_dtypes.bfloat16) for nw in widths]
+        ys = [np.full((m, nw), np.nan, np.float32) for nw in widths]
+        sums = np.full((m, k_splits, n), np.nan, np.float32)
+        wargs = {f"w{i + 1}": w.view(np.uint16) for i, w in enumerate(ws)} if parts else {"w": ws[0].view(np.uint16)}
+        yargs = {f"y{i + 1}": y for i, y in enumerate(ys)} if parts else {"y": ys[0]}
+        row_blocks = sum(-(-nw // cfg["rows_per_block"]) for nw in widths)  # (each weight's own row blocks)
+        gemm((-(-m // cfg["tokens_per_block"]), row_blocks, k_splits), cfg["threads"], x=x.view(np.uint16), sums=sums,
+             M=m, **wargs, **yargs)
+        assert not np.isnan(sums).any()
+        add((-(-m * n // 4 // 256), 1, 1), 256, sums=sums, M=m, **yargs)
+        for w, y in zip(ws, ys):
+            np.testing.assert_allclose(y, reference(x, w), rtol=1e-5, atol=1e-3)
+        # the llvm form: each split's sum, then their sum in split order
+        out = [tvm.runtime.tensor(np.zeros((m, nw), np.float32)) for nw in widths]
+        cs = tvm.runtime.tensor(np.zeros((m, k_splits, n), np.float32))
+        cpu(tvm.runtime.tensor(x), *[tvm.runtime.tensor(w) for w in ws], *out, cs)
+        for w, y, o in zip(ws, ys, out):
+            np.testing.assert_allclose(o.numpy(), reference(x, w), rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(cs.numpy(), sums, rtol=1e-5, atol=1e-4)
+
+
+def test_k_splits_refusals():
+    with pytest.raises(MoecError, match="k_splits must be one of"):
+        DenseSpec(64, 1024, stages=2, k_splits=3).check()
+    with pytest.raises(MoecError, match="k_splits > 1 needs cp.async stages"):
+        DenseSpec(64, 1024, k_splits=2).check()
+    with pytest.raises(MoecError, match="at most 8 token tiles"):
+        DenseSpec(64, 1024, n_tiles=16).check()  # 16 only with stages
+    assert "do not split into 4 k splits x 1 k groups" in eligible(DenseSpec(64, 192, stages=4, k_splits=4))
+    assert eligible(DenseSpec(64, 256, stages=4, k_splits=4)) is None
