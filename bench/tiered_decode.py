@@ -59,10 +59,17 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "mixtral-half2-pipe4": ("mixtral", {"half2": True, "stages": 4}),
             "mixtral-half2-pipe4-t1h2": ("mixtral", {"half2": True, "stages": 4, "t1_half2": True}),
             "mixtral-mma2-pf": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True}),
+            # q' kept in registers (the compiled models' tensor-core form), and with half (``t1_quarters`` 2) or three
+            # quarters of the splits on tier 1: tier 1 is about 40% of the bytes at 15% of the tokens, one split of three
+            "mixtral-mma2-pf-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
+            "mixtral-mma2-pf-q-t1x2": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True,
+                                                   "t1_quarters": 2}),
+            "mixtral-mma2-pf-q-t1x3": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True,
+                                                   "t1_quarters": 3}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-t1h2": ("check", {"half2": True, "t1_half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
-MMA_SPLITS = (2, 3, 5)  # the tensor-core variants are also timed at these splits (tier 1 takes S // 4, at least 1)
+MMA_SPLITS = (2, 3, 4, 5, 6, 8)  # the tensor-core variants are also timed at these splits (tier 1: t1_quarters / 4 of them)
 OTHER_SPLITS = (2, 4)  # and the others at these
 HALF2_TOL = (5e-3, 1e-3)  # output, importance mass (absolute): float16 sums of the tier-2 codes
 LAYERS, LAYER = 2, 1  # pools hold two layers; the kernel runs on layer 1 (the layer offset is exercised)
@@ -353,7 +360,18 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: correctness only, llvm kernels")
+    ap.add_argument("--only", help="prepare: build only these variants (comma-separated; run times what was built)")
     args = ap.parse_args()
+    if args.step == "prepare" and args.only:
+        unknown = set(args.only.split(",")) - set(VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown variants: {', '.join(sorted(unknown))}")
+    if args.step == "prepare" or args.device == "cpu":
+        keep = set(args.only.split(",")) if args.only else set(VARIANTS)
+    else:
+        keep = set(json.loads((args.dir / "index.json").read_text()))
+    for v in [v for v in VARIANTS if v not in keep]:
+        del VARIANTS[v]
     if args.step == "prepare":
         prepare(args.dir)
         return 0

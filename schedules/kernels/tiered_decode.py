@@ -216,7 +216,10 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
     OLMoE 0.320 ms a layer, Mixtral 0.447 (bench/results/tiered_decode_h200_half2.json). ``fields`` (the
     ``split-fields`` decode kernel) keeps the float32 fields form above. ``t2_mma`` (the ``split-mma`` decode
     kernel) takes tier 2 on tensor cores (``make_tiered_decode_cuda(t2_mma=True)``), and tier 1 too where its pages
-    are of 16 tokens (``t1_mma``), which needs ``decode_splits(..., t2_mma=True)`` splits. ``paired`` (the
+    are of 16 tokens (``t1_mma``), which needs ``decode_splits(..., t2_mma=True)`` splits; with q' kept
+    in registers for the whole split (``t2_keep_q``: 162 registers at Mixtral's shape, no spills), timed on the H100
+    at 0.281 ms a layer against 0.317 at Mixtral's shape (bench/results/tiered_decode_h100_c23b99a.json; 0.285
+    against 0.318 in tiered_decode_h100_d47e776.json). ``paired`` (the
     ``split-paired`` decode kernel) is the half2 form with tier 1 in float16 pairs too (``t1_half2``) and, with one
     query head per KV head and as many tokens a tile's group as lanes a token, one reduce-scatter of a tile's scores
     (``scatter_scores``)."""
@@ -227,7 +230,7 @@ def make_tiered_decode_for_models(num_heads: int, num_kv_heads: int, head_dim: i
                                        t1_half2=True, scatter_scores=scatter, out_dtype=out_dtype)
     if t2_mma:  # (tier 1 on tensor cores too where its pages are of 16 tokens; each tile's words loaded a tile ahead)
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, t2_mma=True,
-                                       t1_mma=t1_page == 16, t2_prefetch=True, out_dtype=out_dtype)
+                                       t1_mma=t1_page == 16, t2_prefetch=True, t2_keep_q=True, out_dtype=out_dtype)
     if not fields:
         return make_tiered_decode_cuda(num_heads, num_kv_heads, head_dim, t1_page, t2_page, stages=4, half2=True,
                                        out_dtype=out_dtype)
@@ -422,7 +425,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
                             t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False,
-                            scatter_scores: bool = False, out_dtype: str = "float32"):
+                            scatter_scores: bool = False, out_dtype: str = "float32", t1_quarters: int = 1):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -468,7 +471,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     scores and the values each 8 mma a 16-token tile; see MMA_POS), in splits of its own: a quarter of the splits
     (at least one) keep tier 1, the others take the pages (``decode_splits(..., t2_mma=True)``). Options of it:
     ``t1_mma`` (tier 1 on tensor cores too, a 16-token page a tile), ``t2_prefetch`` (each tile's words loaded
-    during the previous tile), ``t2_keep_q`` (q' kept in registers for the whole split). On the H100 it was 30%
+    during the previous tile), ``t2_keep_q`` (q' kept in registers for the whole split), ``t1_quarters`` (the quarters
+    of the splits, 1 to 3, that take tier 1: at 15% of the tokens in FP8 and 85% in 2-bit codes, tier 1 is about 40%
+    of the bytes). On the H100 it was 30%
     faster than half2 with 4 query heads per KV head and 30% slower with one (bench/results/tiered_decode_h100_mma.json;
     ``decode_form`` chooses).
 
@@ -517,8 +522,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     if T1H2 and (T1MMA or t1_stages):
         raise ValueError("CUDA tiered decode: t1_half2 takes tier 1 straight into registers on CUDA cores "
                          "(not with t1_mma or t1_stages)")
-    if (PF or T1MMA or KQ) and not MMA:
-        raise ValueError("CUDA tiered decode: t2_prefetch, t1_mma and t2_keep_q are options of the tensor-core tier 2 (t2_mma)")
+    if (PF or T1MMA or KQ or t1_quarters != 1) and not MMA:
+        raise ValueError("CUDA tiered decode: t2_prefetch, t1_mma, t2_keep_q and t1_quarters are options of the tensor-core "
+                         "tier 2 (t2_mma)")
+    if t1_quarters not in (1, 2, 3):
+        raise ValueError(f"CUDA tiered decode: t1_quarters must be 1, 2 or 3, got {t1_quarters!r}")
     if T1MMA and (PS1 != 16 or t1_stages):
         raise ValueError(f"the tensor-core tier 1 of the tiered decode takes tier-1 pages of 16 tokens (got {PS1}) "
                          "straight into registers (t1_stages 0)")
@@ -933,8 +941,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                         for i in T.unroll(16):
                             acc[g * 16 + i] = acc[g * 16 + i] + p_l[g * KSTEP + k] * lv[i]
 
-    def t1_splits(S):  # with t2_mma, a quarter of the splits (at least one) take tier 1 and the rest tier 2
-        return T.max(1, S // 4) if MMA else S
+    def t1_splits(S):  # with t2_mma, t1_quarters quarters of the splits (at least one, at most S - 1) take tier 1, the
+        #                rest tier 2
+        return T.max(1, T.min(S - 1, S * t1_quarters // 4)) if MMA else S
 
     if MMA:
         from ..cuda_prelude import E4M3_HI as _E4H, E4M3_LO as _E4L

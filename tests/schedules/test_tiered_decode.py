@@ -522,6 +522,8 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
     ({}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
     # tier 1 on tensor cores too, each tile's words loaded during the last, q' kept in registers; many splits
     ({**T1, **PF, "t2_keep_q": True}, (32, 8, 128, 16, 128), [100, 0], [1, 3], 9, 1.0),
+    # the compiled form with half the splits on tier 1 (t1_quarters 2: 2 of 4, 3 of 6 would be 3)
+    ({**T1, **PF, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 1.0),
     # no tier-2 page (the tier-2 splits write empty partials), tier 1 on tensor cores with partial last pages
     (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])
 def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
@@ -566,7 +568,11 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
     with pytest.raises(ValueError, match="stages 0"):
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
-    with pytest.raises(ValueError, match="t2_prefetch, t1_mma and t2_keep_q are options"):
+    with pytest.raises(ValueError, match="t2_prefetch, t1_mma, t2_keep_q and t1_quarters are options"):
         make_tiered_decode_cuda(16, 16, 128, half2=True, t2_prefetch=True)
+    with pytest.raises(ValueError, match="t1_quarters are options"):
+        make_tiered_decode_cuda(16, 16, 128, half2=True, t1_quarters=2)
+    with pytest.raises(ValueError, match="t1_quarters must be 1, 2 or 3"):
+        make_tiered_decode_cuda(32, 8, 128, t2_mma=True, t1_quarters=4)
     with pytest.raises(ValueError, match="tier-1 pages of 16 tokens"):
         make_tiered_decode_cuda(16, 16, 128, 32, 128, t2_mma=True, t1_mma=True)
