@@ -74,7 +74,14 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_k4nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
             "_k8nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 8, "dyn_shared": DYN},
             "_k8w8nt16d": {"stages": 4, "warps": 8, "n_tiles": 16, "k_splits": 8, "dyn_shared": DYN},
-            "_k2w2nt16d": {"stages": 4, "warps": 2, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN}}
+            "_k2w2nt16d": {"stages": 4, "warps": 2, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN},
+            # k splits and k groups together: fewer L2 bytes (128-token or 64-token passes) and several warps a scheduler
+            # (ncu of the compiled form at 128 tokens: one warp a scheduler, an instruction every 4.2 cycles)
+            "_k4nt16g2": {"stages": 4, "n_tiles": 16, "k_splits": 4, "k_groups": 2, "dyn_shared": DYN},
+            "_k2nt16g4": {"stages": 3, "n_tiles": 16, "k_splits": 2, "k_groups": 4, "dyn_shared": DYN},
+            "_k2nt8g2": {"stages": 4, "n_tiles": 8, "k_splits": 2, "k_groups": 2, "dyn_shared": DYN},
+            "_k2nt8g4": {"stages": 3, "n_tiles": 8, "k_splits": 2, "k_groups": 4, "dyn_shared": DYN},
+            "_k4w2nt16g4": {"stages": 3, "warps": 2, "n_tiles": 16, "k_splits": 4, "k_groups": 4, "dyn_shared": DYN}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
@@ -82,7 +89,9 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              "merged_k2nt16d": {"stages": 4, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN},
              "merged_k4nt16d": VARIANTS["_k4nt16d"], "merged_k4w8nt16d": {"stages": 4, "warps": 8, "n_tiles": 16, "k_splits": 4,
                                                                            "dyn_shared": DYN},
-             "merged_k8w8nt16d": VARIANTS["_k8w8nt16d"]}
+             "merged_k8w8nt16d": VARIANTS["_k8w8nt16d"], "merged_k2nt16g2": {"stages": 4, "n_tiles": 16, "k_splits": 2,
+                                                                            "k_groups": 2, "dyn_shared": DYN},
+             "merged_k2nt8g2": VARIANTS["_k2nt8g2"], "merged_k2nt8g4": VARIANTS["_k2nt8g4"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)

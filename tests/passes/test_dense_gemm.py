@@ -531,9 +531,10 @@ def test_k_groups_refusals():
     assert "do not split into 4 k groups" in eligible(DenseSpec(64, 192, stages=4, k_groups=4))
 
 
-@pytest.mark.parametrize("k_splits, parts, n_tiles, warps, k", [(2, None, 4, 4, 256), (4, (64, 32, 32), 16, 4, 512),
-                                                                 (8, (48, 64), 8, 2, 512), (4, None, 16, 2, 2048)])
-def test_cuda_k_splits_emulated(k_splits, parts, n_tiles, warps, k):
+@pytest.mark.parametrize("k_splits, parts, n_tiles, warps, k, k_groups", [
+    (2, None, 4, 4, 256, 1), (4, (64, 32, 32), 16, 4, 512, 1), (8, (48, 64), 8, 2, 512, 1), (4, None, 16, 2, 2048, 1),
+    (2, None, 8, 2, 1024, 4), (2, (64, 32, 32), 16, 4, 512, 2)])  # (with k groups in each split's blocks)
+def test_cuda_k_splits_emulated(k_splits, parts, n_tiles, warps, k, k_groups):
     """``k_splits``: KS blocks (grid axis z) over their own k ranges, each storing its float32 sums to the workspace,
     then a second kernel adding them in split order into the outputs (one to three weights). On the CPU emulation of
     both generated kernels, against NumPy and bit for bit against the llvm form (the same sums in the same order up
@@ -544,11 +545,11 @@ def test_cuda_k_splits_emulated(k_splits, parts, n_tiles, warps, k):
 
     n = sum(parts) if parts else 96
     name = f"dense_gemm{len(parts)}" if parts else "dense_gemm"
-    per = warps * 16 * 64 * 2 + 8 * n_tiles * 64 * 2
+    per = (warps * 16 * 64 * 2 + 8 * n_tiles * 64 * 2) * k_groups
     spec = DenseSpec(out_features=n, in_features=k, warps=warps, stages=3, n_tiles=n_tiles, k_splits=k_splits,
-                     dyn_shared=3 * per if 3 * per > 49152 else 0)
+                     k_groups=k_groups, dyn_shared=3 * per if 3 * per > 40000 else 0)
     cfg = launch_config(spec)
-    assert cfg["blocks"][2] == k_splits and cfg["steps"] == k // 64 // k_splits and cfg["k_splits"] == k_splits
+    assert cfg["blocks"][2] == k_splits and cfg["steps"] == k // 64 // k_splits // k_groups and cfg["k_splits"] == k_splits
     src = tvm.compile(tvm.IRModule({name: make_dense(spec, "cuda", parts)}), target=make_target("cuda")).mod.imports[0].inspect_source()
     assert f"{name}_kernel_1" in src and "blockIdx.z" in src
     if k_splits == 4:
