@@ -78,7 +78,6 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             # k splits and k groups together: fewer L2 bytes (128-token or 64-token passes) and several warps a scheduler
             # (ncu of the compiled form at 128 tokens: one warp a scheduler, an instruction every 4.2 cycles)
             "_k4nt16g2": {"stages": 4, "n_tiles": 16, "k_splits": 4, "k_groups": 2, "dyn_shared": DYN},
-            "_k2nt16g4": {"stages": 3, "n_tiles": 16, "k_splits": 2, "k_groups": 4, "dyn_shared": DYN},
             "_k2nt8g2": {"stages": 4, "n_tiles": 8, "k_splits": 2, "k_groups": 2, "dyn_shared": DYN},
             "_k2nt8g4": {"stages": 3, "n_tiles": 8, "k_splits": 2, "k_groups": 4, "dyn_shared": DYN},
             "_k4w2nt16g4": {"stages": 3, "warps": 2, "n_tiles": 16, "k_splits": 4, "k_groups": 4, "dyn_shared": DYN}}

@@ -20,7 +20,8 @@ norm + router: a grid of T x NB blocks of NW warps. Every block of row t loads t
 registers (VEC-wide loads of 16 bytes), reduces the sum of squares (warp shuffles, then one value per
 warp through shared memory), normalises its elements into shared memory (as ``y_dtype``) and writes
 its share (1/NB) of ``y``; then each warp computes one logit ``e = block * NW + warp``: lanes read the
-router row with 16-byte loads, dot it with the shared row and reduce by shuffles. NB = ceil(E / NW), so
+router row with 16-byte loads, dot it with the shared row and reduce by shuffles. The norm's weight and the warp's
+router row are loaded into registers with the row, so every global load is issued before the first barrier. NB = ceil(E / NW), so
 a single token still spreads its E dot products over NB thread blocks.
 
 With ``tokens`` TB > 0 (the prefill entry's form, ``prefill_spec``) a block of 8 warps takes TB rows instead: warp
@@ -179,17 +180,17 @@ def _make_llvm(spec: NormRouterSpec):
 
 
 def _router_row(ed: bool, rvec: int):
-    """A TIR macro ``router_row(rows, rl, e, d0)``: rl[0 .. rvec - 1] = router row e's elements d0 .. d0 + rvec - 1
+    """A TIR macro ``router_row(rows, rl, o, e, d0)``: rl[o .. o + rvec - 1] = router row e's elements d0 .. d0 + rvec - 1
     (16-byte loads of rows [E, D]; element loads of rows given as [D, E])."""
 
     @T.macro
-    def router_row(rows, rl, e, d0):
+    def router_row(rows, rl, o, e, d0):
         if ed:
             for v in T.vectorized(rvec):
-                rl[v] = rows[e, d0 + v]
+                rl[o + v] = rows[e, d0 + v]
         else:
             for v in T.unroll(rvec):
-                rl[v] = rows[d0 + v, e]
+                rl[o + v] = rows[d0 + v, e]
 
     return router_row
 
@@ -223,13 +224,23 @@ def _make_cuda(spec: NormRouterSpec):
                         red = T.sblock_alloc_buffer((NW,), "float32", scope="shared")
                         xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
                         bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
-                        wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+                        wl = T.sblock_alloc_buffer((IT * VEC,), spec.weight_dtype, scope="local")
                         yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
-                        rl = T.sblock_alloc_buffer((RVEC,), spec.rows_dtype, scope="local")
+                        rl = T.sblock_alloc_buffer((RIT * RVEC,), spec.rows_dtype, scope="local")
                         sl = T.sblock_alloc_buffer((RVEC,), spec.y_dtype, scope="local")
                         acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         lane: T.let[T.int32] = tx % 32
                         warp: T.let[T.int32] = tx // 32
+                        # ---- the norm's weight and the warp's router row into registers with the row: every global
+                        # load of the kernel in one round, before its barriers
+                        for i in T.unroll(IT):
+                            if full or (i * NT + tx) * VEC < D:
+                                for v in T.vectorized(VEC):
+                                    wl[i * VEC + v] = w[(i * NT + tx) * VEC + v]
+                        if b * NW + warp < E:
+                            for i in T.unroll(RIT):
+                                if rfull or (i * 32 + lane) * RVEC < D:
+                                    router_row(rows, rl, i * RVEC, b * NW + warp, (i * 32 + lane) * RVEC)
                         # ---- the row, once, into registers; the sum of squares
                         acc[0] = T.float32(0)
                         for i in T.unroll(IT):
@@ -260,10 +271,8 @@ def _make_cuda(spec: NormRouterSpec):
                         # ---- normalise: the row to shared memory (as stored), this block's share to y
                         for i in T.unroll(IT):
                             if full or (i * NT + tx) * VEC < D:
-                                for v in T.vectorized(VEC):
-                                    wl[v] = w[(i * NT + tx) * VEC + v]
                                 for v in T.unroll(VEC):
-                                    yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                                    yl[v] = T.Cast(spec.y_dtype, _f32(wl[i * VEC + v]) * (_f32(xl[i * VEC + v]) * acc[1]))
                                 for v in T.vectorized(VEC):
                                     ys[(i * NT + tx) * VEC + v] = yl[v]
                                 if (i * NT + tx) % NB == b:
@@ -275,11 +284,10 @@ def _make_cuda(spec: NormRouterSpec):
                             acc[0] = T.float32(0)
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
-                                    router_row(rows, rl, b * NW + warp, (i * 32 + lane) * RVEC)
                                     for v in T.vectorized(RVEC):
                                         sl[v] = ys[(i * 32 + lane) * RVEC + v]
                                     for v in T.unroll(RVEC):
-                                        acc[0] = acc[0] + _f32(sl[v]) * _f32(rl[v])
+                                        acc[0] = acc[0] + _f32(sl[v]) * _f32(rl[i * RVEC + v])
                             warp_sum(acc, 0)
                             if lane == 0:
                                 if has_bias:
@@ -365,7 +373,7 @@ def _make_cuda_tokens(spec: NormRouterSpec):
                                 acc[k] = T.float32(0)
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
-                                    router_row(rows, rl, e0 * NW + warp, (i * 32 + lane) * RVEC)
+                                    router_row(rows, rl, 0, e0 * NW + warp, (i * 32 + lane) * RVEC)
                                     for k in T.unroll(TB):
                                         for v in T.vectorized(RVEC):
                                             sl[v] = ys[k * D + (i * 32 + lane) * RVEC + v]

@@ -28,8 +28,9 @@ float32 and rounds once, as TVM's llvm code for the unfused graph does.
 Forms (``target``): "llvm", serial loops for CPU builds and CI; "cuda": a row per group of RT threads
 (RT = the 16-byte chunks of a row rounded up to whole warps, at most 256), RB = 128 / RT rows per block
 when a row needs fewer than 128 threads (per-head norms: a warp per row, 4 rows a block). Each thread
-loads its chunks once into registers, the sum of squares is reduced by warp shuffles (then through
-shared memory across the row's warps), and each thread writes its chunks normalised.
+loads its chunks once into registers, with the weight's chunks (and the rotation's tables) in the same round of
+loads, before any barrier; the sum of squares is reduced by warp shuffles (then through shared memory across the
+row's warps), and each thread writes its chunks normalised.
 With ``rope`` the normalised rows go through shared memory (one barrier), where each thread reads its chunks'
 partners.
 """
@@ -245,19 +246,29 @@ def _make_cuda(spec: RMSNormSpec):
             bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
             cb = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # the combine's sums
             sv = T.sblock_alloc_buffer((CV,), "float32", scope="local")  # one slot's chunk
-            wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
+            wl = T.sblock_alloc_buffer((IT * VEC,), spec.weight_dtype, scope="local")  # (loaded with x: one round trip)
             yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
             acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
             ys = T.sblock_alloc_buffer((YS,), "float32", scope="shared")  # (rope: the rows normalised)
-            cl = T.sblock_alloc_buffer((RV,), spec.y_dtype, scope="local")
-            sl = T.sblock_alloc_buffer((RV,), spec.y_dtype, scope="local")
+            cl = T.sblock_alloc_buffer((IT * RV,), spec.y_dtype, scope="local")
+            sl = T.sblock_alloc_buffer((IT * RV,), spec.y_dtype, scope="local")
             ol = T.sblock_alloc_buffer((RV,), spec.out_dtype, scope="local")
             n: T.let[T.int64] = bx * RB + tx // RT
             rt: T.let[T.int32] = tx % RT  # this thread's place in its row
-            # ---- the row's chunks, once, into registers; the sum of squares
+            # ---- the row's chunks, once, into registers, with the weight's (and the rotation's tables'): every global
+            # load of the kernel issued before its barriers; the sum of squares
             acc[0] = T.float32(0)
             for i in T.unroll(IT):
                 if n < N and (full or (i * RT + rt) * VEC < D):
+                    for v in T.vectorized(VEC):
+                        wl[i * VEC + v] = w[(i * RT + rt) * VEC + v]
+                    if DH > 0:
+                        tok0: T.let[T.int64] = (n * D + T.Cast("int64", (i * RT + rt) * VEC)) // HT
+                        jc: T.let[T.int64] = T.Cast("int64", (i * RT + rt) * VEC) % DH
+                        for v in T.vectorized(VEC):
+                            cl[i * VEC + v] = cs[tok0, jc + v]
+                        for v in T.vectorized(VEC):
+                            sl[i * VEC + v] = sn[tok0, jc + v]
                     if spec.residual:  # x = a + b, rounded as stored, written out
                         for v in T.vectorized(VEC):
                             xl[i * VEC + v] = a[n, (i * RT + rt) * VEC + v]
@@ -297,35 +308,26 @@ def _make_cuda(spec: RMSNormSpec):
             if DH > 0:  # the row normalised (rounded as stored) into shared memory, then each chunk rotated against its partner
                 for i in T.unroll(IT):
                     if n < N and (full or (i * RT + rt) * VEC < D):
-                        for v in T.vectorized(VEC):
-                            wl[v] = w[(i * RT + rt) * VEC + v]
                         for v in T.unroll(VEC):
                             ys[(tx // RT) * D + (i * RT + rt) * VEC + v] = _rounded(
-                                _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]), spec.y_dtype)
+                                _f32(wl[i * VEC + v]) * (_f32(xl[i * VEC + v]) * acc[1]), spec.y_dtype)
                 T.tvm_storage_sync("shared")
                 for i in T.unroll(IT):
                     if n < N and (full or (i * RT + rt) * VEC < D):
                         d0: T.let[T.int64] = T.Cast("int64", (i * RT + rt) * VEC)
-                        tok: T.let[T.int64] = (n * D + d0) // HT
                         j0: T.let[T.int64] = d0 % DH  # (the chunk lies in one half of its head)
-                        for v in T.vectorized(VEC):
-                            cl[v] = cs[tok, j0 + v]
-                        for v in T.vectorized(VEC):
-                            sl[v] = sn[tok, j0 + v]
                         for v in T.unroll(VEC):
                             ol[v] = T.Cast(spec.out_dtype, _rope(
                                 ys[(tx // RT) * D + d0 + v], T.if_then_else(
                                     j0 < H2, T.float32(-1) * ys[(tx // RT) * D + d0 + H2 + v], ys[(tx // RT) * D + d0 - H2 + v]),
-                                _f32(cl[v]), _f32(sl[v]), spec.y_dtype))
+                                _f32(cl[i * VEC + v]), _f32(sl[i * VEC + v]), spec.y_dtype))
                         for v in T.vectorized(VEC):
                             y[n, d0 + v] = ol[v]
             else:
                 for i in T.unroll(IT):
                     if n < N and (full or (i * RT + rt) * VEC < D):
-                        for v in T.vectorized(VEC):
-                            wl[v] = w[(i * RT + rt) * VEC + v]
                         for v in T.unroll(VEC):
-                            yl[v] = T.Cast(spec.y_dtype, _f32(wl[v]) * (_f32(xl[i * VEC + v]) * acc[1]))
+                            yl[v] = T.Cast(spec.y_dtype, _f32(wl[i * VEC + v]) * (_f32(xl[i * VEC + v]) * acc[1]))
                         for v in T.vectorized(VEC):
                             y[n, (i * RT + rt) * VEC + v] = yl[v]
 
