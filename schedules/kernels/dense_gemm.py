@@ -203,13 +203,12 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     if not 1 <= len(outs) <= 3 or sum(outs) != spec.out_features or any(
             not isinstance(n, int) or n < 16 or n % 16 for n in outs):
         raise MoecError(f"dense_gemm: parts {parts!r} must be 1 to 3 multiples of 16 summing to {spec.out_features}")
-    N, K = spec.out_features, spec.in_features
-    odt = spec.out_dtype
+    K, odt = spec.in_features, spec.out_dtype
     P, KSP = len(outs), spec.k_splits
     N1, N2, N3 = (outs + (16, 16))[:3]  # (the widths past P are placeholders no code reads)
-    sum_out = _split_sum(outs, odt, KSP)
     if target == "llvm":
-        return _dense_llvm(spec, outs, sum_out)
+        return _dense_llvm(spec, outs)
+    sum_out = _split_sum(outs, odt, KSP)
 
     NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
@@ -333,6 +332,16 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
         if KSP > 1:
             sum_out(sums, y1, y2, y3)
 
+    return _wrap(spec, outs, grid)
+
+
+def _wrap(spec: DenseSpec, outs: tuple[int, ...], body):
+    """The PrimFunc around ``body(x, sums, w1, y1, w2, y2, w3, y3)`` (a TIR macro; the weights and outputs past
+    ``len(outs)`` repeat the first): ``dense_gemm(x, w, y[, sums])``, ``dense_gemm2(x, w1, w2, y1, y2[, sums])`` or
+    ``dense_gemm3(x, w1, w2, w3, y1, y2, y3[, sums])``, M dynamic; ``sums [M, KS, N]`` only with k splits."""
+    N, K, odt, wdt, KSP, P = spec.out_features, spec.in_features, spec.out_dtype, spec.w_dtype, spec.k_splits, len(outs)
+    N1, N2, N3 = (outs + (16, 16))[:3]
+
     if P == 1:
         @T.prim_func(s_tir=True)
         def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle, s_h: T.handle):
@@ -342,7 +351,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             w = T.match_buffer(w_h, (N, K), wdt)
             y = T.match_buffer(y_h, (M, N), odt)
             sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            grid(x, sums, w, y, w, y, w, y)
+            body(x, sums, w, y, w, y, w, y)
         f = dense_gemm
     elif P == 2:
         @T.prim_func(s_tir=True)
@@ -355,7 +364,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             y1 = T.match_buffer(y1_h, (M, N1), odt)
             y2 = T.match_buffer(y2_h, (M, N2), odt)
             sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            grid(x, sums, w1, y1, w2, y2, w1, y1)
+            body(x, sums, w1, y1, w2, y2, w1, y1)
         f = dense_gemm2
     else:
         @T.prim_func(s_tir=True)
@@ -371,7 +380,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             y2 = T.match_buffer(y2_h, (M, N2), odt)
             y3 = T.match_buffer(y3_h, (M, N3), odt)
             sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            grid(x, sums, w1, y1, w2, y2, w3, y3)
+            body(x, sums, w1, y1, w2, y2, w3, y3)
         f = dense_gemm3
     return _signature(f, KSP)
 
@@ -434,15 +443,13 @@ def _split_sum(outs: tuple[int, ...], odt: str, k_splits: int):
     return sum_out
 
 
-def _dense_llvm(spec: DenseSpec, outs: tuple[int, ...], sum_out):
+def _dense_llvm(spec: DenseSpec, outs: tuple[int, ...]):
     """The serial form (CPU builds and CI) of ``dense_gemm`` / ``dense_gemm2`` / ``dense_gemm3``: each output a loop
     over (token, feature) with its float32 sum over k; with k splits, each split's sum into ``sums`` and their sum in
     split order, as the CUDA form adds them."""
-    K, odt, xdt, wdt, KSP = spec.in_features, spec.out_dtype, spec.x_dtype, spec.w_dtype, spec.k_splits
-    N = spec.out_features
+    K, odt, KSP, P = spec.in_features, spec.out_dtype, spec.k_splits, len(outs)
     KS = K // KSP
     N1, N2, N3 = (outs + (16, 16))[:3]
-    P = len(outs)
 
     @T.macro
     def one(x, w, y, n_out, sums, col):
@@ -468,50 +475,15 @@ def _dense_llvm(spec: DenseSpec, outs: tuple[int, ...], sum_out):
                             acc[0] = acc[0] + sums[m, s + 1, col + n]
                         y[m, n] = T.Cast(odt, acc[0])
 
-    if P == 1:
-        @T.prim_func(s_tir=True)
-        def dense_gemm(x_h: T.handle, w_h: T.handle, y_h: T.handle, s_h: T.handle):
-            T.func_attr(_attrs())
-            M = T.int64()
-            x = T.match_buffer(x_h, (M, K), xdt)
-            w = T.match_buffer(w_h, (N, K), wdt)
-            y = T.match_buffer(y_h, (M, N), odt)
-            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            one(x, w, y, N, sums, 0)
-        f = dense_gemm
-    elif P == 2:
-        @T.prim_func(s_tir=True)
-        def dense_gemm2(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, y1_h: T.handle, y2_h: T.handle, s_h: T.handle):
-            T.func_attr(_attrs("dense_gemm2"))
-            M = T.int64()
-            x = T.match_buffer(x_h, (M, K), xdt)
-            w1 = T.match_buffer(w1_h, (N1, K), wdt)
-            w2 = T.match_buffer(w2_h, (N2, K), wdt)
-            y1 = T.match_buffer(y1_h, (M, N1), odt)
-            y2 = T.match_buffer(y2_h, (M, N2), odt)
-            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            one(x, w1, y1, N1, sums, 0)
+    @T.macro
+    def body(x, sums, w1, y1, w2, y2, w3, y3):
+        one(x, w1, y1, N1, sums, 0)
+        if P > 1:
             one(x, w2, y2, N2, sums, N1)
-        f = dense_gemm2
-    else:
-        @T.prim_func(s_tir=True)
-        def dense_gemm3(x_h: T.handle, w1_h: T.handle, w2_h: T.handle, w3_h: T.handle, y1_h: T.handle, y2_h: T.handle,
-                        y3_h: T.handle, s_h: T.handle):
-            T.func_attr(_attrs("dense_gemm3"))
-            M = T.int64()
-            x = T.match_buffer(x_h, (M, K), xdt)
-            w1 = T.match_buffer(w1_h, (N1, K), wdt)
-            w2 = T.match_buffer(w2_h, (N2, K), wdt)
-            w3 = T.match_buffer(w3_h, (N3, K), wdt)
-            y1 = T.match_buffer(y1_h, (M, N1), odt)
-            y2 = T.match_buffer(y2_h, (M, N2), odt)
-            y3 = T.match_buffer(y3_h, (M, N3), odt)
-            sums = T.match_buffer(s_h, (M, KSP, N), "float32")
-            one(x, w1, y1, N1, sums, 0)
-            one(x, w2, y2, N2, sums, N1)
+        if P > 2:
             one(x, w3, y3, N3, sums, N1 + N2)
-        f = dense_gemm3
-    return _signature(f, KSP)
+
+    return _wrap(spec, outs, body)
 
 
 def reference(x, w, out_dtype="float32"):
