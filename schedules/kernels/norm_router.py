@@ -20,9 +20,10 @@ norm + router: a grid of T x NB blocks of NW warps. Every block of row t loads t
 registers (VEC-wide loads of 16 bytes), reduces the sum of squares (warp shuffles, then one value per
 warp through shared memory), normalises its elements into shared memory (as ``y_dtype``) and writes
 its share (1/NB) of ``y``; then each warp computes one logit ``e = block * NW + warp``: lanes read the
-router row with 16-byte loads, dot it with the shared row and reduce by shuffles. The norm's weight and the warp's
-router row are loaded into registers with the row, so every global load is issued before the first barrier. NB = ceil(E / NW), so
-a single token still spreads its E dot products over NB thread blocks.
+router row with 16-byte loads, dot it with the shared row and reduce by shuffles. NB = ceil(E / NW), so a single
+token still spreads its E dot products over NB thread blocks. The norm's weight and the warp's router row (up to
+ROW_REGS bytes a lane) are loaded into registers with the row, so the kernel's global loads issue before its first
+barrier instead of in three dependent rounds.
 
 With ``tokens`` TB > 0 (the prefill entry's form, ``prefill_spec``) a block of 8 warps takes TB rows instead: warp
 w normalises rows w, w + 8, ... into shared memory (and y), then computes the logits of experts w, w + 8, ...
@@ -47,6 +48,8 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_SHARED = 48 * 1024  # static shared memory of one block
 TOKENS_MAX = 16  # rows a block of the multi-token form (registers: one float32 sum per row and lane)
 TOKEN_WARPS = 8  # warps a block of the multi-token form
+ROW_REGS = 256  # bytes of its router row a lane of the per-token form loads before the first barrier (64 registers;
+#                 a longer share is loaded after the normalised row, as it is read)
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ def _make_cuda(spec: NormRouterSpec):
     NT, NW, NB, VEC, RVEC, IT, RIT = (cfg[k] for k in ("threads", "warps", "blocks_per_row", "vec", "rows_vec", "iters", "rows_iters"))
     full = D % (NT * VEC) == 0  # every thread has IT whole chunks (no bounds checks)
     rfull = D % (32 * RVEC) == 0
+    PRE = RIT * RVEC * _BYTES[spec.rows_dtype] <= ROW_REGS  # the warp's router row loaded with the row (see ROW_REGS)
     router_row = _router_row(ed, RVEC)
 
     def shfl(v, o):
@@ -226,7 +230,7 @@ def _make_cuda(spec: NormRouterSpec):
                         bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                         wl = T.sblock_alloc_buffer((IT * VEC,), spec.weight_dtype, scope="local")
                         yl = T.sblock_alloc_buffer((VEC,), spec.y_dtype, scope="local")
-                        rl = T.sblock_alloc_buffer((RIT * RVEC,), spec.rows_dtype, scope="local")
+                        rl = T.sblock_alloc_buffer((RIT * RVEC if PRE else RVEC,), spec.rows_dtype, scope="local")
                         sl = T.sblock_alloc_buffer((RVEC,), spec.y_dtype, scope="local")
                         acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         lane: T.let[T.int32] = tx % 32
@@ -237,7 +241,7 @@ def _make_cuda(spec: NormRouterSpec):
                             if full or (i * NT + tx) * VEC < D:
                                 for v in T.vectorized(VEC):
                                     wl[i * VEC + v] = w[(i * NT + tx) * VEC + v]
-                        if b * NW + warp < E:
+                        if PRE and b * NW + warp < E:
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
                                     router_row(rows, rl, i * RVEC, b * NW + warp, (i * 32 + lane) * RVEC)
@@ -284,10 +288,12 @@ def _make_cuda(spec: NormRouterSpec):
                             acc[0] = T.float32(0)
                             for i in T.unroll(RIT):
                                 if rfull or (i * 32 + lane) * RVEC < D:
+                                    if not PRE:
+                                        router_row(rows, rl, 0, b * NW + warp, (i * 32 + lane) * RVEC)
                                     for v in T.vectorized(RVEC):
                                         sl[v] = ys[(i * 32 + lane) * RVEC + v]
                                     for v in T.unroll(RVEC):
-                                        acc[0] = acc[0] + _f32(sl[v]) * _f32(rl[i * RVEC + v])
+                                        acc[0] = acc[0] + _f32(sl[v]) * _f32(rl[(i if PRE else 0) * RVEC + v])
                             warp_sum(acc, 0)
                             if lane == 0:
                                 if has_bias:

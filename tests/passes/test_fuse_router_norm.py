@@ -100,8 +100,9 @@ def test_cuda_form_one_kernel_and_nvcc():
     (NormRouterSpec(256, 10, 1e-5, *["bfloat16"] * 5, residual=True), 5),
     (NormRouterSpec(256, 10, 1e-5, *["bfloat16"] * 5, residual=True), 0),
     (NormRouterSpec(200, 6, 1e-6, rows_layout="de"), 0),
+    (NormRouterSpec(4096, 6, 1e-6), 0),  # a lane's router share past ROW_REGS: loaded after the normalised row
 ], ids=["bf16-bias-tokens8", "bf16-bias-per-token", "fp32-transposed-tokens3", "bf16-residual-tokens5",
-        "bf16-residual-per-token", "fp32-transposed-per-token"])
+        "bf16-residual-per-token", "fp32-transposed-per-token", "fp32-wide-per-token"])
 def test_cuda_forms_emulated(spec, tokens):
     """The CUDA forms on the CPU emulation of their generated code (tests/cuda_emu.py), against NumPy: the per-token
     form (a block per token and logit group) and the multi-token form of prefill chunks (``tokens`` rows a block,
