@@ -522,7 +522,7 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
     ({}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 2, 2.0),  # Mixtral's (4 query heads per KV head), the fewest splits
     # tier 1 on tensor cores too, each tile's words loaded during the last, q' kept in registers; many splits
     ({**T1, **PF, "t2_keep_q": True}, (32, 8, 128, 16, 128), [100, 0], [1, 3], 9, 1.0),
-    # the compiled form with half the splits on tier 1 (t1_quarters 2: 2 of 4, 3 of 6 would be 3)
+    # the same with half the splits on tier 1 (t1_quarters 2: 2 of the 4 splits)
     ({**T1, **PF, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 1.0),
     # no tier-2 page (the tier-2 splits write empty partials), tier 1 on tensor cores with partial last pages
     (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])
