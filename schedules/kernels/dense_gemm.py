@@ -54,7 +54,9 @@ class DenseSpec:
     k_splits: int = 1  # cp.async stages: KS blocks over K / KS of the k range each (grid axis z), each storing its float32
     #                    sums to a workspace [M, KS, N]; a second kernel adds the KS sums in split order into y. More
     #                    blocks on the same tiles, so a block may take more tokens (n_tiles up to 16: the weight read
-    #                    once at 128 tokens) and more rows while the grid still fills the GPU
+    #                    once at 128 tokens) and more rows while the grid still fills the GPU. Slower than one split
+    #                    at every decode size on the H100 (bench/results/dense_gemm_splitk_h100_d8e80a5.json): compiled
+    #                    models keep one
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
