@@ -24,9 +24,9 @@ form rounds each 16-bit product and the sum as PyTorch's rotation does; TVM's un
 operations in bfloat16 but leaves nvcc free to contract a product and the sum into one FMA, so on the GPU the two
 can differ by one 16-bit rounding (the fused form is PyTorch's). The kernel runs where the last rotation's sum was
 bound (ONNX exports compute the tables after the norm); bindings that read the first rotation before then follow it.
-The unfused bindings are left out (each was read only inside the matched chain). Norms whose output is read elsewhere, rotations of another form (interleaved pairs,
-a rotated part of the head), tables that are not [tokens, Dh] of the norm's dtype, and 16-bit float norms other than
-bfloat16 stay as they were.
+The unfused bindings are left out (each was read only inside the matched chain). Norms whose output is read
+elsewhere, rotations of another form (interleaved pairs, a rotated part of the head), tables that are not
+[tokens, Dh] of the norm's dtype, and 16-bit float norms other than bfloat16 stay as they were.
 """
 
 from __future__ import annotations

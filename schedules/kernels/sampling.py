@@ -6,8 +6,8 @@ ids to the host instead of N x V logits, and no host work scales with the vocabu
 
 CUDA: a block per row of ``THREADS`` threads; each thread scans a strided slice of the row (the
 block's loads are coalesced; eight of a thread's loads are issued before they are compared, in order, so a block
-has that many in flight: at a decode step's 128 rows, one block an SM, the loads' latency bounds the scan), then the (value, index) pairs are reduced inside each warp with
-shuffles and across warps through shared memory. llvm: a serial scan per row (what CI runs).
+has that many in flight: at a decode step's 128 rows, one block an SM, the loads' latency bounds the scan), then
+the (value, index) pairs are reduced inside each warp with shuffles and across warps through shared memory. llvm: a serial scan per row (what CI runs).
 NaN rows are not special-cased (a NaN never compares greater, so it is skipped).
 """
 
