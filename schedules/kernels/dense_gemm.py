@@ -210,7 +210,7 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     N1, N2, N3 = (outs + (16, 16))[:3]  # (the widths past P are placeholders no code reads)
     if target == "llvm":
         return _dense_llvm(spec, outs)
-    sum_out = _split_sum(outs, odt, KSP)
+    sum_out = _split_sum(outs, odt, KSP) if KSP > 1 else None  # (grid calls it only with k splits)
 
     NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
