@@ -773,8 +773,9 @@ class InsertGroupedExperts:
             return m
         if self.expert_weights == "bf16":
             return replace(m, spec=replace(m.spec, w_dtype="bfloat16"))
-        # FP8 weights take the tensor-core form (bytes widened in registers), checked against NumPy on the H200
-        # (tests/schedules/test_grouped_experts.py::test_cuda_fp8_matches_numpy_on_gpu, bench/results/gpu_tests_h200_33b9d7f.json)
+        # FP8 weights take the tensor-core forms (bytes staged by cp.async, widened in registers; the register-load
+        # form matched NumPy on the H200: tests/schedules/test_grouped_experts.py::test_cuda_fp8_matches_numpy_on_gpu,
+        # bench/results/gpu_tests_h200_33b9d7f.json)
         return replace(m, spec=replace(m.spec, w_format="fp8"))
 
     def converted_weights(self, names: list[str], arrays: list) -> tuple[list[str], list]:

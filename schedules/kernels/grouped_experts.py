@@ -139,8 +139,8 @@ class GroupedExpertsSpec:
         if self.tiled and (self.w_format != "float" or not self.tensor_cores):
             raise MoecError("grouped_experts: tiled needs 16-bit weights on tensor cores (w_format float, tensor_cores)")
         check_tile(self.tile_k, self.tile_stages, "grouped_experts")
-        if self.pass_blocks and not (self.stages and self.w_format == "float" and self.tensor_cores):
-            raise MoecError("grouped_experts: pass_blocks needs the cp.async forms (tensor cores, float weights, stages >= 2)")
+        if self.pass_blocks and not (self.stages and self.tensor_cores):
+            raise MoecError("grouped_experts: pass_blocks needs the cp.async forms (tensor cores, stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256) or isinstance(self.l2_prefetch, bool):
             raise MoecError(f"grouped_experts: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
         for what in ("hidden", "inter", "experts", "top_k", "token_tile", "warps"):
@@ -400,9 +400,8 @@ def mma_eligible(spec: GroupedExpertsSpec, kernel: str) -> bool:
 
 
 def _staged(spec: GroupedExpertsSpec) -> bool:
-    """Whether the mma forms stage their operands through shared memory (16-bit weights with ``stages``; FP8
-    weights take the register form)."""
-    return bool(spec.stages) and spec.w_format == "float"
+    """Whether the mma forms stage their operands through shared memory (``stages``; 16-bit or FP8 weights)."""
+    return bool(spec.stages)
 
 
 # e4m3 byte -> the 16-bit float whose bits hold its sign, exponent and mantissa in place: exact, with the value
@@ -414,6 +413,18 @@ def _fp8_widen(byte, dtype: str):
     shift = _FP8_WIDEN[dtype][0]
     b = T.Cast("uint32", byte)
     return T.reinterpret(dtype, T.Cast("uint16", ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(shift))))
+
+
+_FP8_PAIR = {0: 0x4140, 1: 0x4342}  # __byte_perm selectors: bytes (0, 1) or (2, 3) of a word into the low bytes of its halves
+
+
+def _fp8_widen_pair(word, half: int, dtype: str):
+    """Two e4m3 bytes of a uint32 ``word`` (bytes 0, 1 for ``half`` 0, bytes 2, 3 for 1) widened as ``_fp8_widen``
+    into the two 16-bit halves of a uint32 (the lower byte in the lower half: an mma fragment register). One byte
+    permute, two shifts and two masks for two elements (the per-byte form takes about six instructions each)."""
+    shift = _FP8_WIDEN[dtype][0]
+    p = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0), T.uint32(_FP8_PAIR[half]))
+    return ((p << T.uint32(shift)) & T.uint32(0x7F007F << shift)) | ((p << T.uint32(8)) & T.uint32(0x80008000))
 
 
 def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
@@ -484,11 +495,12 @@ def check_dyn_shared(value, kernel: str) -> None:
 def mma_stages(spec: GroupedExpertsSpec, kernel: str) -> tuple[int, int]:
     """``(stages, shared bytes per stage)`` of the cp.async form of ``kernel``: at most ``spec.stages``, as many as fit
     in ``SMEM_LIMIT`` (0 stages: the register form, or fewer than 2 fit). A stage is one k-step of 64: each warp's
-    weight tiles (2 RT for gate_up's gate and up halves, RT for down; 16 rows x 128 bytes each) and the pass's
+    weight tiles (2 RT for gate_up's gate and up halves, RT for down; 16 rows x 128 bytes each, 64 for FP8) and the pass's
     tokens (8 NT rows x 128 bytes), shared by the block's warps."""
     nt, rt_gu, rt_dn = mma_tiles(spec)
     tiles = 2 * rt_gu if kernel == "gate_up" else rt_dn
-    per_stage = spec.warps * tiles * 16 * MMA_K * 2 + 8 * nt * MMA_K * 2
+    wbytes = 1 if spec.w_format == "fp8" else 2  # e4m3 bytes stay bytes in shared memory
+    per_stage = spec.warps * tiles * 16 * MMA_K * wbytes + 8 * nt * MMA_K * 2
     if not _staged(spec):
         return 0, per_stage
     n = min(spec.stages, (spec.dyn_shared or SMEM_LIMIT) // per_stage)
@@ -513,12 +525,13 @@ def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
     per_block = spec.warps * rt * 16
     cfg = {"form": "mma.sync m16n8k16", "blocks": (-(-rows // per_block), spec.experts), "threads": 32 * spec.warps,
            "row_tiles": rt, "n_tiles": nt, "tokens_per_pass": 8 * nt, "steps": red // MMA_K}
-    if spec.w_format == "fp8":
-        cfg["form"] = "mma.sync m16n8k16, e4m3 weights widened in registers"
     if _staged(spec):
         st, per_stage = mma_stages(spec, kernel)
         cfg.update({"form": "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else ""),
                     "stages": st, "shared_bytes": st * per_stage})
+    if spec.w_format == "fp8":
+        cfg["form"] += ", e4m3 weights widened in registers"
+    if _staged(spec):
         if spec.pass_blocks:  # (blocks[0] stays the row tiles: the grid is passes x (row tiles x experts))
             cfg.update({"form": cfg["form"] + ", a block per pass", "grid": (f"ceil(T / {8 * nt})", cfg["blocks"][0] * spec.experts)})
     return cfg
@@ -590,7 +603,7 @@ def _mma_mainloop(widen=None):
     return mainloop
 
 
-def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0):
+def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0, widen_to: str | None = None):
     """The k loop of the cp.async forms of gate_up and down (``spec.stages``), as a TIR macro.
 
     Same tiles, fragments and k permutation as ``_mma_mainloop``, but each k-step's operands go through shared
@@ -615,10 +628,75 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0)
     warp's own as before; each group copies its token rows into its own ``xs`` region (``stages * tok * 64``
     elements, group ``tx // (32 nw / G)``, from element ``x_base`` on: the caller may pass one buffer as ``ws`` and
     ``xs``), the chunks numbered within the group. All groups take the same number of steps, so the block's barriers
-    stay uniform."""
+    stay uniform.
+
+    ``widen_to`` (FP8 weights, the activations' 16-bit type): ``ws``, ``wa`` and ``af`` are uint32 words. A row's
+    64 bytes of a step are 4 lanes' 16-byte copies, lane (g, q) copying k = 64 kc + 16 q (+ 0..15) of rows g and
+    g + 8 into ``ws[stage][warp][t][rh][lane][4 words]`` and reading them back into ``wa[(2 t + rh) 4 + (0..3)]``:
+    slot s holds k = 16 q + s, the register form's permutation (``_mma_mainloop``). Each fragment register is two
+    bytes widened in place (``_fp8_widen_pair``: register 2 h + rh of step st is half h of word st of row rh). The
+    token chunks 2 q and 2 q + 1 of a row (k = 16 q + 0..15) are then the lane's; in ``xs`` odd rows swap
+    neighbouring chunks (position ``ch ^ 1``), so a load phase's rows g, g + 1 again fall on disjoint banks."""
     cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
     cpx = "cp.async.cg.shared.global"
     assert isinstance(k_groups, int) and k_groups >= 1, f"k_groups {k_groups!r}"
+    fp8 = widen_to is not None
+    assert not (fp8 and k_groups > 1), "FP8 weights with k groups"
+    AW = 4 if fp8 else 8  # a fragment's (16 x 16 weights) elements of af per lane: 4 words or 8 halves
+
+    def xpos(row, ch):  # the 16-byte position of chunk ch (0..7) of token row ``row`` in xs
+        return ch - ch % 2 + (ch + row) % 2 if fp8 else ((ch // 4 + row) % 2) * 4 + ch % 4
+
+    def xread(g, q, c):  # the position of the c-th (0, 1) chunk lane (g, q) reads of row g
+        return 2 * q + (c + g) % 2 if fp8 else (c + g) % 2 * 4 + q
+
+    @T.macro
+    def issue_w(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for c in T.unroll(2):
+                        T.evaluate(T.ptx[cpw](
+                            T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8]),
+                            T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * 8)), 16))
+
+    @T.macro
+    def issue_w8(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    T.evaluate(T.ptx[cpw](
+                        T.address_of(ws[(((st * nw + tx // 32) * tiles + t) * 2 + rh) * 128 + (tx % 32) * 4]),
+                        T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + q * 16)), 16))
+
+    @T.macro
+    def read_w(ws, wa, af, stg, tx, tiles, nw, tile_ok):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for c in T.unroll(2):
+                        for v in T.vectorized(8):
+                            wa[(t * 2 + rh) * 16 + c * 8 + v] = ws[
+                                ((((stg * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8 + v]
+        for t in T.unroll(tiles):
+            for st in T.unroll(4):
+                for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k slot 4 st + 2 (a // 4) + a % 2
+                    af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+
+    @T.macro
+    def read_w8(ws, wa, af, stg, tx, tiles, nw, tile_ok):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for v in T.vectorized(4):
+                        wa[(t * 2 + rh) * 4 + v] = ws[(((stg * nw + tx // 32) * tiles + t) * 2 + rh) * 128 + (tx % 32) * 4 + v]
+        for t in T.unroll(tiles):
+            for st in T.unroll(4):
+                for rh in T.unroll(2):  # register 2 h + rh: row g | g + 8 = rh, k slots 4 st + 2 h + (0, 1)
+                    af[(t * 4 + st) * 4 + rh] = _fp8_widen_pair(wa[(t * 2 + rh) * 4 + st], 0, widen_to)
+                    af[(t * 4 + st) * 4 + 2 + rh] = _fp8_widen_pair(wa[(t * 2 + rh) * 4 + st], 1, widen_to)
+
+    issue_w_, read_w_ = (issue_w8, read_w8) if fp8 else (issue_w, read_w)
 
     def xt_of(tx, nw):  # the thread's index within its group
         return tx if k_groups == 1 else tx % (32 * (nw // k_groups))
@@ -631,20 +709,14 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0)
 
     @T.macro
     def issue(ws, xs, st, kc, tx, g, q, tiles, tok, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at, stages):
-        for t in T.unroll(tiles):
-            if tile_ok(t):
-                for rh in T.unroll(2):
-                    for c in T.unroll(2):
-                        T.evaluate(T.ptx[cpw](
-                            T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8]),
-                            T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * 8)), 16))
+        issue_w_(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at)
         for j in T.unroll(xl):
             if (tok * 8) % (32 * xn_of(nw)) == 0 or j * 32 * xn_of(nw) + xt_of(tx, nw) < tok * 8:
                 if x_ok(j):
                     T.evaluate(T.ptx[cpx](
                         T.address_of(xs[xoff(((st * tok + (j * 32 * xn_of(nw) + xt_of(tx, nw)) // 8) * 8
-                                              + ((xt_of(tx, nw) % 8) // 4 + (j * 32 * xn_of(nw) + xt_of(tx, nw)) // 8) % 2 * 4
-                                              + xt_of(tx, nw) % 4) * 8, tx, nw, tok, stages)]),
+                                              + xpos((j * 32 * xn_of(nw) + xt_of(tx, nw)) // 8, xt_of(tx, nw) % 8)) * 8,
+                                             tx, nw, tok, stages)]),
                         T.address_of(x_at(j, kc * 64 + (xt_of(tx, nw) % 8) * 8)), 16))
 
     @T.macro
@@ -664,29 +736,19 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0)
                 issue(ws, xs, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok,
                       w_at, x_ok, x_at, stages)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-            for t in T.unroll(tiles):
-                if tile_ok(t):
-                    for rh in T.unroll(2):
-                        for c in T.unroll(2):
-                            for v in T.vectorized(8):
-                                wa[(t * 2 + rh) * 16 + c * 8 + v] = ws[
-                                    (((((kc % stages) * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8 + v]
-            for t in T.unroll(tiles):
-                for st in T.unroll(4):
-                    for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k slot 4 st + 2 (a // 4) + a % 2
-                        af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
+            read_w_(ws, wa, af, kc % stages, tx, tiles, nw, tile_ok)
             for n in T.unroll(nt):
                 if n * 8 < nv:
                     for c in T.unroll(2):
                         for v in T.vectorized(8):
-                            xb[c * 8 + v] = xs[xoff((((kc % stages) * nt * 8 + n * 8 + g) * 8 + (c + g) % 2 * 4 + q) * 8 + v, tx, nw,
+                            xb[c * 8 + v] = xs[xoff((((kc % stages) * nt * 8 + n * 8 + g) * 8 + xread(g, q, c)) * 8 + v, tx, nw,
                                                     nt * 8, stages)]
                     for i in T.unroll(16):
                         xf[i] = xb[i]
                     for t in T.unroll(tiles):
                         if tile_ok(t):
                             for st in T.unroll(4):
-                                T.evaluate(_mma(af, (t * 4 + st) * 8, xf, 4 * st, acc, (t * nt + n) * 4, ab))
+                                T.evaluate(_mma(af, (t * 4 + st) * AW, xf, 4 * st, acc, (t * nt + n) * 4, ab))
 
     return mainloop
 
@@ -903,12 +965,17 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
     SSC = _stage_scope(spec)
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+    wdt, odt, ab, _, f = _mma_weight_form(spec, spec.x_dtype)
+    fp8 = spec.w_format == "fp8"
+    sdt, WT, AW = ("uint32", 256, 4) if fp8 else (wdt, 1024, 8)  # shared / register weight type; a tile's elements a stage
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None)
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     def swiglu(gv, uv):
         return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+
+    def scale(s1, we, row):
+        return s1[we, row] * T.float32(f) if fp8 else T.float32(1)
 
     @T.macro
     def body(x, w, s1, offsets, order, h):
@@ -918,12 +985,12 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                     with T.sblock("gate_up"):
                         T.reads()
                         T.writes()
-                        ws = T.sblock_alloc_buffer((S * NW * 2 * RT * 1024,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
-                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
-                        wa = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
-                        af = T.sblock_alloc_buffer((RT * 64,), wdt, scope="local")
-                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
-                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        ws = T.sblock_alloc_buffer((S * NW * 2 * RT * WT,), sdt, scope=SSC)  # [stage][warp][tile][rh]([c])[lane][..]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), odt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
+                        wa = T.sblock_alloc_buffer((RT * WT // 16,), sdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 8 * AW,), sdt, scope="local")
+                        xb = T.sblock_alloc_buffer((16,), odt, scope="local")
+                        xf = T.sblock_alloc_buffer((16,), odt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
                         ltok = T.sblock_alloc_buffer((XL,), "int32", scope="local")  # tokens of the chunks this thread copies
                         e: T.let[T.int32] = e_of(bx, by)
@@ -949,7 +1016,8 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                                         for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the tile
                                             if n * 8 + 2 * q + c % 2 < nv:
                                                 h[lo + ps * TOK + n * 8 + 2 * q + c % 2, rb + r * 16 + g + 8 * (c // 2)] = swiglu(
-                                                    acc[((r * 2) * NT + n) * 4 + c], acc[((r * 2 + 1) * NT + n) * 4 + c])
+                                                    acc[((r * 2) * NT + n) * 4 + c] * scale(s1, we, g0 + rb + r * 16 + g + 8 * (c // 2)),
+                                                    acc[((r * 2 + 1) * NT + n) * 4 + c] * scale(s1, we, u0 + rb + r * 16 + g + 8 * (c // 2)))
 
     return _gate_up_func(spec, wshape, wdt, body)
 
@@ -962,9 +1030,14 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
     cfg = _mma_launch(spec, "down")
     NW, NBX, KC, TOK, S = spec.warps, cfg["blocks"][0], cfg["steps"], 8 * NT, cfg["stages"]
     SSC = _stage_scope(spec)
-    wdt, ab = spec.w_dtype, _MMA_TYPE[spec.w_dtype]
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch)
+    wdt, odt, ab, _, f = _mma_weight_form(spec, spec.h_dtype)
+    fp8 = spec.w_format == "fp8"
+    sdt, WT, AW = ("uint32", 256, 4) if fp8 else (wdt, 1024, 8)
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None)
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
+
+    def scale(s2, we, d):
+        return s2[we, d] * T.float32(f) if fp8 else T.float32(1)
 
     @T.macro
     def body(h, w, s2, offsets, order, rw, y):
@@ -974,12 +1047,12 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                     with T.sblock("down"):
                         T.reads()
                         T.writes()
-                        ws = T.sblock_alloc_buffer((S * NW * RT * 1024,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
-                        xs = T.sblock_alloc_buffer((S * TOK * 64,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
-                        wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")
-                        xb = T.sblock_alloc_buffer((16,), wdt, scope="local")
-                        xf = T.sblock_alloc_buffer((16,), wdt, scope="local")
+                        ws = T.sblock_alloc_buffer((S * NW * RT * WT,), sdt, scope=SSC)  # [stage][warp][tile][rh]([c])[lane][..]
+                        xs = T.sblock_alloc_buffer((S * TOK * 64,), odt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
+                        wa = T.sblock_alloc_buffer((RT * WT // 32,), sdt, scope="local")
+                        af = T.sblock_alloc_buffer((RT * 4 * AW,), sdt, scope="local")
+                        xb = T.sblock_alloc_buffer((16,), odt, scope="local")
+                        xf = T.sblock_alloc_buffer((16,), odt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         e: T.let[T.int32] = e_of(bx, by)
                         lane: T.let[T.int32] = tx % 32
@@ -1001,8 +1074,9 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                                         for c in T.unroll(4):
                                             if n * 8 + 2 * q + c % 2 < nv:
                                                 y[order[lo + ps * TOK + n * 8 + 2 * q + c % 2], rb + r * 16 + g + 8 * (c // 2)] = (
-                                                    acc[(r * NT + n) * 4 + c] * _f32(rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
-                                                                                      order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
+                                                    acc[(r * NT + n) * 4 + c] * scale(s2, we, rb + r * 16 + g + 8 * (c // 2)) * _f32(
+                                                        rw[order[lo + ps * TOK + n * 8 + 2 * q + c % 2] // K,
+                                                           order[lo + ps * TOK + n * 8 + 2 * q + c % 2] % K]))
 
     return _down_func(spec, wshape, wdt, body)
 

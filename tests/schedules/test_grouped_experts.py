@@ -331,16 +331,27 @@ def test_cuda_fp8_builds_for_sm90():
 
     spec = GroupedExpertsSpec(hidden=2048, inter=1024, experts=64, top_k=8, x_dtype="bfloat16", h_dtype="bfloat16",
                               rw_dtype="bfloat16", out_dtype="bfloat16", w_format="fp8")
-    # tensor cores, register loads (the cp.async stages are for 16-bit weights): 8 e4m3 bytes a load per row
+    # tensor cores, cp.async stages of e4m3 bytes (16 a lane and row), widened two at a time
     cfg = launch_config(spec)
-    assert cfg["gate_up"]["form"] == cfg["down"]["form"] == "mma.sync m16n8k16, e4m3 weights widened in registers"
-    assert "stages" not in cfg["gate_up"] and cfg["gate_up"]["row_tiles"] == 2
+    assert cfg["gate_up"]["form"] == cfg["down"]["form"] == "mma.sync m16n8k16, cp.async stages, e4m3 weights widened in registers"
+    assert cfg["gate_up"]["stages"] == 4 and cfg["gate_up"]["row_tiles"] == 1
+    assert cfg["gate_up"]["shared_bytes"] == 4 * (4 * 2 * 16 * 64 + 4 * 8 * 64 * 2)  # 8 KB of weights, 4 KB of tokens
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
         b = _kernel_bodies(src)[name]
-        assert "uint2" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b and "cp.async" not in b
+        assert "__byte_perm" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b and "cp_async" in b
+    # register loads (stages 0): 8 e4m3 bytes a load per row
+    reg = dataclasses.replace(spec, stages=0)
+    cfg = launch_config(reg)
+    assert cfg["gate_up"]["form"] == cfg["down"]["form"] == "mma.sync m16n8k16, e4m3 weights widened in registers"
+    assert "stages" not in cfg["gate_up"] and cfg["gate_up"]["row_tiles"] == 2
+    rsrc = _cuda_modules(_build(reg, "cuda").mod)[0].inspect_source("cuda")
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        b = _kernel_bodies(rsrc)[name]
+        assert "uint2" in b and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in b and "cp_async" not in b
     with make_target("cuda", "sm_90"):
-        assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+        for s in (src, rsrc):
+            assert len(nvcc.compile_cuda(s, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
     # the warp-per-row form stays where asked for
     src = _cuda_modules(_build(dataclasses.replace(spec, tensor_cores=False), "cuda").mod)[0].inspect_source("cuda")
     assert "mma.sync" not in _kernel_bodies(src)["moe_gate_up_kernel"]
@@ -510,16 +521,18 @@ def test_cuda_slot_pool_matches_numpy_on_gpu(launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("launch", [{"tensor_cores": True}, {"tensor_cores": True, "stages": 0},
+                                    {"tensor_cores": True, "pass_blocks": True, "n_tiles": 2}, {"tensor_cores": False}])
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_cuda_fp8_matches_numpy_on_gpu(t, tensor_cores):
-    """FP8 weights on the GPU: the tensor-core form (bytes widened in registers) and the warp-per-row form, against
-    the dequantized weights; 300 tokens: several weight passes per expert."""
+def test_cuda_fp8_matches_numpy_on_gpu(t, launch):
+    """FP8 weights on the GPU: the tensor-core forms (cp.async stages, by default, or register loads; the bytes
+    widened in registers), a block per pass, and the warp-per-row form, against the dequantized weights; 300
+    tokens: several weight passes per expert."""
     from moec.schedules.kernels.grouped_experts import dequantize_fp8, quantize_fp8
 
     require_cuda()
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, x_dtype="bfloat16", h_dtype="bfloat16",
-                              rw_dtype="bfloat16", out_dtype="float32", w_format="fp8", tensor_cores=tensor_cores)
+                              rw_dtype="bfloat16", out_dtype="float32", w_format="fp8", **launch)
     x, w1, w2, ids, rw = _data(spec, t, seed=t)
     (c1, s1), (c2, s2) = quantize_fp8(w1), quantize_fp8(w2)
     got = _run_fp8(_build(spec, "cuda"), spec, x, c1, s1, c2, s2, ids, rw, dev=tvm.cuda())
@@ -610,3 +623,53 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
     assert prep_warps(experts) == (32 if experts <= 159 else 40960 // (8 * (experts + 1)))
     with pytest.raises(MoecError, match="exceed the 2048 whose counts"):
         _build(GroupedExpertsSpec(hidden=64, inter=64, experts=2049, top_k=k), "cuda")
+
+
+@pytest.mark.parametrize("act,t,launch", [("bfloat16", 37, {"stages": 0}), ("bfloat16", 300, {}),
+                                          ("bfloat16", 300, {"n_tiles": 2, "pass_blocks": True}),
+                                          ("float16", 37, {"warps": 3, "pass_blocks": True}),
+                                          ("bfloat16", 300, {"stages": 6, "dyn_shared": 6 * 16384})])
+def test_fp8_mma_forms_emulated(act, t, launch):
+    """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
+    H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
+    (``_fp8_widen_pair``) into the register form's fragments: several passes an expert (300 tokens), a block per pass
+    with 2 token tiles, 3 warps with float16 activations (the widening's other shift), 6 stages in dynamic shared
+    memory. The stage of an FP8 gate_up holds half the weight bytes of a 16-bit one."""
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, mma_stages, mma_tiles, quantize_fp8
+
+    spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, x_dtype=act, h_dtype=act, rw_dtype=act,
+                              out_dtype="float32", w_format="fp8", **launch)
+    bf = replace(spec, w_format="float", w_dtype=act)
+    nt, rt, _ = mma_tiles(spec)
+    if spec.stages:  # a stage: the warps' weight tiles (64 bytes a row) and the pass's tokens
+        assert mma_stages(spec, "gate_up")[1] == spec.warps * 2 * rt * 16 * 64 + 8 * nt * 64 * 2
+        assert mma_stages(spec, "gate_up")[1] < mma_stages(bf, "gate_up")[1]
+    src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    assert "mma.sync" in src and ("__byte_perm" in src) == bool(spec.stages)
+    assert ("cp_async" in src) == bool(spec.stages)
+    cfg = launch_config(spec)
+    assert "e4m3" in cfg["gate_up"]["form"] and ("cp.async" in cfg["down"]["form"]) == bool(spec.stages)
+    k = {name: EmulatedKernel(src, f"moe_{name}_kernel") for name in ("route_prep", "gate_up", "down", "combine")}
+    x, w1, w2, ids, rw = _data(bf, t, seed=t + 1)
+    (c1, s1), (c2, s2) = quantize_fp8(w1.astype(np.float32)), quantize_fp8(w2.astype(np.float32))
+    offsets, order = np.zeros(spec.experts + 1, np.int32), np.zeros(t * 4, np.int32)
+    h = np.zeros((t * 4, spec.inter), NP[act])
+    y = np.zeros((t * 4, spec.hidden), np.float32)
+    out = np.zeros((t, spec.hidden), np.float32)
+    ids = ids.astype(np.int64)
+
+    def grid(c):
+        if "grid" in c:
+            return (-(-t // c["tokens_per_pass"]), c["grid"][1], 1)
+        return (c["blocks"][0] if c["blocks"][0] != "T" else t, c["blocks"][1], 1)
+
+    extra = {"N": t} if spec.pass_blocks else {}
+    k["route_prep"](grid(cfg["route_prep"]), cfg["route_prep"]["threads"], ids=ids, offsets=offsets, order=order, cse_v1=t * 4)
+    k["gate_up"](grid(cfg["gate_up"]), cfg["gate_up"]["threads"], x=x, w=c1, s1=s1, offsets=offsets, order=order, h=h, **extra)
+    k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=c2, s2=s2, offsets=offsets, order=order, rw=rw, y=y, **extra)
+    k["combine"](grid(cfg["combine"]), cfg["combine"]["threads"], y=y, ids=ids, out=out, N=t)
+    _check(spec, (offsets, order, h.astype(np.float32), out), x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw,
+           tol=3e-2)
