@@ -51,10 +51,12 @@ def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores:
                               tensor_cores=tensor_cores, **launch)
 
 
-def _funcs() -> dict:
-    """function name -> (weight format, tensor cores, launch overrides)"""
+def _funcs(only=None) -> dict:
+    """function name -> (weight format, tensor cores, launch overrides); ``only``: the variants to build (of VARIANTS
+    and FP8_VARIANTS; None: all), beside the functions of FUNCS and the slot-pool form, which are always built."""
     out = {name: (fmt, tc, {}) for name, (fmt, tc) in FUNCS.items()}
-    out.update({f"experts_{v}": ("float", True, kw) for v, kw in VARIANTS.items()})
+    out.update({f"experts_{v}": ("float", True, kw) for v, kw in VARIANTS.items() if only is None or v in only})
+    out.update({f"experts_{v}": ("fp8", True, kw) for v, kw in FP8_VARIANTS.items() if only is None or v in only})
     out[SLOTS_FUNC] = ("float", True, {})
     return out
 
@@ -91,12 +93,17 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
             # 24 KB (Mixtral), so 48 KB of static shared memory holds only 2 of them (down's: 12 and 16 KB, 3 and 3)
             "pipe_s3d": {"stages": 3, "dyn_shared": 3 * 24576}, "pipe_s4d": {"stages": 4, "dyn_shared": 4 * 24576},
             "pipe_s6d": {"stages": 6, "dyn_shared": 6 * 24576}}
+# FP8 e4m3 weights (``experts_fp8`` is the default: the cp.async stages of bytes, 4 stages in 48 KB) with other launch
+# shapes: the register-load form (the default before 12ec812), the prefill entry's block per pass, 3 stages
+FP8_VARIANTS = {"fp8_regs": {"stages": 0, "l2_prefetch": 0}, "fp8_s3": {"stages": 3},
+                "fp8_nt8_pb": {"n_tiles": 8, "pass_blocks": True}}
 # timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
-# forms that differ from it in shared memory
+# forms that differ from it in shared memory, and the FP8 forms (on their own inputs)
 COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
+COLD_FP8 = ("experts_fp8", "experts_fp8_regs", "experts_fp8_s3")
 
 
-def build_module(shape, kind: str):
+def build_module(shape, kind: str, only=None):
     """``experts(x [T, D], ids [T, K], rw [T, K], w1 [E, 2I, D], w2 [E, D, I]) -> out [T, D]`` (bf16 weights) and
     ``experts_fp8(x, ids, rw, c1, s1 [E, 2I], c2, s2 [E, D])`` (e4m3 bytes + per-output-channel scales)."""
     import tvm
@@ -106,7 +113,7 @@ def build_module(shape, kind: str):
 
     e, k, d, i = shape
     bb = relax.BlockBuilder()
-    for fname, (fmt, tc, launch) in _funcs().items():
+    for fname, (fmt, tc, launch) in _funcs(only).items():
         slots = fname == SLOTS_FUNC  # then also slot_of [E] int32: the residency table, after route_prep's bounds
         spec = _spec(*shape, w_format=fmt, tensor_cores=tc, **launch, **({"slots": e} if slots else {}))
         gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fname}")
@@ -136,16 +143,17 @@ def build_module(shape, kind: str):
     return bb.get()
 
 
-def compile_module(shape, target):
+def compile_module(shape, target, only=None):
     import tvm
 
     from moec.passes.pipeline import lowering_pipeline
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    return tvm.compile(build_module(shape, kind), target=target, relax_pipeline=lowering_pipeline(target, list(_funcs())))
+    return tvm.compile(build_module(shape, kind, only), target=target,
+                       relax_pipeline=lowering_pipeline(target, list(_funcs(only))))
 
 
-def prepare(out: Path, small: bool) -> None:
+def prepare(out: Path, small: bool, only=None, shapes=None) -> None:
     from moec.compiler.artifact import atomic_directory
     from moec.compiler.build import _compile_cuda_kernels
     from moec.compiler.targets import make_target
@@ -155,15 +163,22 @@ def prepare(out: Path, small: bool) -> None:
     with atomic_directory(out) as tmp:
         index = {}
         for name, shape in {**SHAPES, **(SMALL if small else {})}.items():
-            ex = compile_module(shape, target)
+            if shapes and name not in shapes:
+                continue
+            ex = compile_module(shape, target, only)
             sub = tmp / name
             sub.mkdir()
             kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
             ex.export_library(str(sub / "lib.so"))
             index[name] = {"shape": dict(zip("EKDI", shape)), "cuda_kernels": kernels,
                            "launch_config": launch_config(_spec(*shape)),
+                           "functions": list(_funcs(only)),
                            "variants": {v: {"spec": kw, **{k: launch_config(_spec(*shape, **kw))[k] for k in ("gate_up", "down")}}
-                                        for v, kw in VARIANTS.items()}}
+                                        for v, kw in VARIANTS.items() if only is None or v in only},
+                           "fp8_variants": {v: {"spec": kw, **{k: launch_config(_spec(*shape, w_format="fp8", **kw))[k]
+                                                               for k in ("gate_up", "down")}}
+                                            for v, kw in {"fp8": {}, **FP8_VARIANTS}.items()
+                                            if v == "fp8" or only is None or v in only}}
             print(json.dumps({name: index[name]["launch_config"]}), flush=True)
         (tmp / "index.json").write_text(json.dumps(index, indent=2))
 
@@ -337,7 +352,8 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / ms / 1e6
 
 
-def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repeat: int, compiled) -> dict:
+def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repeat: int, compiled, funcs=None) -> dict:
+    """One shape at ``t`` tokens; ``funcs``: the module's functions (None: all of ``_funcs()``)."""
     import torch
 
     e, k, d, i = shape
@@ -363,7 +379,10 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     vm.save_function("experts_warp", "experts_warp_timed", *args)
     res = vm.time_evaluator("experts_warp_timed", dev, number=number, repeat=repeat)()
     ms["moec_grouped_warp_form"] = float(np.median(np.asarray(res.results))) * 1e3
+    funcs = set(funcs or _funcs())
     for v in VARIANTS:  # other launch shapes of the default form, on the same inputs
+        if f"experts_{v}" not in funcs:
+            continue
         out_v = torch.from_dlpack(vm[f"experts_{v}"](*args)).float()
         row[f"{v}_max_rel_error_vs_fp32"] = float((out_v - ref).abs().max()) / scale
         row["passed"] = row["passed"] and row[f"{v}_max_rel_error_vs_fp32"] < 2e-2
@@ -387,15 +406,18 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     # FP8 e4m3 weights: against the reference over the dequantized weights
     (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
-    out8 = torch.from_dlpack(vm["experts_fp8"](*args8)).float()
     ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
-    row["fp8_max_rel_error_vs_dequantized"] = float((out8 - ref8).abs().max()) / (float(ref8.abs().max()) or 1.0)
-    row["fp8_max_rel_error_vs_bf16_fp32"] = float((out8 - ref).abs().max()) / scale
-    row["passed"] = row["passed"] and row["fp8_max_rel_error_vs_dequantized"] < 2e-2
     row["active_weight_bytes_fp8"] = active * 3 * d * i
-    vm.save_function("experts_fp8", "experts_fp8_timed", *args8)
-    res = vm.time_evaluator("experts_fp8_timed", dev, number=number, repeat=repeat)()
-    ms["moec_grouped_fp8"] = float(np.median(np.asarray(res.results))) * 1e3
+    for v in ("fp8", *FP8_VARIANTS):  # the default FP8 form, then its other launch shapes
+        if f"experts_{v}" not in funcs:
+            continue
+        out8 = torch.from_dlpack(vm[f"experts_{v}"](*args8)).float()
+        row[f"{v}_max_rel_error_vs_dequantized"] = float((out8 - ref8).abs().max()) / (float(ref8.abs().max()) or 1.0)
+        row[f"{v}_max_rel_error_vs_bf16_fp32"] = float((out8 - ref).abs().max()) / scale
+        row["passed"] = row["passed"] and row[f"{v}_max_rel_error_vs_dequantized"] < 2e-2
+        vm.save_function(f"experts_{v}", f"experts_{v}_timed", *args8)
+        res = vm.time_evaluator(f"experts_{v}_timed", dev, number=number, repeat=repeat)()
+        ms[f"moec_grouped_{v}"] = float(np.median(np.asarray(res.results))) * 1e3
     tin = [inp[n] for n in ("x", "ids", "rw", "w1", "w2")]
     ms["torch_hf_loop"] = _torch_ms(hf_experts, tin, device, max(1, number // 10), repeat)
     if compiled is not None:
@@ -404,10 +426,12 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
         except Exception as exc:  # noqa: BLE001 - report, keep the other numbers
             row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     if device == "cuda":  # each call's kernels cold (weights from HBM), one by one
-        row["cold_us"] = cold_kernels_us({f: (lambda fn=vm[f]: fn(*args)) for f in COLD})
-        row["cold_GBps_active_weights"] = {f: row["active_weight_bytes"] / v["total"] / 1e3 for f, v in row["cold_us"].items()}
+        row["cold_us"] = cold_kernels_us({**{f: (lambda fn=vm[f]: fn(*args)) for f in COLD if f in funcs},
+                                          **{f: (lambda fn=vm[f]: fn(*args8)) for f in COLD_FP8 if f in funcs}})
+        row["cold_GBps_active_weights"] = {f: row["active_weight_bytes_fp8" if "fp8" in f else "active_weight_bytes"]
+                                           / v["total"] / 1e3 for f, v in row["cold_us"].items()}
     row["ms"] = ms
-    row["GBps_active_weights"] = {k_: (row["active_weight_bytes_fp8"] if k_.endswith("fp8") else row["active_weight_bytes"]) / v / 1e6
+    row["GBps_active_weights"] = {k_: (row["active_weight_bytes_fp8"] if "fp8" in k_ else row["active_weight_bytes"]) / v / 1e6
                                   for k_, v in ms.items()}
     print(json.dumps(row), flush=True)
     return row
@@ -444,16 +468,23 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--shape", default="olmoe", help="profile: the shape to call")
     ap.add_argument("--launches", type=int, default=2, help="profile: calls at the first of --batches")
+    ap.add_argument("--variants", nargs="+", help="prepare: build only these of the launch-shape variants (VARIANTS, "
+                    "FP8_VARIANTS; the default, FP8, warp and slot-pool forms are always built)")
+    ap.add_argument("--shapes", nargs="+", help=f"prepare / run: only these shapes (of {', '.join(SHAPES)})")
     args = ap.parse_args()
+    if args.variants:
+        unknown = set(args.variants) - set(VARIANTS) - set(FP8_VARIANTS)
+        if unknown:
+            ap.error(f"unknown variants: {', '.join(sorted(unknown))}")
     if args.step == "prepare":
-        prepare(args.dir, args.small)
+        prepare(args.dir, args.small, args.variants, args.shapes)
         return 0
     if args.step == "profile":
         profile(args.dir, args.shape, args.batches[0], args.launches)
         return 0
     import torch
 
-    shapes = SMALL if args.small else SHAPES
+    shapes = SMALL if args.small else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
     doc = {"benchmark": "grouped_experts", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
            "python": platform.python_version(), "torch": torch.__version__,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": _device_name(args.device),
@@ -468,8 +499,10 @@ def main() -> int:
     doc["rows"] = []
     for name, shape in shapes.items():
         vm, dev = _vm(args.dir, name, shape, args.device)
+        funcs = (json.loads((args.dir / "index.json").read_text())[name].get("functions")
+                 if args.device == "cuda" else None)  # (indexes before 12ec812: every function)
         for t in args.batches:
-            doc["rows"].append(run_shape(vm, dev, name, shape, t, args.device, number, repeat, compiled))
+            doc["rows"].append(run_shape(vm, dev, name, shape, t, args.device, number, repeat, compiled, funcs))
             for r in doc["rows"][-1:]:
                 r["fraction_of_copy"] = {k: v / doc["copy_GBps"] for k, v in r["GBps_active_weights"].items()}
         if args.json:

@@ -40,3 +40,13 @@ def test_cold_kernel_times_from_a_trace(monkeypatch):
     monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), None))
     with pytest.raises(RuntimeError, match="could not start"):
         ge.cold_kernels_us(calls, reps=3)
+
+
+def test_grouped_experts_bench_builds_the_named_variants():
+    """``--variants`` builds the named launch shapes beside the forms every run checks (default, FP8, warp, slots)."""
+    import grouped_experts as ge
+
+    got = ge._funcs(["fp8_regs", "pipe_w2"])
+    assert set(got) == {"experts", "experts_fp8", "experts_warp", ge.SLOTS_FUNC, "experts_fp8_regs", "experts_pipe_w2"}
+    assert got["experts_fp8_regs"] == ("fp8", True, {"stages": 0, "l2_prefetch": 0})
+    assert set(ge._funcs()) >= {f"experts_{v}" for v in [*ge.VARIANTS, *ge.FP8_VARIANTS]}
