@@ -415,16 +415,17 @@ def _fp8_widen(byte, dtype: str):
     return T.reinterpret(dtype, T.Cast("uint16", ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(shift))))
 
 
-_FP8_PAIR = {0: 0x4140, 1: 0x4342}  # __byte_perm selectors: bytes (0, 1) or (2, 3) of a word into the low bytes of its halves
+_FP8_PAIR = {0: 0x1404, 1: 0x3424}  # __byte_perm selectors: bytes (0, 1) or (2, 3) of a word into the high bytes of its halves
 
 
 def _fp8_widen_pair(word, half: int, dtype: str):
     """Two e4m3 bytes of a uint32 ``word`` (bytes 0, 1 for ``half`` 0, bytes 2, 3 for 1) widened as ``_fp8_widen``
-    into the two 16-bit halves of a uint32 (the lower byte in the lower half: an mma fragment register). One byte
-    permute, two shifts and two masks for two elements (the per-byte form takes about six instructions each)."""
+    into the two 16-bit halves of a uint32 (the lower byte in the lower half: an mma fragment register). Each byte
+    goes to the high byte of its half, where its sign already is the 16-bit sign; its other 7 bits shift right into
+    place: a byte permute, a shift and two masks for two elements (the per-byte form takes about six each)."""
     shift = _FP8_WIDEN[dtype][0]
     p = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0), T.uint32(_FP8_PAIR[half]))
-    return ((p << T.uint32(shift)) & T.uint32(0x7F007F << shift)) | ((p << T.uint32(8)) & T.uint32(0x80008000))
+    return (p & T.uint32(0x80008000)) | ((p >> T.uint32(8 - shift)) & T.uint32(0x7F007F << shift))
 
 
 def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:

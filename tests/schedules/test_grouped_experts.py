@@ -383,6 +383,40 @@ def test_fp8_widening_is_exact(dtype):
     np.testing.assert_array_equal(got[finite], want[finite])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_pair_widening_matches_the_bytes(dtype):
+    """``_fp8_widen_pair`` (the cp.async forms' widening, two bytes of a word at a time) puts every pair of e4m3
+    bytes, from either half of a word, into a fragment register exactly as ``_fp8_widen`` widens each byte: all
+    65,536 pairs, on the CUDA emulation (its ``__byte_perm`` is the device's)."""
+    from cuda_emu import EmulatedKernel
+    from tvm.script import tirx as T
+
+    from moec.compiler.build import _cuda_modules
+    from moec.schedules.kernels.grouped_experts import _FP8_WIDEN, _fp8_widen_pair
+
+    @T.prim_func(s_tir=True)
+    def widen_pairs(a: T.Buffer((65536,), "uint32"), b: T.Buffer((131072,), "uint32")):
+        T.func_attr({"global_symbol": "widen_pairs", "tirx.noalias": True})
+        for bx in T.thread_binding(256, thread="blockIdx.x"):
+            for tx in T.thread_binding(256, thread="threadIdx.x"):
+                with T.sblock("w"):
+                    b[(bx * 256 + tx) * 2] = _fp8_widen_pair(a[bx * 256 + tx], 0, dtype)
+                    b[(bx * 256 + tx) * 2 + 1] = _fp8_widen_pair(a[bx * 256 + tx], 1, dtype)
+
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"widen_pairs": widen_pairs}), target=make_target("cuda", "sm_90")).mod)[0]
+    lo = np.arange(65536, dtype=np.uint32)  # bytes 0, 1 = the pair; bytes 2, 3 = the pair with its bytes swapped
+    words = lo | (((lo >> 8) | ((lo & 0xFF) << 8)) << 16)
+    out = np.zeros(131072, np.uint32)
+    EmulatedKernel(src.inspect_source("cuda"), "widen_pairs_kernel")((256, 1, 1), 256, a=words, b=out)
+
+    def one(byte):  # _fp8_widen's bits (exact: test_fp8_widening_is_exact)
+        return ((byte & 0x80) << 8) | ((byte & 0x7F) << _FP8_WIDEN[dtype][0])
+
+    b0, b1 = lo & 0xFF, lo >> 8
+    np.testing.assert_array_equal(out[0::2], one(b0) | (one(b1) << 16))
+    np.testing.assert_array_equal(out[1::2], one(b1) | (one(b0) << 16))
+
+
 def test_int64_weight_indexing(monkeypatch):
     """Stacked weights of 2^31 elements or more (e.g. 256 experts x 4096 x 7168) are indexed in int64: forced
     here on small shapes, the llvm forms still match NumPy (float and FP8), the CUDA form's offsets are 64-bit."""
