@@ -25,7 +25,10 @@ MODELS = ["tiny", "tiny-shared-grouped", "hf-olmoe", "hf-mixtral", "hf-qwen2_moe
 PT2_MODELS = ["tiny", "hf-olmoe"]  # also compiled from torch.export (.pt2); artifact dir "<name>.pt2"
 # bfloat16 HF OLMoE (the benchmark's tiny shape) from torch.export: tensor-core dense and grouped expert
 # GEMMs; artifact -> KV cache. bf16: logits within 5% of their scale of torch's bf16 forward; tiered: reported
-BF16_MODELS = {"olmoe-bf16": "bf16", "olmoe-bf16-tiered": "tiered"}
+BF16_MODELS = {"olmoe-bf16": "bf16", "olmoe-bf16-tiered": "tiered", "olmoe-bf16-fp8experts": "bf16"}
+# compiled with the routed experts' weights in FP8 e4m3 (--expert-weights fp8: the tensor-core forms widening the
+# bytes); the torch reference then runs on the weights those codes stand for (``fp8_reference``)
+FP8_EXPERT_MODELS = {"olmoe-bf16-fp8experts"}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 1, 4, 1, 5]]
 STEPS = 8
 
@@ -47,12 +50,15 @@ def make_model(name):
     return build_reference(cfg), cfg.vocab_size
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, only=None) -> None:
+    """Compile the test models into ``out`` (``only``: just these of MODELS and BF16_MODELS)."""
     import moec
     from moec.models.export import save_onnx, save_pt2
 
     out.mkdir(parents=True, exist_ok=True)
     for name in MODELS:
+        if only and name not in only:
+            continue
         model, vocab = make_model(name)
         onnx_path = out / f"{name}.onnx"
         save_onnx(model, vocab, onnx_path)
@@ -64,11 +70,29 @@ def prepare(out: Path) -> None:
             moec.compile(pt2_path, out / f"{name}.pt2-artifact", target="cuda", arch="sm_90", progress=True)
             pt2_path.unlink()
     for name, cache in BF16_MODELS.items():
+        if only and name not in only:
+            continue
         model, vocab = make_model(name)
         pt2_path = out / f"{name}.pt2"
         save_pt2(model, vocab, pt2_path, max_seq=64)
-        moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True)
+        moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True,
+                     **({"expert_weights": "fp8"} if name in FP8_EXPERT_MODELS else {}))
         pt2_path.unlink()
+
+
+def fp8_reference(model):
+    """``model`` with every stacked expert weight ([E, out, in]) replaced by what its FP8 codes (one scale per output
+    row, as ``--expert-weights fp8`` stores them) stand for."""
+    import torch
+
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, quantize_fp8
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                w = dequantize_fp8(*quantize_fp8(p.detach().float().cpu().numpy()))
+                p.copy_(torch.from_numpy(w).to(p.dtype))
+    return model
 
 
 def run(art_root: Path, json_out: Path | None, commit: str) -> int:
@@ -80,9 +104,14 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
     results = []
     ok = True
     runs = [(name, name, "onnx") for name in MODELS] + [(name, f"{name}.pt2-artifact", "pt2") for name in PT2_MODELS]
-    runs += [(name, name, "pt2") for name in BF16_MODELS if (art_root / name).is_dir()]
+    runs += [(name, name, "pt2") for name in BF16_MODELS]
+    runs = [r for r in runs if (art_root / r[1]).is_dir()]  # (prepare --models: a subset; the JSON lists what ran)
+    if not runs:
+        raise SystemExit(f"no compiled test model in {art_root}")
     for name, art, source in runs:
         model, _ = make_model(name)
+        if name in FP8_EXPERT_MODELS:
+            model = fp8_reference(model)
         model = model.to(dev)
         t0 = time.perf_counter()
         engine = moec.load(art_root / art, device="cuda")
@@ -141,7 +170,8 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "tolerance": "max abs logit error < 1e-3 (fp32), greedy argmax agreement at every step; bf16 models: error < 5% of "
-                     "the logit scale (tiered: reported, not checked); every model: the device argmax's greedy tokens equal "
+                     "the logit scale (tiered: reported, not checked; FP8 experts: against torch on the weights the FP8 codes stand "
+                     "for); every model: the device argmax's greedy tokens equal "
                      "the host argmax's",
         "prompts": PROMPTS,
         "decode_steps": STEPS,
@@ -158,9 +188,10 @@ def main() -> int:
     ap.add_argument("dir", type=Path)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--models", nargs="+", choices=MODELS + list(BF16_MODELS), help="prepare: only these models")
     args = ap.parse_args()
     if args.step == "prepare":
-        prepare(args.dir)
+        prepare(args.dir, args.models)
         return 0
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     return run(args.dir, args.json, commit)
