@@ -651,53 +651,45 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
     def xread(g, q, c):  # the position of the c-th (0, 1) chunk lane (g, q) reads of row g
         return 2 * q + (c + g) % 2 if fp8 else (c + g) % 2 * 4 + q
 
+    WC, WE = (1, 4) if fp8 else (2, 8)  # a lane's 16-byte copies per row and step; their elements (words or halves)
+
     @T.macro
     def issue_w(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at):
         for t in T.unroll(tiles):
             if tile_ok(t):
                 for rh in T.unroll(2):
-                    for c in T.unroll(2):
+                    for c in T.unroll(WC):
                         T.evaluate(T.ptx[cpw](
-                            T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8]),
-                            T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * 8)), 16))
+                            T.address_of(ws[((((st * nw + tx // 32) * tiles + t) * 2 + rh) * WC + c) * 32 * WE + (tx % 32) * WE]),
+                            T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + c * 32 + q * (16 // WC))), 16))
 
     @T.macro
-    def issue_w8(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at):
-        for t in T.unroll(tiles):
-            if tile_ok(t):
-                for rh in T.unroll(2):
-                    T.evaluate(T.ptx[cpw](
-                        T.address_of(ws[(((st * nw + tx // 32) * tiles + t) * 2 + rh) * 128 + (tx % 32) * 4]),
-                        T.address_of(w_at(tile_row(t) + rh * 8 + g, kc * 64 + q * 16)), 16))
-
-    @T.macro
-    def read_w(ws, wa, af, stg, tx, tiles, nw, tile_ok):
-        for t in T.unroll(tiles):
-            if tile_ok(t):
-                for rh in T.unroll(2):
-                    for c in T.unroll(2):
-                        for v in T.vectorized(8):
-                            wa[(t * 2 + rh) * 16 + c * 8 + v] = ws[
-                                ((((stg * nw + tx // 32) * tiles + t) * 2 + rh) * 2 + c) * 256 + (tx % 32) * 8 + v]
+    def fragments16(wa, af, tiles):
         for t in T.unroll(tiles):
             for st in T.unroll(4):
                 for a in T.unroll(8):  # (row g | g + 8) = (a // 2) % 2, k slot 4 st + 2 (a // 4) + a % 2
                     af[(t * 4 + st) * 8 + a] = wa[(t * 2 + (a // 2) % 2) * 16 + 4 * st + 2 * (a // 4) + a % 2]
 
     @T.macro
-    def read_w8(ws, wa, af, stg, tx, tiles, nw, tile_ok):
-        for t in T.unroll(tiles):
-            if tile_ok(t):
-                for rh in T.unroll(2):
-                    for v in T.vectorized(4):
-                        wa[(t * 2 + rh) * 4 + v] = ws[(((stg * nw + tx // 32) * tiles + t) * 2 + rh) * 128 + (tx % 32) * 4 + v]
+    def fragments8(wa, af, tiles):
         for t in T.unroll(tiles):
             for st in T.unroll(4):
                 for rh in T.unroll(2):  # register 2 h + rh: row g | g + 8 = rh, k slots 4 st + 2 h + (0, 1)
                     af[(t * 4 + st) * 4 + rh] = _fp8_widen_pair(wa[(t * 2 + rh) * 4 + st], 0, widen_to)
                     af[(t * 4 + st) * 4 + 2 + rh] = _fp8_widen_pair(wa[(t * 2 + rh) * 4 + st], 1, widen_to)
 
-    issue_w_, read_w_ = (issue_w8, read_w8) if fp8 else (issue_w, read_w)
+    fragments = fragments8 if fp8 else fragments16
+
+    @T.macro
+    def read_w(ws, wa, af, stg, tx, tiles, nw, tile_ok):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for c in T.unroll(WC):
+                        for v in T.vectorized(WE):
+                            wa[(t * 2 + rh) * WC * WE + c * WE + v] = ws[
+                                ((((stg * nw + tx // 32) * tiles + t) * 2 + rh) * WC + c) * 32 * WE + (tx % 32) * WE + v]
+        fragments(wa, af, tiles)
 
     def xt_of(tx, nw):  # the thread's index within its group
         return tx if k_groups == 1 else tx % (32 * (nw // k_groups))
@@ -710,7 +702,7 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
 
     @T.macro
     def issue(ws, xs, st, kc, tx, g, q, tiles, tok, nw, xl, tile_row, tile_ok, w_at, x_ok, x_at, stages):
-        issue_w_(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at)
+        issue_w(ws, st, kc, tx, g, q, tiles, nw, tile_row, tile_ok, w_at)
         for j in T.unroll(xl):
             if (tok * 8) % (32 * xn_of(nw)) == 0 or j * 32 * xn_of(nw) + xt_of(tx, nw) < tok * 8:
                 if x_ok(j):
@@ -737,7 +729,7 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
                 issue(ws, xs, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tiles, nt * 8, nw, xl, tile_row, tile_ok,
                       w_at, x_ok, x_at, stages)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-            read_w_(ws, wa, af, kc % stages, tx, tiles, nw, tile_ok)
+            read_w(ws, wa, af, kc % stages, tx, tiles, nw, tile_ok)
             for n in T.unroll(nt):
                 if n * 8 < nv:
                     for c in T.unroll(2):
