@@ -662,13 +662,15 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
 @pytest.mark.parametrize("act,t,launch", [("bfloat16", 37, {"stages": 0}), ("bfloat16", 300, {}),
                                           ("bfloat16", 300, {"n_tiles": 2, "pass_blocks": True}),
                                           ("float16", 37, {"warps": 3, "pass_blocks": True}),
-                                          ("bfloat16", 300, {"stages": 6, "dyn_shared": 6 * 16384})])
+                                          ("bfloat16", 300, {"stages": 6, "dyn_shared": 6 * 16384}),
+                                          ("bfloat16", 300, {"slots": 20})])
 def test_fp8_mma_forms_emulated(act, t, launch):
     """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
     H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
     (``_fp8_widen_pair``) into the register form's fragments: several passes an expert (300 tokens), a block per pass
     with 2 token tiles, 3 warps with float16 activations (the widening's other shift), 6 stages in dynamic shared
-    memory. The stage of an FP8 gate_up holds half the weight bytes of a 16-bit one."""
+    memory, and a pool of 20 slots read through the residency table (offloaded experts; the pool's other slots hold
+    NaN codes and scales). The stage of an FP8 gate_up holds half the weight bytes of a 16-bit one."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
@@ -676,7 +678,7 @@ def test_fp8_mma_forms_emulated(act, t, launch):
 
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, x_dtype=act, h_dtype=act, rw_dtype=act,
                               out_dtype="float32", w_format="fp8", **launch)
-    bf = replace(spec, w_format="float", w_dtype=act)
+    bf = replace(spec, w_format="float", w_dtype=act, slots=0)
     nt, rt, _ = mma_tiles(spec)
     if spec.stages:  # a stage: the warps' weight tiles (64 bytes a row) and the pass's tokens
         assert mma_stages(spec, "gate_up")[1] == spec.warps * 2 * rt * 16 * 64 + 8 * nt * 64 * 2
@@ -689,6 +691,7 @@ def test_fp8_mma_forms_emulated(act, t, launch):
     k = {name: EmulatedKernel(src, f"moe_{name}_kernel") for name in ("route_prep", "gate_up", "down", "combine")}
     x, w1, w2, ids, rw = _data(bf, t, seed=t + 1)
     (c1, s1), (c2, s2) = quantize_fp8(w1.astype(np.float32)), quantize_fp8(w2.astype(np.float32))
+    k1, k2, q1, q2 = c1, c2, s1, s2  # what the kernels read: stacked, or the slots of a pool
     offsets, order = np.zeros(spec.experts + 1, np.int32), np.zeros(t * 4, np.int32)
     h = np.zeros((t * 4, spec.inter), NP[act])
     y = np.zeros((t * 4, spec.hidden), np.float32)
@@ -702,8 +705,15 @@ def test_fp8_mma_forms_emulated(act, t, launch):
 
     extra = {"N": t} if spec.pass_blocks else {}
     k["route_prep"](grid(cfg["route_prep"]), cfg["route_prep"]["threads"], ids=ids, offsets=offsets, order=order, cse_v1=t * 4)
-    k["gate_up"](grid(cfg["gate_up"]), cfg["gate_up"]["threads"], x=x, w=c1, s1=s1, offsets=offsets, order=order, h=h, **extra)
-    k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=c2, s2=s2, offsets=offsets, order=order, rw=rw, y=y, **extra)
+    table = offsets
+    if spec.slots:  # the experts at random slots of the pool, the table after the bounds
+        slot_of = np.random.default_rng(t).choice(spec.slots, spec.experts, replace=False).astype(np.int32)
+        k1, k2 = (np.full((spec.slots,) + c.shape[1:], 0x7F, np.uint8) for c in (c1, c2))  # 0x7F: an e4m3 NaN
+        q1, q2 = (np.full((spec.slots,) + q.shape[1:], np.nan, np.float32) for q in (s1, s2))
+        k1[slot_of], k2[slot_of], q1[slot_of], q2[slot_of] = c1, c2, s1, s2
+        table = np.concatenate([offsets, slot_of])
+    k["gate_up"](grid(cfg["gate_up"]), cfg["gate_up"]["threads"], x=x, w=k1, s1=q1, offsets=table, order=order, h=h, **extra)
+    k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=k2, s2=q2, offsets=table, order=order, rw=rw, y=y, **extra)
     k["combine"](grid(cfg["combine"]), cfg["combine"]["threads"], y=y, ids=ids, out=out, N=t)
     _check(spec, (offsets, order, h.astype(np.float32), out), x, dequantize_fp8(c1, s1), dequantize_fp8(c2, s2), ids, rw,
            tol=3e-2)
