@@ -532,9 +532,8 @@ def _mma_launch(spec: GroupedExpertsSpec, kernel: str) -> dict:
                     "stages": st, "shared_bytes": st * per_stage})
     if spec.w_format == "fp8":
         cfg["form"] += ", e4m3 weights widened in registers"
-    if _staged(spec):
-        if spec.pass_blocks:  # (blocks[0] stays the row tiles: the grid is passes x (row tiles x experts))
-            cfg.update({"form": cfg["form"] + ", a block per pass", "grid": (f"ceil(T / {8 * nt})", cfg["blocks"][0] * spec.experts)})
+    if _staged(spec) and spec.pass_blocks:  # (blocks[0] stays the row tiles: the grid is passes x (row tiles x experts))
+        cfg.update({"form": cfg["form"] + ", a block per pass", "grid": (f"ceil(T / {8 * nt})", cfg["blocks"][0] * spec.experts)})
     return cfg
 
 
