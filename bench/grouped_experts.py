@@ -170,15 +170,16 @@ def prepare(out: Path, small: bool, only=None, shapes=None) -> None:
             sub.mkdir()
             kernels = _compile_cuda_kernels(ex, target, sub, progress=True)
             ex.export_library(str(sub / "lib.so"))
+            funcs = _funcs(only)
+
+            def configs(table, **fmt):  # the launch shapes of the built variants of ``table``
+                return {v: {"spec": kw, **{k: launch_config(_spec(*shape, **fmt, **kw))[k] for k in ("gate_up", "down")}}
+                        for v, kw in table.items() if f"experts_{v}" in funcs}
+
             index[name] = {"shape": dict(zip("EKDI", shape)), "cuda_kernels": kernels,
-                           "launch_config": launch_config(_spec(*shape)),
-                           "functions": list(_funcs(only)),
-                           "variants": {v: {"spec": kw, **{k: launch_config(_spec(*shape, **kw))[k] for k in ("gate_up", "down")}}
-                                        for v, kw in VARIANTS.items() if only is None or v in only},
-                           "fp8_variants": {v: {"spec": kw, **{k: launch_config(_spec(*shape, w_format="fp8", **kw))[k]
-                                                               for k in ("gate_up", "down")}}
-                                            for v, kw in {"fp8": {}, **FP8_VARIANTS}.items()
-                                            if v == "fp8" or only is None or v in only}}
+                           "launch_config": launch_config(_spec(*shape)), "functions": list(funcs),
+                           "variants": configs(VARIANTS),
+                           "fp8_variants": configs({"fp8": {}, **FP8_VARIANTS}, w_format="fp8")}
             print(json.dumps({name: index[name]["launch_config"]}), flush=True)
         (tmp / "index.json").write_text(json.dumps(index, indent=2))
 
