@@ -269,20 +269,28 @@ def summarize_trace(events: list, top: int = 30) -> dict:
     ``summarize_profile`` nothing is synchronised between calls, so these are the kernels' own times as a timed
     step runs them: ``kernels_ms`` their sum, ``span_ms`` from the first activity's start to the last one's end,
     ``busy_ms`` the union of all activities in it and ``idle_ms`` the rest of the span (the device waiting for
-    launches or the host), ``top`` the kernels by summed time."""
+    launches or the host), ``top`` the kernels by summed time. ``gaps`` splits the idle time: ``count``,
+    ``median_us`` and ``p90_us`` of the gaps between consecutive busy stretches and the ``largest`` ones with the
+    activities either side (``after``, ``before``), so the gaps a launch leaves inside a graph can be told from the
+    host's waits between calls."""
     acts = [(e["name"], e["cat"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not any(a[1] == "kernel" for a in acts):
         raise MoecError("the device trace holds no kernel: the activity tracer did not see this process's launches")
     acts.sort(key=lambda a: a[2])
-    busy, cur_s, cur_e = 0.0, acts[0][2], acts[0][3]
-    for _, _, s, e in acts[1:]:
+    busy, cur_s, cur_e, last = 0.0, acts[0][2], acts[0][3], acts[0][0]
+    gaps = []  # (idle us, the activity ending the busy stretch before, the one starting the next)
+    for name, _, s, e in acts[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
+            gaps.append((s - cur_e, last, name))
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
+        if e >= cur_e:
+            last = name
     busy += cur_e - cur_s
+    sizes = np.sort([g[0] for g in gaps]) if gaps else np.zeros(0)
     span = max(a[3] for a in acts) - acts[0][2]
     by = {}
     for name, cat, s, e in acts:
@@ -297,7 +305,10 @@ def summarize_trace(events: list, top: int = 30) -> dict:
             "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
             "top": [{"name": k, "calls": n, "ms": t / 1e3, "us_per_call": t / n, "share": t / kernels if kernels else 0.0}
                     for k, (n, t) in rows[:top]],
-            "rest_ms": sum(t for _, (_, t) in rows[top:]) / 1e3}
+            "rest_ms": sum(t for _, (_, t) in rows[top:]) / 1e3,
+            "gaps": {"count": len(gaps), "median_us": float(np.median(sizes)) if gaps else 0.0,
+                     "p90_us": float(np.percentile(sizes, 90)) if gaps else 0.0,
+                     "largest": [{"us": us, "after": a, "before": b} for us, a, b in sorted(gaps, key=lambda g: -g[0])[:8]]}}
 
 
 def device_events(fn) -> tuple:

@@ -271,6 +271,10 @@ def test_summarize_trace_busy_idle_and_top():
     assert t["top"] == [{"name": "a", "calls": 2, "ms": pytest.approx(14e-3), "us_per_call": pytest.approx(7.0),
                          "share": pytest.approx(14 / 24)}]
     assert t["rest_ms"] == pytest.approx(10e-3)
+    # the idle time as its gaps, named by the activity ending the busy stretch before (b ends after a) and the next
+    assert t["gaps"] == {"count": 2, "median_us": pytest.approx(6.5), "p90_us": pytest.approx(7.7),
+                         "largest": [{"us": pytest.approx(8.0), "after": "Memcpy HtoD", "before": "a"},
+                                     {"us": pytest.approx(5.0), "after": "b", "before": "Memcpy HtoD"}]}
     with pytest.raises(MoecError, match="no kernel"):
         summarize_trace([e for e in ev if e["cat"] != "kernel"])
 
