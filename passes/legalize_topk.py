@@ -24,9 +24,12 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 from tvm.script import tirx as T
 
+from ..schedules.kernels import memoized
+
 _ROW_WARPS = 4  # CUDA form: rows (warps) per block
 
 
+@memoized
 def topk_select_func(n: int, k: int, dtype: str, index_dtype: str, largest: bool, gpu: bool,
                      values_dtype: str | None = None, softmax: bool = False) -> tirx.PrimFunc:
     """PrimFunc ``(x[R, n], idx[R, k] [, val[R, k]])``: indices of the k largest (smallest) entries of each row and,

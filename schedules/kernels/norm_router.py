@@ -42,6 +42,7 @@ except ImportError:  # runtime-only TVM (the GPU bench): launch_config still wor
     T = None
 
 from ...compiler.errors import MoecError
+from . import memoized
 
 DTYPES = ("float32", "float16", "bfloat16")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -134,6 +135,7 @@ def check_supported(spec: NormRouterSpec, target: str = "llvm") -> None:
                         f"{launch_config(spec)['shared_bytes']} bytes of shared memory, more than {MAX_SHARED}")
 
 
+@memoized
 def make_norm_router(spec: NormRouterSpec, target: str = "llvm"):
     """The ``norm_router`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda"; ``tokens`` is a CUDA launch shape)."""
     check_supported(spec, target)

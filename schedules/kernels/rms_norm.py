@@ -45,6 +45,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
+from . import memoized
 
 DTYPES = ("float32", "float16", "bfloat16")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -134,6 +135,7 @@ def check_supported(spec: RMSNormSpec, target: str = "llvm") -> None:
         raise MoecError(f"rms_norm: rope's rows of {spec.hidden} float32 values exceed {_ROPE_SHARED} bytes of shared memory")
 
 
+@memoized
 def make_rms_norm(spec: RMSNormSpec, target: str = "llvm"):
     """The ``rms_norm`` PrimFunc for ``spec`` (``target``: "llvm" or "cuda")."""
     check_supported(spec, target)

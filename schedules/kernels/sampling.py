@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from . import memoized
+
 THREADS = 1024
 
 
+@memoized
 def make_argmax(vocab: int, dtype: str = "float32", target: str = "llvm", out_dtype: str = "int32", loads: int = 8):
     """The ``argmax_rows`` PrimFunc over rows of ``vocab`` values of ``dtype`` for ``target``, token ids of
     ``out_dtype`` ("int32" or "int64"); CUDA: ``loads`` of a thread issued before they are compared (1: one at a

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from . import memoized
 from .grouped_experts import _shfl
 
 
@@ -57,6 +58,7 @@ def _signature(HKV: int, D: int, PS1: int, body):
     return tiered_append
 
 
+@memoized
 def make_tiered_append(num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm"):
     """The append PrimFunc (``target``: "llvm" serial, or "cuda": ``_append_cuda``)."""
     HKV, D, PS1 = num_kv_heads, head_dim, t1_page

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from . import memoized
 from .grouped_experts import _MMA_TYPE, _mma, _shfl
 from .tiered_decode import LOG2E, _fp8_to_f32, _q2_level
 
@@ -98,6 +99,7 @@ def _mass_signature(H: int, HKV: int, D: int, PS1: int, body):
     return tiered_mass
 
 
+@memoized
 def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
                           target: str = "llvm", mma_dtype: str | None = None, mma_warps: int | None = None,
                           mma_min_blocks: int = 0):
@@ -174,6 +176,7 @@ def make_tiered_attention(num_heads: int, num_kv_heads: int, head_dim: int, t1_p
     return _attention_signature(H, HKV, D, PS1, PS2, body)
 
 
+@memoized
 def make_tiered_mass(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, target: str = "llvm",
                      mma_dtype: str | None = None):
     """The importance (column-sum) PrimFunc for ``target`` "llvm" or "cuda" (``mma_dtype``: as ``make_tiered_attention``)."""

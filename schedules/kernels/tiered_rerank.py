@@ -39,6 +39,7 @@ except ImportError:  # runtime-only TVM (the GPU bench): WORKSPACES, workspaces 
     T = None
 
 from ...runtime.kv_quant import FITS, Q2_THRESHOLDS
+from . import memoized
 from .tiered_decode import _fp8_to_f32, q2_value
 
 EULER_GAMMA = 0.5772156649015329
@@ -118,6 +119,7 @@ PHASES = ("score", "rank", "order", "pack", "compact")
 RERANK_KERNELS = tuple(f"tiered_rerank_{p}" for p in PHASES)  # the re-rank's launches a layer, in call order
 
 
+@memoized
 def make_tiered_rerank(num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128, sink: int = 4,
                        recent: int = 64, target: str = "llvm", importance: str = "mass", fit: str = "moments",
                        threads: int = 512, stage_bytes: int = 40960) -> dict:

@@ -184,3 +184,23 @@ def test_bench_side_imports_without_the_script_layer():
             "assert len(tiered_rerank.RERANK_KERNELS) == 5 and tiered_decode.decode_splits(4, 2, 3, 16, 2) >= 1\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_kernel_factories_parse_once_per_arguments():
+    """The re-rank's kernels (most of a small model's TVMScript parsing) are built once a process for the same
+    arguments: the same functions come back in a fresh dict, other arguments give other functions, and an argument
+    that cannot be hashed builds afresh."""
+    from moec.schedules.kernels import memoized
+
+    a = make_tiered_rerank(2, 16, 16, 32, 4, 8)
+    b = make_tiered_rerank(2, 16, 16, 32, 4, 8)
+    assert a is not b and a.keys() == b.keys() and all(a[k].same_as(b[k]) for k in a)
+    a.clear()  # the caller's copy: the memo keeps its own
+    assert make_tiered_rerank(2, 16, 16, 32, 4, 8).keys() == b.keys()
+    c = make_tiered_rerank(2, 16, 16, 32, 4, 8, fit="lloyd")
+    assert not any(c[k].same_as(b[k]) for k in b)
+    calls = []
+    f = memoized(lambda *args, **kw: calls.append(args) or len(calls))
+    assert f(1, x=2) == f(1, x=2) == 1 and f(2) == 2 and f([1]) == 3 and f([1]) == 4
+    f.cache_clear()
+    assert f(1, x=2) == 5
