@@ -204,3 +204,10 @@ def test_kernel_factories_parse_once_per_arguments():
     assert f(1, x=2) == f(1, x=2) == 1 and f(2) == 2 and f([1]) == 3 and f([1]) == 4
     f.cache_clear()
     assert f(1, x=2) == 5
+    import moec.schedules.kernels as kernels
+
+    g = memoized(lambda n: calls.append(n) or len(calls))
+    first = [g(n) for n in range(kernels.MEMO_SIZE)]
+    assert g(0) == first[0]  # 0 is now the most recently used
+    g(-1)  # one past the bound: 1, the least recently used, goes
+    assert g(0) == first[0] and g(2) == first[2] and g(1) != first[1]
