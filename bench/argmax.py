@@ -84,8 +84,8 @@ def run(root: Path, json_out: Path | None, commit: str) -> int:
         print(json.dumps(row), flush=True)
     doc = {"benchmark": "argmax", "vocab": VOCAB, "points": points, "passed": ok, "git_commit": commit,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "command": "here: python bench/argmax.py prepare .devcarry/am; there (carry .devcarry/base, .devcarry/am): "
-                      f"source bench/device_env.sh && python3 bench/argmax.py run .devcarry/am --json $OUT/argmax.json --commit {commit}"}
+           "command": f"here: python bench/argmax.py prepare {root}; there (carry .devcarry/base, {root}): source bench/device_env.sh && "
+                      + " ".join(["python3", "bench/argmax.py", *sys.argv[1:]])}
     if json_out:
         Path(json_out).write_text(json.dumps(doc, indent=2))
     return 0 if ok else 1

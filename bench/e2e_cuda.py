@@ -95,6 +95,12 @@ def fp8_reference(model):
     return model
 
 
+def exact_command(art_root: Path, models: list) -> str:
+    """The two steps that make a result: ``prepare`` of the models that ran (here), then this run as invoked (there)."""
+    return (f"here: python bench/e2e_cuda.py prepare {art_root} --models {' '.join(models)}; there (carry .devcarry/base, "
+            f"{art_root}): source bench/device_env.sh && " + " ".join(["python3", "bench/e2e_cuda.py", *sys.argv[1:]]))
+
+
 def run(art_root: Path, json_out: Path | None, commit: str) -> int:
     import torch
 
@@ -162,8 +168,7 @@ def run(art_root: Path, json_out: Path | None, commit: str) -> int:
         print(json.dumps(results[-1]), flush=True)
     doc = {
         "benchmark": "e2e_cuda",
-        "command": "here: python bench/e2e_cuda.py prepare .devcarry/e2e; then on the GPU machine (carry .devcarry/base, "
-                   f".devcarry/e2e): source bench/device_env.sh && python3 bench/e2e_cuda.py run .devcarry/e2e --json $OUT/e2e_cuda.json --commit {commit}",
+        "command": exact_command(art_root, sorted({name for name, _, _ in runs})),
         "git_commit": commit,
         "device": torch.cuda.get_device_name(0),
         "tvm_runtime_only": os.environ.get("TVM_USE_RUNTIME_LIB") == "1",

@@ -50,3 +50,15 @@ def test_grouped_experts_bench_builds_the_named_variants():
     assert set(got) == {"experts", "experts_fp8", "experts_warp", ge.SLOTS_FUNC, "experts_fp8_regs", "experts_pipe_w2"}
     assert got["experts_fp8_regs"] == ("fp8", True, {"stages": 0, "l2_prefetch": 0})
     assert set(ge._funcs()) >= {f"experts_{v}" for v in [*ge.VARIANTS, *ge.FP8_VARIANTS]}
+
+
+def test_e2e_command_is_the_one_that_ran(monkeypatch):
+    """The end-to-end check records the exact command that made its JSON: prepare of the models that ran, then the
+    run's own arguments (not a template with another directory and output)."""
+    import e2e_cuda
+
+    monkeypatch.setattr(sys, "argv", ["bench/e2e_cuda.py", "run", ".devcarry/e2e7", "--json", "/o/x.json", "--commit", "abc"])
+    cmd = e2e_cuda.exact_command(Path(".devcarry/e2e7"), ["olmoe-bf16", "olmoe-bf16-fp8experts"])
+    assert cmd == ("here: python bench/e2e_cuda.py prepare .devcarry/e2e7 --models olmoe-bf16 olmoe-bf16-fp8experts; there "
+                   "(carry .devcarry/base, .devcarry/e2e7): source bench/device_env.sh && python3 bench/e2e_cuda.py run "
+                   ".devcarry/e2e7 --json /o/x.json --commit abc")
