@@ -290,7 +290,7 @@ def summarize_trace(events: list, top: int = 30) -> dict:
         if e >= cur_e:
             last = name
     busy += cur_e - cur_s
-    sizes = np.sort([g[0] for g in gaps]) if gaps else np.zeros(0)
+    sizes = np.array([g[0] for g in gaps])
     span = max(a[3] for a in acts) - acts[0][2]
     by = {}
     for name, cat, s, e in acts:

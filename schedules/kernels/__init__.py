@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 
 MEMO_SIZE = 256  # results a factory keeps (least recently used first out): a process compiling many models stays bounded
 
@@ -13,24 +12,18 @@ def memoized(factory):
     parse of a kernel's TVMScript serves every build that asks for it with the same arguments (the parse was about a
     third of a small model's build, the re-rank's five kernels most of it). Only factories whose result depends on
     their arguments alone take this; a dict result is returned as a fresh copy, and arguments that cannot be hashed
-    build afresh. At most ``MEMO_SIZE`` results a factory are kept. ``cache_clear()`` empties the memo."""
-    memo: OrderedDict = OrderedDict()
+    build afresh. At most ``MEMO_SIZE`` results a factory are kept (``functools.lru_cache``). ``cache_clear()``
+    empties the memo."""
+    cached = functools.lru_cache(maxsize=MEMO_SIZE)(factory)
 
     @functools.wraps(factory)
     def wrapper(*args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
         try:
-            hit = key in memo
+            hash((args, tuple(kwargs.items())))
         except TypeError:  # an unhashable argument
             return factory(*args, **kwargs)
-        if hit:
-            memo.move_to_end(key)
-        else:
-            memo[key] = factory(*args, **kwargs)
-            if len(memo) > MEMO_SIZE:
-                memo.popitem(last=False)
-        out = memo[key]
+        out = cached(*args, **kwargs)
         return dict(out) if isinstance(out, dict) else out
 
-    wrapper.cache_clear = memo.clear
+    wrapper.cache_clear = cached.cache_clear
     return wrapper
