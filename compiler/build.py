@@ -393,7 +393,7 @@ def compile(  # noqa: A001 - the public name users call
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},
             "schedules": pipeline.schedules.sources,
-            "entry_functions": _entry_doc(tiered, graph_bounds is not None),
+            "entry_functions": _entry_doc(tiered, graph_bounds is not None, pipeline.graph is not None and pipeline.graph.greedy),
             "cuda_kernels": cuda_kernels,
             "token_input_dtype": str(imported.main.params[0].ty.dtype),
             "weights": weight_names,
@@ -458,20 +458,24 @@ def _graph_bounds(cuda_graph, tgt, offloading: bool):
 def _graph_manifest(bounds, tiered, rewrite) -> dict | None:
     if bounds is None:
         return None
-    from ..passes.cuda_graph import GRAPH_ENTRY, table_widths
+    from ..passes.cuda_graph import GRAPH_ENTRY, GREEDY_ENTRY, table_widths
 
-    doc = {"entry": GRAPH_ENTRY, "bounds": bounds.to_dict(), "decode_step": rewrite.summary}
+    doc = {"entry": GRAPH_ENTRY, "greedy_entry": GREEDY_ENTRY if rewrite.greedy else None, "bounds": bounds.to_dict(),
+           "decode_step": rewrite.summary}
     if tiered is not None:
         w1, w2 = table_widths(bounds, tiered.t1_page, tiered.t2_page)
         doc["max_table_widths"] = {"t1": w1, "t2": w2}
     return doc
 
 
-def _entry_doc(tiered, graph: bool = False) -> dict:
+def _entry_doc(tiered, graph: bool = False, greedy: bool = False) -> dict:
     doc = _entry_doc_plain(tiered)
     if graph:
         doc["decode_graph"] = ("decode with its kernel launches as CUDA graphs (same arguments and results), for steps within "
                                "options.cuda_graph.bounds; the tiered pools must be the same tensors on every call")
+    if graph and greedy:
+        doc["decode_graph_greedy"] = ("decode_graph returning argmax(logits) (tokens[1,b] of the token dtype) in place of the "
+                                      "logits, the argmax captured with the step's kernels")
     return doc
 
 

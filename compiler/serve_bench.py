@@ -486,7 +486,9 @@ class _Moec:
                 ((seq,), _), profile["prefill_chunk"]["trace"] = trace_device(lambda: e.prefill([list(prompts[0][:n])]))
                 e.release(seq)
         out = {"ttft_s": ttft, "step_s": times, "kv_bytes_per_token": kv, "profile": profile,
-               "tokens": np.stack(tokens) if tokens and not self.synthetic_kv else None}
+               "tokens": np.stack(tokens) if tokens and not self.synthetic_kv else None,
+               # decode steps run through the CUDA graphs so far in this engine, and of them with the argmax captured
+               "graph_steps": e.graph_steps, "greedy_graph_steps": e.greedy_graph_steps}
         if e.experts is not None:  # offloaded experts: what the point's calls copied (prefill included), the host to
             # device rate of the timed decode steps' copies over their time, and the copy rate measured on its own
             x = e.experts
@@ -686,6 +688,8 @@ def run_bench(shape: str, streams: list[int], contexts: list[int], systems: list
                     point["profile"] = r["profile"]
                 if r.get("experts"):
                     point["experts"] = r["experts"]
+                if "graph_steps" in r:
+                    point["graph_steps"] = {"all": r["graph_steps"], "greedy": r["greedy_graph_steps"]}
                 if r.get("tokens") is not None:  # greedy tokens of the timed steps, against the first moec system's
                     toks = np.asarray(r["tokens"], np.int64)
                     point["tokens_sha256"] = hashlib.sha256(toks.tobytes()).hexdigest()

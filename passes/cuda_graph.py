@@ -19,15 +19,23 @@ artifact keeps the plain ``decode`` (steps beyond the declared bounds, and runs 
   * ``relax.rewrite_cuda_graph.capture_symbolic_vars``: those sizes may vary; each distinct set of
     values is captured as its own graph.
 
+With the greedy sampler's ``argmax`` entry in the module it also adds ``decode_graph_greedy``, the same
+copy with the argmax kernel applied to the logits, returning each row's greedy token ``[1, N]`` (the
+token dtype) in place of the logits: a greedy step then copies no logits out of the graphs' memory
+(the returned logits are a new tensor every step, a copy of 128 x 50,304 float32 at the headline
+point) and makes no second VM call for the argmax.
+
 ``RewriteDecodeGraph`` (right after ``StaticPlanBlockMemory``) runs ``RewriteCUDAGraph`` on
-``decode_graph`` alone. The tiered cache's pools count as fixed there, like the weights: the engine
-creates them once and passes the same tensors on every step. Guarantees after: ``decode_graph``
-gets its planned storages from ``vm.builtin.cuda_graph.get_cached_alloc`` (the function
-``cuda_graph_alloc``, run once) and runs each captured region, ``decode_graph_cuda_graph_capture*``,
-through ``vm.builtin.cuda_graph.run_or_capture``; ``decode`` and the other entries are unchanged.
+``decode_graph`` (and ``decode_graph_greedy``) alone, the tiered cache's pools counted as fixed, like
+the weights: the engine creates them once and passes the same tensors on every step. Guarantees
+after: each graph entry gets its planned storages from ``vm.builtin.cuda_graph.get_cached_alloc``
+(the function ``cuda_graph_alloc``, run once; ``RewriteCUDAGraph`` merges the two entries' storages
+into one set, since they never run at the same time) and runs each captured region,
+``<entry>_cuda_graph_capture*``, through ``vm.builtin.cuda_graph.run_or_capture``; ``decode`` and the
+other entries are unchanged.
 
 What stays outside the graphs: the staging kernel (its inputs are new tensors every step), the
-kernel writing the returned logits (a new tensor every step: outputs are never planned), and with
+kernel writing the returned logits or tokens (a new tensor every step: outputs are never planned), and with
 TVM's paged cache each layer's attention (``vm.builtin.attention_kv_cache_*`` packed functions of
 the cache object, which the rewrite never captures) and the first kernel reading the cache's query
 positions.
@@ -44,6 +52,7 @@ from tvm.script import tirx as T
 from ..compiler.errors import MoecError
 
 GRAPH_ENTRY = "decode_graph"
+GREEDY_ENTRY = "decode_graph_greedy"
 CAPTURE_PREFIX = GRAPH_ENTRY + "_cuda_graph_capture"
 ALLOC_FUNC = "cuda_graph_alloc"
 STAGE_KERNEL = "stage_decode_inputs"
@@ -194,42 +203,85 @@ class PrepareDecodeGraph:
             inner = func.bind_params(dict(zip(step, staged)))  # decode's body reads the copies
             body = relax.SeqExpr([relax.BindingBlock(bindings)] + list(inner.body.blocks), inner.body.body)
             func = relax.Function(fresh + list(inner.params), body, inner.ret_ty, inner.is_pure)
-        if isinstance(func.body.body, relax.Tuple):
-            # bind the returned tuple: RewriteCUDAGraph exports a lifted value only when a binding outside its region
-            # uses it, so the updated pools (aliases made inside a region) would be left undefined in a bare return
-            out = relax.Var("outputs", func.body.body.ty)
-            body = relax.SeqExpr(list(func.body.blocks) + [relax.BindingBlock([relax.VarBinding(out, func.body.body)])], out)
-            func = relax.Function(func.params, body, func.ret_ty, func.is_pure)
-        func = func.with_attrs(attrs)
-        bb.add_func(func, GRAPH_ENTRY)
+        argmax = _argmax_kernel(mod)
+        if argmax is not None:
+            if GREEDY_ENTRY in names:
+                raise MoecError(f"{self.source}: the module already has {GREEDY_ENTRY}")
+            greedy = _greedy(relax.utils.copy_with_new_vars(func), *argmax, self.source)
+            bb.add_func(_bind_returned_tuple(greedy).with_attrs(attrs), GREEDY_ENTRY)
+        bb.add_func(_bind_returned_tuple(func).with_attrs(attrs), GRAPH_ENTRY)
         return relax.transform.Normalize()(bb.get())
+
+
+def _bind_returned_tuple(func: relax.Function) -> relax.Function:
+    """Bind a returned tuple to a variable: RewriteCUDAGraph exports a lifted value only when a binding outside its
+    region uses it, so the updated pools (aliases made inside a region) would be left undefined in a bare return."""
+    if not isinstance(func.body.body, relax.Tuple):
+        return func
+    out = relax.Var("outputs", func.body.body.ty)
+    body = relax.SeqExpr(list(func.body.blocks) + [relax.BindingBlock([relax.VarBinding(out, func.body.body)])], out)
+    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+def _argmax_kernel(mod: tvm.IRModule):
+    """(kernel GlobalVar, token dtype) of the greedy sampler's ``argmax`` entry (its one ``call_tir``), or None."""
+    from .device_sampling import ENTRY
+
+    if ENTRY not in [gv.name_hint for gv in mod.get_global_vars()]:
+        return None
+    calls = []
+    relax.analysis.post_order_visit(mod[ENTRY].body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" else None)
+    if len(calls) != 1:
+        return None
+    return calls[0].args[0], calls[0].ty.dtype
+
+
+def _greedy(func: relax.Function, kernel: relax.GlobalVar, dtype: str, source: str) -> relax.Function:
+    """``func`` (a copy of ``decode``) returning each row's greedy token ``[1, N]`` in place of its logits ``[1, N, V]``."""
+    ret = func.body.body
+    rest = list(ret.fields[1:]) if isinstance(ret, relax.Tuple) else []
+    logits = ret.fields[0] if isinstance(ret, relax.Tuple) else ret
+    shape = logits.ty.shape.values if isinstance(logits.ty, relax.TensorType) and logits.ty.shape is not None else None
+    if shape is None or len(shape) != 3:
+        raise MoecError(f"{source}: CUDA graphs: decode returns {logits.ty}, not logits [1, N, V]")
+    tokens = relax.Var("greedy_tokens", relax.TensorType((1, shape[1]), dtype))
+    call = relax.call_tir(kernel, [logits], out_ty=relax.TensorType((1, shape[1]), dtype))
+    out = relax.Tuple([tokens] + rest) if rest else tokens
+    ret_ty = relax.TupleType([tokens.ty] + [f.ty for f in rest]) if rest else tokens.ty
+    body = relax.SeqExpr(list(func.body.blocks) + [relax.BindingBlock([relax.VarBinding(tokens, call)])], out)
+    return relax.Function(func.params, body, ret_ty, func.is_pure, func.attrs)
 
 
 @tvm.transform.module_pass(opt_level=0, name="RewriteDecodeGraph")
 class RewriteDecodeGraph:
-    """``relax.transform.RewriteCUDAGraph`` on ``decode_graph`` alone, the tiered pools counted as fixed."""
+    """``relax.transform.RewriteCUDAGraph`` on ``decode_graph`` (and ``decode_graph_greedy``) alone, the tiered pools
+    counted as fixed."""
 
     def __init__(self, tiered: bool) -> None:
         self.tiered = tiered
         self.summary = None  # graph_summary of the final module (pipeline.py records it at the end of phase 4)
+        self.greedy = False  # whether the final module has decode_graph_greedy
 
     def record(self, mod: tvm.IRModule) -> None:
         self.summary = graph_summary(mod)
+        self.greedy = GREEDY_ENTRY in [gv.name_hint for gv in mod.get_global_vars()]
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        gv = mod.get_global_var(GRAPH_ENTRY)
-        func = mod[gv]
-        num_input = func.attrs["num_input"]
-        # parameters from index num_input on are fixed for the rewrite (same tensors every call): the weights,
-        # and the tiered cache's pools (the engine's, created once); the step inputs before them are not
-        fixed_from = len(TIERED_STEP_INPUTS) if self.tiered else int(num_input)
-        others = {g: f for g, f in mod.functions_items() if isinstance(f, relax.Function) and not g.same_as(gv)}
-        sub = tvm.IRModule({g: f for g, f in mod.functions_items() if g.same_as(gv) or not isinstance(f, relax.Function)},
+        entries = [gv for gv in mod.get_global_vars() if gv.name_hint in (GRAPH_ENTRY, GREEDY_ENTRY)]
+        num_input = {gv: mod[gv].attrs["num_input"] for gv in entries}
+        others = {g: f for g, f in mod.functions_items() if isinstance(f, relax.Function) and g not in num_input}
+        sub = tvm.IRModule({g: f for g, f in mod.functions_items() if g in num_input or not isinstance(f, relax.Function)},
                            attrs=mod.attrs)
-        sub[gv] = _isolate_branches(func).with_attr("num_input", fixed_from)
+        for gv in entries:
+            # parameters from index num_input on are fixed for the rewrite (same tensors every call): the weights,
+            # and the tiered cache's pools (the engine's, created once); the step inputs before them are not
+            fixed_from = len(TIERED_STEP_INPUTS) if self.tiered else int(num_input[gv])
+            sub[gv] = _isolate_branches(mod[gv]).with_attr("num_input", fixed_from)
         with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
             out = relax.transform.RewriteCUDAGraph()(sub)
-        out[gv] = out[gv].with_attr("num_input", num_input)
+        for gv in entries:
+            out[gv] = out[gv].with_attr("num_input", num_input[gv])
         for g, f in others.items():
             out[g] = f
         return out
@@ -305,4 +357,4 @@ def graph_summary(mod: tvm.IRModule) -> dict:
             "planned_bytes": planned}
 
 
-__all__ = ["GraphBounds", "PrepareDecodeGraph", "RewriteDecodeGraph", "GRAPH_ENTRY", "graph_summary", "table_widths"]
+__all__ = ["GraphBounds", "PrepareDecodeGraph", "RewriteDecodeGraph", "GRAPH_ENTRY", "GREEDY_ENTRY", "graph_summary", "table_widths"]

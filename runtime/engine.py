@@ -280,11 +280,14 @@ class Engine:
             raise MoecError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
         if cuda_graph and not doc:
             raise MoecError(f"{directory}: artifact has no CUDA graphs (compile it with --cuda-graph)")
-        self._decode_graph, self.graph_bounds, self.graph_widths = None, None, None
+        self._decode_graph, self._greedy_graph, self.graph_bounds, self.graph_widths = None, None, None, None
         self.graph_steps = 0  # decode steps that ran through the graphs
+        self.greedy_graph_steps = 0  # of which through decode_graph_greedy (the argmax captured too)
         self.chained_steps = 0  # decode steps whose input ids were the previous step's argmax on the device
         if doc and device == "cuda" and cuda_graph is not False:
             self._decode_graph = self.vm[doc["entry"]]
+            if doc.get("greedy_entry") and self._argmax is not None:  # (artifacts before it: the argmax after the graphs)
+                self._greedy_graph = self.vm[doc["greedy_entry"]]
             self.graph_bounds = doc["bounds"]
             widths = doc.get("max_table_widths")
             self.graph_widths = (widths["t1"], widths["t2"]) if widths else None
@@ -375,10 +378,13 @@ class Engine:
                 f"{self.max_total_tokens}-token cache; release sequences or load with a larger max_total_tokens"
             )
 
-    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False, device_ids=None):
+    def _run(self, fn, seq_ids, tokens_per_seq, logit_pos=None, on_device: bool = False, device_ids=None,
+             greedy: bool = False):
         """One forward; the logits ``[b, V]`` on the host, or (``on_device``) the ``[1, b, V]`` device tensor.
         ``device_ids``: instead of ``tokens_per_seq``, one token a sequence already on the device (``[1, b]``, the
-        token dtype: the previous step's ``argmax``)."""
+        token dtype: the previous step's ``argmax``). ``greedy`` (a decode step, with the device argmax): each row's
+        greedy token instead, the ``[1, b]`` device tensor (through ``decode_graph_greedy`` where the graphs serve the
+        step: no logits leave the graphs' memory)."""
         if self.experts is not None:  # the compiled graph asks this engine's expert store for residency
             global _ACTIVE_EXPERTS
             _ACTIVE_EXPERTS = weakref.ref(self.experts)
@@ -394,10 +400,14 @@ class Engine:
             if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
                 raise MoecError(f"token ids must be in [0, {self.vocab_size})")
         graph = self._decode_graph if fn is self._decode and len(seq_ids) <= self._graph_max_batch() else None
+        if greedy and graph is not None and self._greedy_graph is not None:
+            graph = self._greedy_graph
         if self.tiered is not None:
-            out = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos, graph=graph)
+            out, graphed = self.tiered.forward(fn, list(seq_ids), counts, flat, logit_pos, graph=graph)
             for s, c in zip(seq_ids, counts):
                 self.lengths[s] += c
+            if greedy:
+                return self._greedy_tokens(out, graphed)
             return out if on_device else out.numpy()[0]
         self._reserve(seq_ids, counts)
         if graph is not None:
@@ -415,7 +425,16 @@ class Engine:
             self._end(self.cache)
         for s, c in zip(seq_ids, counts):
             self.lengths[s] += c
+        if greedy:
+            return self._greedy_tokens(out, graph)
         return out if on_device else out.numpy()[0]
+
+    def _greedy_tokens(self, out, graph):
+        """A greedy step's tokens on the device: ``out`` itself if the greedy graph entry ran, else its logits' argmax."""
+        if graph is not None and graph is self._greedy_graph:
+            self.greedy_graph_steps += 1
+            return out
+        return self._argmax(out)
 
     # ----------------------------------------------------------- public API
     def fill_synthetic(self, lengths, seed: int = 0) -> list[int]:
@@ -526,8 +545,7 @@ class Engine:
         to the host; an artifact built before that entry existed takes the argmax of host logits."""
         if self._argmax is None:
             return self.decode(seq_ids, tokens).argmax(-1)
-        logits = self._decode_step(seq_ids, tokens, on_device=True)
-        return self._argmax(logits).numpy()[0].astype(np.int64)
+        return self._decode_step(seq_ids, tokens, on_device=True, greedy=True).numpy()[0].astype(np.int64)
 
     def decode_greedy_steps(self, seq_ids, tokens, steps: int):
         """``steps`` greedy decode steps of the same sequences from ``tokens`` (one a sequence); yields each step's
@@ -552,11 +570,10 @@ class Engine:
         ids, pending = None, None
         for _ in range(steps):
             if ids is None:
-                logits = self._decode_step(seq_ids, tokens, on_device=True)
+                ids = self._decode_step(seq_ids, tokens, on_device=True, greedy=True)
             else:
-                logits = self._decode_step(seq_ids, None, on_device=True, device_ids=ids)
+                ids = self._decode_step(seq_ids, None, on_device=True, device_ids=ids, greedy=True)
                 self.chained_steps += 1
-            ids = self._argmax(logits)
             if str(ids.dtype) != self.token_dtype:  # an older artifact's int32 argmax: through the host
                 tokens, ids = ids.numpy()[0].astype(np.int64), None
                 yield tokens
@@ -568,11 +585,11 @@ class Engine:
         if pending is not None:
             yield self._readback.fetch(pending)
 
-    def _decode_step(self, seq_ids, tokens, on_device: bool, device_ids=None):
+    def _decode_step(self, seq_ids, tokens, on_device: bool, device_ids=None, greedy: bool = False):
         if device_ids is None and len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
         per_seq = None if device_ids is not None else [[int(t)] for t in tokens]
-        out = self._run(self._decode, list(seq_ids), per_seq, on_device=on_device, device_ids=device_ids)
+        out = self._run(self._decode, list(seq_ids), per_seq, on_device=on_device, device_ids=device_ids, greedy=greedy)
         if self.tiered is not None:
             self.tiered.after_decode_step(list(seq_ids))
         return out
@@ -665,8 +682,9 @@ class _TieredState:
         return self.e.inputs.put(key, a)
 
     def forward(self, fn, seq_ids, counts, flat, logit_pos, graph=None):
-        """One forward; ``graph`` (the ``decode_graph`` entry, for a decode step of few enough rows) runs it instead
-        of ``fn`` when the page tables fit its widths, with the widths rounded up to powers of two (fewer captures)."""
+        """One forward; ``graph`` (a graph entry, for a decode step of few enough rows) runs it instead of ``fn`` when
+        the page tables fit its widths, with the widths rounded up to powers of two (fewer captures). Returns the first
+        output on the device and the graph entry that ran, or None."""
         pt = self.tables
         slots = [self.slot[s] for s in seq_ids]
         decode_step = all(n == 1 for n in counts)  # one token a row: every input array at once, below
@@ -702,7 +720,8 @@ class _TieredState:
         if logit_pos is not None:
             args.append(self._tensor(np.asarray(logit_pos, dtype=np.int32), "logit_pos"))
         args += [self._tensor(a, f"step{i}") for i, a in enumerate(cache)] + self.pools
-        return fn(*args, *self.e.weights)[0]  # (logits, *pools updated in place): logits on the device
+        # (logits, *pools updated in place), or the greedy graph's (tokens, *pools): on the device; and the graph run
+        return fn(*args, *self.e.weights)[0], (graph if fn is graph else None)
 
     def fill_tables(self, seq: int, n: int, chunk: int) -> None:
         """Page tables of ``seq`` as a prefill of ``n`` tokens in ``chunk``-token calls leaves them (no kernel runs)."""

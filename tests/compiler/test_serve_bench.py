@@ -35,6 +35,8 @@ def test_bench_writes_json_and_plot(tmp_path):
             assert p["decode_tokens_per_s"] == pytest.approx(p["streams"] / p["tpot_ms_median"] * 1e3)
             # moec: a warm-up step, then 2 timed; HF (eager: no warm-up) times all 3
             assert len(p["step_ms"]) == (2 if name.startswith("moec") else 3)
+            if name.startswith("moec"):
+                assert p["graph_steps"] == {"all": 0, "greedy": 0}  # no CUDA graphs on the CPU
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

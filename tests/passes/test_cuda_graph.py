@@ -12,7 +12,8 @@ from tvm.script import relax as R
 from moec.compiler.errors import MoecError
 from moec.compiler.importers import import_model
 from moec.compiler.targets import make_target
-from moec.passes.cuda_graph import (ALLOC_FUNC, CAPTURE_PREFIX, GET_CACHED_ALLOC, GRAPH_ENTRY, RUN_OR_CAPTURE, STAGE_KERNEL,
+from moec.passes.cuda_graph import (ALLOC_FUNC, CAPTURE_PREFIX, GET_CACHED_ALLOC, GRAPH_ENTRY, GREEDY_ENTRY, RUN_OR_CAPTURE,
+                                    STAGE_KERNEL,
                                     GraphBounds, graph_summary, table_widths)
 from moec.passes.dense_gemm import InsertDenseGEMM
 from moec.passes.fuse_router_norm import FuseRouterIntoNorm
@@ -82,6 +83,34 @@ def test_tiered_decode_is_one_captured_region(tiered):
     assert s["planned_bytes"] > 0
 
 
+def test_greedy_graph_returns_tokens_not_logits(tiered):
+    """``decode_graph_greedy``: the graph entry with the argmax captured too; it returns the tokens (as ``argmax`` does),
+    so no logits are copied out of the graphs' memory, and shares ``decode_graph``'s planned storages."""
+    mod, _ = tiered["graph"]
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    captures = sorted(n for n in names if n.startswith(GREEDY_ENTRY + "_cuda_graph_capture"))
+    assert len(captures) == 1 and not any(c.startswith(CAPTURE_PREFIX) for c in captures)
+    graph_inside = _kernel_calls(mod, next(n for n in names if n.startswith(CAPTURE_PREFIX)))
+    inside, outside = _kernel_calls(mod, captures[0]), _kernel_calls(mod, GREEDY_ENTRY)
+    # the decode graph's kernels, then the argmax writing the returned tokens (outside: outputs are never planned),
+    # and no copy of the logits: the kernel that writes them into decode_graph's returned tensor is not there
+    assert outside == [STAGE_KERNEL, "argmax_rows"]
+    logits_writer = [k for k in _kernel_calls(mod, GRAPH_ENTRY) if k != STAGE_KERNEL]
+    assert len(logits_writer) == 1 and sorted(inside) == sorted(graph_inside + logits_writer)
+    ret = mod[GREEDY_ENTRY].ret_ty
+    tokens = ret.fields[0] if isinstance(ret, relax.TupleType) else ret
+    argmax_ret = mod["argmax"].ret_ty
+    assert tokens.dtype == argmax_ret.dtype == "int64" and len(tokens.shape.values) == 2
+    assert len(ret.fields) == len(mod[GRAPH_ENTRY].ret_ty.fields)  # the same updated pools after the tokens
+    # one storage allocation function for both entries, each fetching it once
+    assert sum(n == ALLOC_FUNC for n in names) == 1
+    for entry in (GRAPH_ENTRY, GREEDY_ENTRY):
+        calls = []
+        relax.analysis.post_order_visit(mod[entry].body, lambda e: calls.append(str(e.args[0].global_symbol)) if isinstance(e, relax.Call)
+                                        and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_builtin_with_ctx" else None)
+        assert calls.count(GET_CACHED_ALLOC) == 1 and calls.count(RUN_OR_CAPTURE) == 1, entry
+
+
 def test_tiered_graph_memory_is_planned_for_the_bounds(tiered):
     mod, _ = tiered["graph"]
     attrs = mod[GRAPH_ENTRY].attrs
@@ -108,7 +137,8 @@ def test_plain_entries_unchanged(tiered):
     for name in ("decode", "prefill", "rerank", "argmax"):
         assert _alpha(graph[name].script()) == _alpha(plain[name].script()), name
     names = {gv.name_hint for gv in plain.get_global_vars()}
-    assert GRAPH_ENTRY not in names and ALLOC_FUNC not in names and not any(n.startswith(CAPTURE_PREFIX) for n in names)
+    assert GRAPH_ENTRY not in names and GREEDY_ENTRY not in names and ALLOC_FUNC not in names
+    assert not any(n.startswith(CAPTURE_PREFIX) for n in names)
 
 
 def test_paged_decode_splits_at_the_cache_attention(tiny_onnx):

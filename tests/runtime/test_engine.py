@@ -261,6 +261,61 @@ def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
         next(b.decode_greedy_steps(sb, [1], 2))
 
 
+@pytest.mark.parametrize("cache", ["paged", "tiered"])
+def test_greedy_steps_take_the_greedy_graph(zoo, tmp_path, cache):
+    """Which entry a step runs, on CPU with stand-ins for the graph entries (built for CUDA only): a greedy step within the
+    graphs' bounds runs ``decode_graph_greedy`` and returns its tokens with no argmax after it, a step returning logits
+    runs ``decode_graph``, a step beyond the bounds the plain ``decode`` and then the argmax; the tokens are the
+    ungraphed engine's either way."""
+    from moec.passes.tiered_kv_attention import TieredOptions
+
+    if cache == "paged":
+        art = zoo.artifact("tiny", "onnx")
+    else:
+        art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / "tiered", kv_cache="tiered",
+                           tiered_options=TieredOptions(t2_page=32, sink=2, recent=8, rerank_every=3))
+    e, ref = moec.load(art), moec.load(art)
+    decode, argmax = e.vm["decode"], e.vm["argmax"]
+    calls = []
+
+    def graph(*args):
+        calls.append("graph")
+        return decode(*args)
+
+    def greedy(*args):
+        calls.append("greedy")
+        out = decode(*args)
+        return argmax(out) if hasattr(out, "shape") else [argmax(out[0])] + [out[i] for i in range(1, len(out))]
+
+    real_argmax = e._argmax
+    e._argmax = lambda logits: (calls.append("argmax"), real_argmax(logits))[1]
+    e._decode_graph, e._greedy_graph, e.graph_bounds = graph, greedy, {"max_batch": 2}
+    e.graph_widths = (1 << 20, 1 << 20) if cache == "tiered" else None
+    prompts = [list(range(3, 3 + n)) for n in (70, 9, 41)]
+    se, le = e.prefill(prompts)
+    sr, lr = ref.prefill(prompts)
+    tok = le.argmax(-1)
+    calls.clear()
+    got, want = e.decode_greedy(se, list(tok)), ref.decode_greedy(sr, list(tok))  # 3 streams: beyond the bounds
+    np.testing.assert_array_equal(got, want)
+    assert calls == ["argmax"] and e.graph_steps == 0
+    e.release(se.pop())
+    ref.release(sr.pop())
+    tok = got[:2]
+    calls.clear()
+    got, want = e.decode_greedy(se, list(tok)), ref.decode_greedy(sr, list(tok))
+    np.testing.assert_array_equal(got, want)
+    assert calls == ["greedy"] and e.greedy_graph_steps == e.graph_steps == 1
+    calls.clear()
+    steps = list(e.decode_greedy_steps(se, list(got), 6))
+    want = [ref.decode_greedy(sr, list(t)) for t in [got] + steps[:-1]]
+    np.testing.assert_array_equal(np.stack(steps), np.stack(want))
+    assert calls == ["greedy"] * 6 and e.greedy_graph_steps == 7 and e.chained_steps == 5
+    calls.clear()
+    np.testing.assert_allclose(e.decode(se, list(steps[-1])), ref.decode(sr, list(steps[-1])), rtol=0, atol=1e-5)
+    assert calls == ["graph"] and e.graph_steps == 8 and e.greedy_graph_steps == 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["paged", "tiered", "tiered-graph"])
 def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
@@ -287,7 +342,15 @@ def test_pipelined_greedy_steps_on_gpu(zoo, tmp_path, cache):
     got = list(b.decode_greedy_steps(sb, list(la.argmax(-1)), 24))
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
     assert b.chained_steps == 23 and a.lengths == b.lengths
-    assert (b.graph_steps >= 23) == graph
+    assert (b.graph_steps >= 23) == graph and (b.greedy_graph_steps >= 23) == graph
+    if graph:  # the greedy graph's tokens are the argmax of the ungraphed decode's logits
+        c = moec.load(art, device="cuda", cuda_graph=False)
+        sc, lc = c.prefill(prompts)
+        tok = lc.argmax(-1)
+        for w in want:
+            tok = c.decode(sc, list(tok)).argmax(-1)
+            np.testing.assert_array_equal(tok, w)
+        assert c.graph_steps == 0
 
 
 def test_input_buffers_grow_and_keep_their_front():
