@@ -78,6 +78,7 @@ def compile(  # noqa: A001 - the public name users call
     expert_slots: int | None = None,
     gpu_memory_budget: int | None = None,
     prefill_gemm: str = "auto",
+    pdl: bool = False,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -170,6 +171,10 @@ def compile(  # noqa: A001 - the public name users call
         ``decode`` for the rest. "auto" (default): ``GraphBounds()`` for the CUDA target unless the experts
         are offloaded (``expert_slots`` or ``gpu_memory_budget``: the runtime's residency calls between the
         kernels cannot be replayed), otherwise off.
+    pdl : bool
+        CUDA sm_90 and later: launch every kernel with programmatic dependent launch (``moec.passes.pdl``): each
+        kernel waits for the previous grid in its first instruction, so the next grid's launch and block dispatch
+        overlap the kernel before it (in the CUDA graphs too). Off by default.
 
     Returns
     -------
@@ -198,6 +203,13 @@ def compile(  # noqa: A001 - the public name users call
         raise MoecError(f"prefill GEMMs must be 'auto', 'streamed' or 'tiled', got {prefill_gemm!r}")
     if expert_weights is not None and not grouped_experts:
         raise MoecError("--expert-weights needs the grouped experts (drop --no-grouped-experts)")
+    if not isinstance(pdl, bool):
+        raise MoecError(f"pdl must be True or False, got {pdl!r}")
+    tir_pipeline = "default"
+    if pdl:
+        from ..passes.pdl import tir_pipeline as pdl_pipeline
+
+        tir_pipeline = pdl_pipeline(tgt)
     graph_bounds = _graph_bounds(cuda_graph, tgt, expert_slots is not None or gpu_memory_budget is not None)
     if gpu_memory_budget is not None and (not isinstance(gpu_memory_budget, int) or isinstance(gpu_memory_budget, bool)
                                           or gpu_memory_budget < 1):
@@ -319,7 +331,7 @@ def compile(  # noqa: A001 - the public name users call
             return pipeline(imported.mod), pipeline.entries, tgt
     t1 = time.perf_counter()
     try:
-        executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline)
+        executable = tvm.compile(imported.mod, target=tgt, relax_pipeline=pipeline, tir_pipeline=tir_pipeline)
     except MoecError:
         raise
     except Exception as exc:
@@ -390,6 +402,7 @@ def compile(  # noqa: A001 - the public name users call
                         "rope_norm": rope_norm.manifest() if rope_norm is not None else None,
                         "prefill_gemm": prefill_gemm,
                         "cuda_graph": _graph_manifest(graph_bounds, tiered, pipeline.graph),
+                        "pdl": pdl,
                         "debug_dump": str(debug_dump) if debug_dump else None},
             "tuning": tuning.manifest() if tuning is not None else {"database": None, "applied": 0},
             "schedules": pipeline.schedules.sources,

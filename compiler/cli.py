@@ -56,7 +56,7 @@ def cmd_compile(args) -> int:
                  grouped_experts=args.grouped_experts, expert_weights=args.expert_weights, tuning_db=args.tuning_db,
                  expert_slots=args.expert_slots, gpu_memory_budget=args.gpu_memory_budget,
                  dense_gemm=args.dense_gemm, rms_norm=args.rms_norm, cuda_graph=_graph_bounds(args),
-                 prefill_gemm=args.prefill_gemm)
+                 prefill_gemm=args.prefill_gemm, pdl=args.pdl)
     if args.report_schedules:
         from ..schedules.rules import format_schedule_report
         from .artifact import read_manifest
@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                       "planned for it; default 128)")
     g.add_argument("--graph-max-context", type=int, default=4096,
                    help="most tokens of one stream the graphs serve (sizes the tiered page tables; default 4096)")
+    p.add_argument("--pdl", action="store_true",
+                   help="CUDA sm_90+: launch every kernel with programmatic dependent launch (each waits for the grid "
+                        "before it in its first instruction, so the next launch overlaps the kernel before it)")
     p.add_argument("--report-schedules", action="store_true", help="print each kernel's schedule source afterwards")
     p.set_defaults(func=cmd_compile)
 
@@ -450,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
                         "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident; "
-                        "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed), "
+                        "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed; moec-<cache>-pdl: --pdl), "
                         "moec-tiered-fields (--decode-kernel "
                         "split-fields), moec-tiered-half2 / -mma / -paired (--decode-kernel split-half2 / split-mma / "
                         "split-paired), hf-eager, hf-compile")

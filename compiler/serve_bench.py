@@ -25,6 +25,8 @@ first such system's at the point (``tokens_vs``: offloaded experts must agree fu
   moec-<cache>-graph                                the same as moec-<cache> (the graphs, now the default)
   moec-<cache>-fp8experts                           the routed experts' weights in FP8 e4m3 with per-channel
                                                     scales (``--expert-weights fp8``); its floor counts those bytes
+  moec-<cache>[-fp8experts]-pdl                     the same built with ``--pdl`` (CUDA: programmatic dependent
+                                                    launch of every kernel)
   moec-<cache>-offload[-fp8]                        experts offloaded into ``--expert-slots`` device slots,
   moec-<cache>-prefetch[-fp8]                       loaded on demand, or also prefetched; -fp8: stored and
                                                     copied as FP8 codes and scales (``--expert-weights fp8``)
@@ -92,13 +94,17 @@ def _prefetched(name: str) -> bool:
 
 def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
-    return name.endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
+    return name.removesuffix("-pdl").endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
+
+
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
            "moec-tiered-graph", "moec-paged-nograph", "moec-bf16-nograph", "moec-fp8-nograph", "moec-tiered-nograph",
            "moec-tiered-fields", "moec-tiered-half2", "moec-tiered-mma", "moec-tiered-paired", "hf-eager", "hf-compile") + tuple(
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
-    f"moec-{c}-{p}" for c in ("paged", "bf16", "fp8", "tiered") for p in ("ptiled", "pstreamed"))
+    f"moec-{c}-{p}" for c in ("paged", "bf16", "fp8", "tiered") for p in ("ptiled", "pstreamed")) + tuple(
+    f"moec-{c}{x}-pdl" for c in ("paged", "bf16", "fp8", "tiered") for x in ("", "-fp8experts"))
+# moec-<cache>[-fp8experts]-pdl: the same built with --pdl (every kernel launched with programmatic dependent launch)
 # moec-<cache>-ptiled / -pstreamed: the prefill entry's expert and dense GEMMs both block-tiled / both streamed
 # (--prefill-gemm tiled / streamed; the default, auto, tiles the dense projections only)
 # moec-<cache>-fp8experts: the routed experts' weights stored as FP8 e4m3 with per-channel scales (--expert-weights fp8;
@@ -362,6 +368,8 @@ class _Moec:
         self.profile = profile
         self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
+        pdl = kind.endswith("-pdl")
+        kind = kind.removesuffix("-pdl")
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
         from ..passes.cuda_graph import GraphBounds
         from .build import graphs_by_default
@@ -377,7 +385,8 @@ class _Moec:
         prefill_gemm = next((g for g in ("tiled", "streamed") if kind.endswith(f"-p{g}")), "auto")
         tag = (f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
             "-nograph" if kind.endswith("-nograph") else "") + (
-            ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + (f"-p{prefill_gemm}" if prefill_gemm != "auto" else "")
+            ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + (f"-p{prefill_gemm}" if prefill_gemm != "auto" else "") + (
+            "-pdl" if pdl else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -388,7 +397,7 @@ class _Moec:
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
                          kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          expert_weights="fp8" if fp8_experts else None,
-                         tiered_options=tiered, prefill_gemm=prefill_gemm)
+                         tiered_options=tiered, prefill_gemm=prefill_gemm, pdl=pdl)
             if not offload:
                 _share_weights(art, work)
         extra = {"expert_prefetch": 0 if _prefetched(kind) else None, "expert_prefetch_gate": prefetch_gate} if offload else {}
