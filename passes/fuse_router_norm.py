@@ -365,6 +365,8 @@ class FuseRouterIntoNorm:
         self.fused: dict[str, int] = {}
         self.skipped: dict[str, list[str]] = {}
         self.kernels: dict[NormRouterSpec, str] = {}
+        self.topk_fused: dict[str, int] = {}  # per entry, the kernels that took the softmax top-k too (FuseTopKIntoRouterNorm)
+        self.topk_skipped: dict[str, list[str]] = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         entries = num_input_entries(mod, "FuseRouterIntoNorm", self.source)
@@ -391,7 +393,143 @@ class FuseRouterIntoNorm:
     def manifest(self) -> dict:
         """Fused norm + router pairs per entry, the kernels (one per distinct shape/dtype), and what was skipped."""
         return {"fused": dict(self.fused), "kernels": {name: asdict(spec) for spec, name in self.kernels.items()},
-                "skipped": {k: v for k, v in self.skipped.items() if v}}
+                "skipped": {k: v for k, v in self.skipped.items() if v}, "topk_fused": dict(self.topk_fused),
+                "topk_skipped": {k: v for k, v in self.topk_skipped.items() if v}}
 
 
-__all__ = ["FuseRouterIntoNorm"]
+def _dims(ty) -> tuple:
+    """The shape of a tensor type (``shape_of`` takes an expression)."""
+    return shape_of(relax.Var("t", ty))
+
+
+@relax.expr_functor.mutator
+class _TopKRewriter(relax.PyExprMutator):
+    """Each matched ``norm_router`` call becomes its top-k form; its logits' outputs and the ``topk_softmax`` call's go."""
+
+    def __init__(self, mod, matches: dict, kernel) -> None:
+        super().__init__(mod)
+        self.matches = matches  # norm_router call var -> (spec, logits index, topk call var, its output type)
+        self.kernel = kernel  # spec -> GlobalVar
+        self.new: dict[relax.Var, relax.Var] = {}  # norm_router call var -> the top-k form's call
+        self.topk: dict[relax.Var, list] = {}  # topk_softmax call var -> [idx, val] (reshaped to its outputs)
+        self.dead: set = set()  # the logits' items and the reshapes to the top-k: their users are gone
+
+    def visit_var_binding_(self, binding) -> None:
+        var, value = binding.var, binding.value
+        if var in self.matches:
+            spec, at, tk, tk_ty = self.matches[var]
+            rows = _dims(var.ty.fields[at])[0]  # T
+            outs = list(var.ty.fields[:at]) + [relax.TensorType([rows, spec.topk], spec.index_dtype),
+                                               relax.TensorType([rows, spec.topk], spec.values_dtype)]
+            new = self.builder_.emit(relax.call_tir(self.kernel(spec), [self.visit_expr(a) for a in value.args[1].fields],
+                                                    out_ty=outs))
+            res = []
+            for i, ty in enumerate(tk_ty.fields):  # idx, val as the topk call gave them
+                got = self.builder_.emit(relax.TupleGetItem(new, at + i))
+                res.append(got if same_shape(shape_of(got), _dims(ty)) else self.builder_.emit(relax.op.reshape(got, _dims(ty))))
+            self.topk[tk] = res
+            self.new[var] = new
+        elif isinstance(value, relax.TupleGetItem) and value.tuple_value in self.matches:
+            spec, at, _, _ = self.matches[value.tuple_value]
+            if value.index != at:  # x, y: the same positions in the new call's outputs
+                self.set_var_remap(var, self.builder_.emit(relax.TupleGetItem(self.new[value.tuple_value], value.index)))
+        elif isinstance(value, relax.TupleGetItem) and value.tuple_value in self.topk:
+            self.set_var_remap(var, self.topk[value.tuple_value][value.index])
+        elif var in self.topk or var in self.dead:
+            pass
+        else:
+            super().visit_var_binding_(binding)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseTopKIntoRouterNorm")
+class FuseTopKIntoRouterNorm:
+    """The softmax top-k after a fused norm + router goes into the same kernel (``norm_router``'s top-k form).
+
+    Expects the ``norm_router`` calls of ``FuseRouterIntoNorm`` and the ``topk_softmax`` calls of ``FuseSoftmaxTopK``
+    (run after both). Matches, by structure: a ``norm_router`` call without a router bias whose logits output [T, E]
+    has one user chain, through reshapes only, ending in a ``topk_softmax`` call over the same T rows of E (its input
+    dtype the logits' own). Guarantees after: one ``call_tir`` of the kernel's top-k form (``NormRouterSpec.topk``;
+    on CUDA the multi-token form, decode's a token a block) with outputs [x,] y, idx [T, K], val [T, K]: the
+    ``topk_softmax`` call's outputs are those (reshaped to its shapes), the norm's and the residual's as before; no
+    logits are written. The same indices as the two kernels give and the same values up to float rounding: the kernel
+    selects over the logits rounded to their dtype as the unfused pair stores them. Others stay (``skipped`` says
+    why where a norm_router's logits reached a top-k another way)."""
+
+    def __init__(self, fuse: FuseRouterIntoNorm, topk, target: tvm.target.Target, source: str = "model") -> None:
+        self.fuse, self.topk_pass, self.target, self.source = fuse, topk, target, source
+        self.fused, self.skipped = fuse.topk_fused, fuse.topk_skipped  # (the fuse pass's manifest reports them)
+
+    def _match(self, g: DataflowGraph, var, spec: NormRouterSpec, topk_keys: dict):
+        """(logits index, topk call var, its output type, K, index dtype, values dtype) for the norm_router call
+        ``var``, or a reason string."""
+        at = len(var.ty.fields) - 1  # the logits: the last output
+        if spec.bias_dtype is not None:
+            return "a router bias"
+        items = [u for u in g.users.get(var, []) if isinstance(g.value.get(u), relax.TupleGetItem)]
+        logits = [u for u in items if g.value[u].index == at]
+        if len(logits) != 1 or len(items) != len(g.users.get(var, [])):
+            return "its outputs read other than item by item"
+        cur = logits[0]
+        while True:
+            users = g.users.get(cur, [])
+            if len(users) != 1:
+                return "the logits have other users"
+            cur = users[0]
+            if g.op(cur) == "relax.reshape" or isinstance(g.value.get(cur), relax.Var):
+                continue
+            break
+        tk = g.call(cur)
+        if g.op(cur) != "relax.call_tir" or tk.args[0].name_hint not in topk_keys:
+            return "the logits reach no topk_softmax"
+        n, k, dtype, index_dtype, values_dtype = topk_keys[tk.args[0].name_hint]
+        rows = _dims(cur.ty.fields[0])[0]
+        if n != spec.outputs or dtype != spec.logits_dtype or not same_shape((rows,), _dims(var.ty.fields[at])[:1]):
+            return "the top-k is over other rows"
+        return at, cur, cur.ty, k, index_dtype, values_dtype
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        form = "cuda" if self.target.kind.name == "cuda" else "llvm"
+        specs = {name: spec for spec, name in self.fuse.kernels.items()}
+        topk_keys = {name: key for key, name in self.topk_pass.kernels.items()}
+        kernels = KernelCache(lambda spec: make_norm_router(spec, form),
+                              lambda spec: "norm_router_topk" + (f"_t{spec.tokens}" if spec.tokens else ""), self.fuse.kernels)
+        out = mod
+        for gv, func in num_input_entries(mod, "FuseTopKIntoRouterNorm", self.source):
+            func = relax.analysis.remove_all_unused(func)  # (the softmax FuseSoftmaxTopK left dead)
+            g = DataflowGraph(func, int(func.attrs["num_input"]))
+            matches, skipped = {}, []
+            for b in g.bindings:
+                call = g.call(b.var)
+                if g.op(b.var) != "relax.call_tir" or call.args[0].name_hint not in specs:
+                    continue
+                spec = specs[call.args[0].name_hint]
+                got = self._match(g, b.var, spec, topk_keys)
+                if isinstance(got, str):
+                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {got}")
+                    continue
+                at, tk, tk_ty, k, index_dtype, values_dtype = got
+                new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype,
+                              tokens=(spec.tokens or 1) if form == "cuda" else spec.tokens)
+                try:
+                    check_supported(new, form)
+                except MoecError as exc:
+                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {exc}")
+                    continue
+                matches[b.var] = (new, at, tk, tk_ty)
+            self.fused[gv.name_hint] = len(matches)
+            self.skipped[gv.name_hint] = skipped
+            if not matches:
+                continue
+            rewriter = _TopKRewriter(out, matches, None)
+            for var, (spec, at, tk, _) in matches.items():
+                cur = next(u for u in g.users[var] if g.value[u].index == at)
+                while cur != tk:
+                    rewriter.dead.add(cur)
+                    cur = g.users[cur][0]
+            rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+            out = rewriter.builder_.get()
+        return out
+
+
+__all__ = ["FuseRouterIntoNorm", "FuseTopKIntoRouterNorm"]

@@ -18,7 +18,7 @@ from ..schedules.rules import schedule_pass
 from .cascade_gating import CascadeGating
 from .cuda_graph import GraphBounds, PrepareDecodeGraph, RewriteDecodeGraph
 from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
-from .fuse_router_norm import FuseRouterIntoNorm
+from .fuse_router_norm import FuseRouterIntoNorm, FuseTopKIntoRouterNorm
 from .legalize_topk import FuseSoftmaxTopK, legalize_topk
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_layout import SimplifyLayout
@@ -124,7 +124,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     cache of ``kv_dtype`` elements (``InsertPagedKVAttention``). ``cascade`` (off by default), a
     configured ``CascadeGating`` pass, rewrites the routers of ``main`` before the entries are built.
     ``fuse_router_norm`` (a ``FuseRouterIntoNorm`` pass, or None for unfused) then fuses each router
-    matmul (the coarse one after cascade gating) with its RMSNorm in the entries, and ``rms_norm`` (an
+    matmul (the coarse one after cascade gating) with its RMSNorm in the entries (and, after ``FuseSoftmaxTopK``, the
+    softmax top-k reading its logits: ``FuseTopKIntoRouterNorm``), and ``rms_norm`` (an
     ``InsertRMSNorm`` pass, or None) makes each remaining RMSNorm one kernel; ``rope_norm`` (a ``FuseRoPEIntoNorm``
     pass, or None) computes the rotary embedding after Q- and K-norms in their kernel.
     ``grouped_experts`` (an ``InsertGroupedExperts`` pass, or None) then replaces each recognised routed-expert
@@ -141,6 +142,7 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
     else:
         insert = InsertPagedKVAttention(num_inputs, target, source, kv_dtype)
         entries = ["prefill", "decode", ARGMAX, "create_kv_cache"]
+    topk = FuseSoftmaxTopK(target, source)
     passes = [
         # Phase 1. Decode-ready entry points (attention -> paged KV cache); optional cascade routers first,
         # optional norm + router fusion in the entries last.
@@ -154,7 +156,8 @@ def moec_pipeline(num_inputs: int, target: tvm.target.Target, source: str = "mod
         *([grouped_experts] if grouped_experts is not None else []),
         *([combine_norm] if combine_norm is not None else []),
         *([dense_gemm] if dense_gemm is not None else []),
-        FuseSoftmaxTopK(target, source),
+        topk,
+        *([FuseTopKIntoRouterNorm(fuse_router_norm, topk, target, source)] if fuse_router_norm is not None else []),
         AddGreedySampler(target, source),
         relax.transform.DeadCodeElimination(entries),
         _dump(dump, "phase1_entries"),

@@ -49,6 +49,7 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_SHARED = 48 * 1024  # static shared memory of one block
 TOKENS_MAX = 16  # rows a block of the multi-token form (registers: one float32 sum per row and lane)
 TOKEN_WARPS = 8  # warps a block of the multi-token form
+TOPK_MAX_OUTPUTS = 992  # the top-k form: a warp selects over a row's logits, at most 31 a lane
 ROW_REGS = 256  # bytes of its router row a lane of the per-token form loads before the first barrier (64 registers;
 #                 a longer share is loaded after the normalised row, as it is read)
 
@@ -69,6 +70,9 @@ class NormRouterSpec:
     rows_layout: str = "ed"  # "ed": rows [E, D]; "de": rows given transposed, [D, E]
     residual: bool = False  # x = ra + rb (both x_dtype) computed here and written out too (the residual stream)
     tokens: int = 0  # CUDA: 0, a block per (token, logit group); TB > 0, a block per TB tokens (prefill chunks)
+    topk: int = 0  # K > 0: each row's top-K of softmax(logits) (indices, values) written instead of the logits
+    index_dtype: str = "int64"  # with topk: the indices' dtype
+    values_dtype: str = "float32"  # with topk: the softmax values' dtype
 
     def check(self) -> None:
         if not isinstance(self.hidden, int) or not isinstance(self.outputs, int) or self.hidden < 1 or self.outputs < 1:
@@ -83,6 +87,16 @@ class NormRouterSpec:
             raise MoecError(f"norm_router: eps must be >= 0, got {self.eps}")
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or not 0 <= self.tokens <= TOKENS_MAX:
             raise MoecError(f"norm_router: tokens must be 0 (a block per token) or 1..{TOKENS_MAX} tokens a block, got {self.tokens!r}")
+        if self.topk:
+            if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= self.outputs:
+                raise MoecError(f"norm_router: topk must be 1..{self.outputs} (the outputs), got {self.topk!r}")
+            if self.outputs > TOPK_MAX_OUTPUTS:
+                raise MoecError(f"norm_router: the top-k of {self.outputs} outputs exceeds the {TOPK_MAX_OUTPUTS} a warp holds")
+            if self.bias_dtype is not None:
+                raise MoecError("norm_router: the top-k form takes no router bias")
+            if self.index_dtype not in ("int32", "int64") or self.values_dtype not in DTYPES:
+                raise MoecError(f"norm_router: top-k indices int32 / int64 and values one of {', '.join(DTYPES)}, got "
+                                f"{self.index_dtype!r}, {self.values_dtype!r}")
 
 
 def _vec(d: int, *dtypes: str) -> int:
@@ -114,7 +128,7 @@ def launch_config(spec: NormRouterSpec) -> dict:
         rvec = _vec(spec.hidden, spec.rows_dtype, spec.y_dtype) if spec.rows_layout == "ed" else 1
         return {"threads": 32 * TOKEN_WARPS, "warps": TOKEN_WARPS, "tokens_per_block": spec.tokens, "blocks": "ceil(T / tokens)",
                 "vec": vec, "rows_vec": rvec, "iters": -(-spec.hidden // (32 * vec)), "rows_iters": -(-spec.hidden // (32 * rvec)),
-                "shared_bytes": spec.tokens * spec.hidden * _BYTES[spec.y_dtype]}
+                "shared_bytes": spec.tokens * spec.hidden * _BYTES[spec.y_dtype] + (spec.tokens * spec.outputs * 4 if spec.topk else 0)}
     vec = _vec(spec.hidden, spec.x_dtype, spec.weight_dtype, spec.y_dtype)
     chunks = -(-spec.hidden // vec)  # 16-byte chunks of a row
     threads = min(256, max(32, 32 * -(-chunks // 32)))
@@ -130,6 +144,8 @@ def check_supported(spec: NormRouterSpec, target: str = "llvm") -> None:
     spec.check()
     if target not in ("llvm", "cuda"):
         raise MoecError(f"norm_router: target must be 'llvm' or 'cuda', got {target!r}")
+    if target == "cuda" and spec.topk and not spec.tokens:
+        raise MoecError("norm_router: the top-k form is the multi-token one on CUDA (tokens >= 1)")
     if target == "cuda" and launch_config(spec)["shared_bytes"] > MAX_SHARED:
         raise MoecError(f"norm_router: a normalised row of {spec.hidden} {spec.y_dtype} needs "
                         f"{launch_config(spec)['shared_bytes']} bytes of shared memory, more than {MAX_SHARED}")
@@ -155,14 +171,20 @@ def _make_llvm(spec: NormRouterSpec):
     def row(rows, e, d):
         return rows[e, d] if ed else rows[d, e]
 
+    TOPK = spec.topk > 0
+    select = _select_topk(spec)
+
     @T.macro
-    def body(ra, rb, x, w, rows, bias, y, logits, N):
+    def body(ra, rb, x, w, rows, bias, y, logits, idx, val, N):
         for t in T.serial(N):
             with T.sblock("norm_router"):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                 yv = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                lg = T.sblock_alloc_buffer((E,), "float32", scope="local")  # top-k: the row's logits as stored
+                sel = T.sblock_alloc_buffer((4,), "float32", scope="local")  # top-k: max, sum of exp, best value, its index
+                tk = T.sblock_alloc_buffer((E,), "int32", scope="local")  # top-k: taken
                 if spec.residual:  # the sum, rounded to its dtype as stored
                     for d in T.serial(D):
                         x[t, d] = T.Cast(spec.x_dtype, _f32(ra[t, d]) + _f32(rb[t, d]))
@@ -179,9 +201,43 @@ def _make_llvm(spec: NormRouterSpec):
                         acc[0] = acc[0] + yv[d] * _f32(row(rows, e, d))
                     if has_bias:
                         acc[0] = acc[0] + _f32(bias[e])
-                    logits[t, e] = T.Cast(spec.logits_dtype, acc[0])
+                    if TOPK:
+                        lg[e] = _f32(T.Cast(spec.logits_dtype, acc[0]))
+                    else:
+                        logits[t, e] = T.Cast(spec.logits_dtype, acc[0])
+                if TOPK:
+                    select(lg, tk, idx, val, t, sel)
 
     return _signature(spec, body)
+
+
+def _select_topk(spec: NormRouterSpec):
+    """A TIR macro ``select(lg, tk, idx, val, t, sel)`` (serial; tk [E] int32 scratch): row t's top-K of ``softmax(lg)`` over lg [E] float32, as
+    ``topk_softmax`` selects them: K passes, each the largest value not taken (the lower index on a tie), its softmax
+    ``exp(v - max) / sum exp(lg - max)`` in float32."""
+    E, K = spec.outputs, spec.topk
+
+    @T.macro
+    def select(lg, tk, idx, val, t, sel):
+        for e in T.serial(E):
+            tk[e] = 0
+        sel[0] = T.float32(-3.0e38)
+        for e in T.serial(E):
+            sel[0] = T.max(sel[0], lg[e])
+        sel[1] = T.float32(0)
+        for e in T.serial(E):
+            sel[1] = sel[1] + T.exp(lg[e] - sel[0])
+        for p in T.serial(K):
+            sel[3] = T.float32(-1)
+            for e in T.serial(E):
+                if tk[e] == 0 and (sel[3] < T.float32(0) or lg[e] > sel[2]):
+                    sel[2] = lg[e]
+                    sel[3] = T.Cast("float32", e)
+            idx[t, p] = T.Cast(spec.index_dtype, T.Cast("int32", sel[3]))
+            val[t, p] = T.Cast(spec.values_dtype, T.exp(sel[2] - sel[0]) / sel[1])
+            tk[T.Cast("int32", sel[3])] = 1
+
+    return select
 
 
 def _router_row(ed: bool, rvec: int):
@@ -219,7 +275,7 @@ def _make_cuda(spec: NormRouterSpec):
             buf[idx] = buf[idx] + shfl(buf[idx], T.shift_right(16, r))
 
     @T.macro
-    def body(ra, rb, x, w, rows, bias, y, logits, N):
+    def body(ra, rb, x, w, rows, bias, y, logits, idx, val, N):  # (idx, val: the top-k form's, not this one's)
         for t in T.thread_binding(N, thread="blockIdx.x"):
             for b in T.thread_binding(NB, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -316,18 +372,25 @@ def _make_cuda_tokens(spec: NormRouterSpec):
     rfull = D % (32 * RVEC) == 0
     RPW = -(-TB // NW)  # rows a warp normalises
     router_row = _router_row(ed, RVEC)
+    K, TOPK = spec.topk, spec.topk > 0
+    C = -(-E // 32)  # top-k: logits a lane holds
+    NEG = T.float32(-3.0e38)
 
     def shfl(v, o):
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
 
     @T.macro
-    def body(ra, rb, x, w, rows, bias, y, logits, N):
+    def body(ra, rb, x, w, rows, bias, y, logits, idx, val, N):
         for blk in T.thread_binding((N + TB - 1) // TB, thread="blockIdx.x"):
             for tx in T.thread_binding(32 * NW, thread="threadIdx.x"):
                 with T.sblock("norm_router_tokens"):
                     T.reads()
                     T.writes()
                     ys = T.sblock_alloc_buffer((TB * D,), spec.y_dtype, scope="shared")
+                    ls = T.sblock_alloc_buffer((TB * E if TOPK else 1,), "float32", scope="shared")  # top-k: logits as stored
+                    vals = T.sblock_alloc_buffer((C,), "float32", scope="local")
+                    sel = T.sblock_alloc_buffer((6,), "float32", scope="local")  # max, sum, best, its index, other's two
+                    taken = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
                     bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                     wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
@@ -393,22 +456,92 @@ def _make_cuda_tokens(spec: NormRouterSpec):
                             if lane == 0:
                                 for k in T.unroll(TB):
                                     if t0 + k < n32:
-                                        if has_bias:
+                                        if TOPK:  # (no bias: check)
+                                            ls[k * E + e0 * NW + warp] = _f32(T.Cast(spec.logits_dtype, acc[k]))
+                                        elif has_bias:
                                             logits[t0 + k, e0 * NW + warp] = T.Cast(spec.logits_dtype, acc[k] + _f32(bias[e0 * NW + warp]))
                                         else:
                                             logits[t0 + k, e0 * NW + warp] = T.Cast(spec.logits_dtype, acc[k])
+                    if TOPK:
+                        # ---- the top-k of each row's softmax: warp w selects rows w, w + NW, ... (as topk_softmax's warp
+                        # form: lane l holds logits l, l + 32, ...; K passes of a warp argmax, the lower index on a tie)
+                        T.tvm_storage_sync("shared")
+                        for j in T.unroll(RPW):
+                            if j * NW + warp < TB and t0 + j * NW + warp < n32:
+                                for c in T.unroll(C):
+                                    vals[c] = T.if_then_else(c * 32 + lane < E, ls[(j * NW + warp) * E + T.min(c * 32 + lane, E - 1)], NEG)
+                                sel[0] = NEG
+                                for c in T.unroll(C):
+                                    sel[0] = T.max(sel[0], vals[c])
+                                for o in T.unroll(5):
+                                    sel[0] = T.max(sel[0], shfl(sel[0], 16 >> o))
+                                sel[1] = T.float32(0)
+                                for c in T.unroll(C):
+                                    if c * 32 + lane < E:
+                                        sel[1] = sel[1] + T.exp(vals[c] - sel[0])
+                                for o in T.unroll(5):
+                                    sel[1] = sel[1] + shfl(sel[1], 16 >> o)
+                                taken[0] = 0
+                                for p in T.serial(K):
+                                    sel[2] = NEG
+                                    sel[3] = T.float32(E)  # no candidate
+                                    for c in T.unroll(C):  # the lane's best untaken entry (lower index first)
+                                        if c * 32 + lane < E and (taken[0] >> c) & 1 == 0:
+                                            if sel[3] == T.float32(E) or vals[c] > sel[2]:
+                                                sel[2] = vals[c]
+                                                sel[3] = T.Cast("float32", c * 32 + lane)
+                                    for o in T.unroll(5):
+                                        sel[4] = shfl(sel[2], 16 >> o)
+                                        sel[5] = shfl(sel[3], 16 >> o)
+                                        if sel[5] < T.float32(E) and (sel[3] == T.float32(E) or sel[4] > sel[2]
+                                                                     or (sel[4] == sel[2] and sel[5] < sel[3])):
+                                            sel[2] = sel[4]
+                                            sel[3] = sel[5]
+                                    if lane == 0:
+                                        idx[t0 + j * NW + warp, p] = T.Cast(spec.index_dtype, T.Cast("int32", sel[3]))
+                                        val[t0 + j * NW + warp, p] = T.Cast(spec.values_dtype, T.exp(sel[2] - sel[0]) / sel[1])
+                                    if T.Cast("int32", sel[3]) % 32 == lane:
+                                        taken[0] = taken[0] | (1 << (T.Cast("int32", sel[3]) // 32))
 
     return _signature(spec, body)
 
 
 def _signature(spec: NormRouterSpec, body):
     """The PrimFunc around ``body``: (x, w, rows, [bias], y, logits), or with ``residual`` (ra, rb, w, rows, [bias],
-    x, y, logits); T dynamic."""
+    x, y, logits); with ``topk`` K, (idx [T, K], val [T, K]) in place of the logits (no bias); T dynamic."""
     D, E = spec.hidden, spec.outputs
     rows_shape = (E, D) if spec.rows_layout == "ed" else (D, E)
     attrs = {"tirx.is_scheduled": True, "global_symbol": "norm_router", "tirx.noalias": True}
     bias_dtype = spec.bias_dtype or spec.logits_dtype  # (no bias: the body never reads it)
-    if spec.residual and spec.bias_dtype is not None:
+    K = spec.topk
+    if K and spec.residual:
+        @T.prim_func(s_tir=True)
+        def norm_router(ra_h: T.handle, rb_h: T.handle, w_h: T.handle, rows_h: T.handle, x_h: T.handle, y_h: T.handle,
+                        idx_h: T.handle, val_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            ra = T.match_buffer(ra_h, (N, D), spec.x_dtype)
+            rb = T.match_buffer(rb_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            idx = T.match_buffer(idx_h, (N, K), spec.index_dtype)
+            val = T.match_buffer(val_h, (N, K), spec.values_dtype)
+            body(ra, rb, x, w, rows, val, y, val, idx, val, N)  # no bias, no logits: never read or written
+    elif K:
+        @T.prim_func(s_tir=True)
+        def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, y_h: T.handle, idx_h: T.handle, val_h: T.handle):
+            T.func_attr(attrs)
+            N = T.int64()
+            x = T.match_buffer(x_h, (N, D), spec.x_dtype)
+            w = T.match_buffer(w_h, (D,), spec.weight_dtype)
+            rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
+            y = T.match_buffer(y_h, (N, D), spec.y_dtype)
+            idx = T.match_buffer(idx_h, (N, K), spec.index_dtype)
+            val = T.match_buffer(val_h, (N, K), spec.values_dtype)
+            body(x, x, x, w, rows, val, y, val, idx, val, N)  # no residual, bias or logits
+    elif spec.residual and spec.bias_dtype is not None:
         @T.prim_func(s_tir=True)
         def norm_router(ra_h: T.handle, rb_h: T.handle, w_h: T.handle, rows_h: T.handle, bias_h: T.handle, x_h: T.handle,
                         y_h: T.handle, logits_h: T.handle):
@@ -422,7 +555,7 @@ def _signature(spec: NormRouterSpec, body):
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(ra, rb, x, w, rows, bias, y, logits, N)
+            body(ra, rb, x, w, rows, bias, y, logits, logits, logits, N)
     elif spec.residual:
         @T.prim_func(s_tir=True)
         def norm_router(ra_h: T.handle, rb_h: T.handle, w_h: T.handle, rows_h: T.handle, x_h: T.handle, y_h: T.handle,
@@ -436,7 +569,7 @@ def _signature(spec: NormRouterSpec, body):
             x = T.match_buffer(x_h, (N, D), spec.x_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(ra, rb, x, w, rows, logits, y, logits, N)  # no bias: never read
+            body(ra, rb, x, w, rows, logits, y, logits, logits, logits, N)  # no bias: never read
     elif spec.bias_dtype is not None:
         @T.prim_func(s_tir=True)
         def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, bias_h: T.handle, y_h: T.handle, logits_h: T.handle):
@@ -448,7 +581,7 @@ def _signature(spec: NormRouterSpec, body):
             bias = T.match_buffer(bias_h, (E,), bias_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(x, x, x, w, rows, bias, y, logits, N)  # no residual: ra, rb never read
+            body(x, x, x, w, rows, bias, y, logits, logits, logits, N)  # no residual: ra, rb never read
     else:
         @T.prim_func(s_tir=True)
         def norm_router(x_h: T.handle, w_h: T.handle, rows_h: T.handle, y_h: T.handle, logits_h: T.handle):
@@ -459,7 +592,7 @@ def _signature(spec: NormRouterSpec, body):
             rows = T.match_buffer(rows_h, rows_shape, spec.rows_dtype)
             y = T.match_buffer(y_h, (N, D), spec.y_dtype)
             logits = T.match_buffer(logits_h, (N, E), spec.logits_dtype)
-            body(x, x, x, w, rows, x, y, logits, N)  # no residual, no bias: never read
+            body(x, x, x, w, rows, x, y, logits, logits, logits, N)  # no residual, no bias: never read
     return norm_router
 
 
@@ -477,4 +610,17 @@ def reference(x, w, rows, bias, eps: float, y_dtype=None, logits_dtype=None, row
     return y, logits.astype(logits_dtype or np.float32)
 
 
-__all__ = ["NormRouterSpec", "check_supported", "launch_config", "make_norm_router", "prefill_spec", "reference"]
+def reference_topk(logits, k: int):
+    """NumPy reference of the top-k form: each row's k largest logits (the lower index first on a tie; stable) and
+    their softmax over the row, in float32 from the logits as stored."""
+    import numpy as np
+
+    lf = np.asarray(logits, np.float32)
+    idx = np.argsort(-lf, axis=-1, kind="stable")[:, :k]
+    p = np.exp(lf - lf.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return idx, np.take_along_axis(p, idx, -1)
+
+
+__all__ = ["NormRouterSpec", "check_supported", "launch_config", "make_norm_router", "prefill_spec", "reference",
+           "reference_topk"]

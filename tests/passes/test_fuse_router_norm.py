@@ -15,7 +15,7 @@ import moec
 from moec.compiler.errors import MoecError
 from moec.compiler.targets import make_target
 from moec.passes.fuse_router_norm import FuseRouterIntoNorm
-from moec.schedules.kernels.norm_router import NormRouterSpec, launch_config, make_norm_router, reference
+from moec.schedules.kernels.norm_router import NormRouterSpec, launch_config, make_norm_router, reference, reference_topk
 
 from moec_testing import ATOL, torch_last_logits
 from moec_testing import prefill_and_decode as _run
@@ -547,3 +547,153 @@ def test_ir_residual_add_fused(tmp_path):
     np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(outs[1][2], outs[0][2])
+
+
+# ---------------------------------------------------------------------------- the top-k form (router + topk_softmax)
+
+TOPK_SPECS = [
+    (NormRouterSpec(64, 8, 1e-5, topk=2), 1),
+    (NormRouterSpec(256, 40, 1e-5, *["bfloat16"] * 5, residual=True, topk=4, values_dtype="bfloat16"), 1),
+    (NormRouterSpec(256, 12, 1e-5, *["bfloat16"] * 4, "float32", topk=3, index_dtype="int32"), 3),
+    (NormRouterSpec(200, 6, 1e-6, rows_layout="de", residual=True, topk=6), 2),
+]
+TOPK_IDS = ["fp32-k2", "bf16-residual-40x4", "bf16-int32-tokens3", "transposed-residual-all"]
+
+
+def _topk_inputs(spec, t, seed):
+    rng = np.random.default_rng(seed)
+    x, w, rows, _ = _kernel_args(spec, t, seed=seed)
+    if spec.residual:
+        ra = (rng.standard_normal((t, spec.hidden)) * 3).astype(NP[spec.x_dtype])
+        rb = rng.standard_normal((t, spec.hidden)).astype(NP[spec.x_dtype])
+        x = (ra.astype(np.float32) + rb.astype(np.float32)).astype(NP[spec.x_dtype])
+        return {"ra": ra, "rb": rb, "w": w, "rows": rows}, x
+    return {"x": x, "w": w, "rows": rows}, x
+
+
+def _check_topk(spec, x, w, rows, got_x, y, idx, val):
+    want_y, want_l = reference(x, w, rows, None, spec.eps, NP[spec.y_dtype], NP[spec.logits_dtype], spec.rows_layout)
+    want_i, want_v = reference_topk(want_l, spec.topk)
+    tol = 1e-5 if spec.y_dtype == "float32" else 1e-2
+    if got_x is not None:
+        np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_allclose(y.astype(np.float32), want_y.astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(idx, want_i)
+    np.testing.assert_allclose(val.astype(np.float32), want_v, rtol=1e-2 if spec.values_dtype != "float32" else 1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec,tokens", TOPK_SPECS, ids=TOPK_IDS)
+def test_topk_form_matches_numpy(spec, tokens):
+    """The norm + router + softmax top-k in one kernel (llvm form): the normalised rows as the plain kernel's, the
+    indices and softmax values of ``topk_softmax`` over the logits as stored; no logits written."""
+    ex = tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "llvm")}), target=LLVM)
+    for t in (1, 7):
+        ins, x = _topk_inputs(spec, t, seed=t)
+        outs = ([np.zeros((t, spec.hidden), NP[spec.x_dtype])] if spec.residual else []) + [
+            np.zeros((t, spec.hidden), NP[spec.y_dtype]), np.zeros((t, spec.topk), spec.index_dtype),
+            np.zeros((t, spec.topk), NP[spec.values_dtype])]
+        args = [tvm.runtime.tensor(a) for a in list(ins.values()) + outs]
+        ex["norm_router"](*args)
+        got = [a.numpy() for a in args[len(ins):]]
+        _check_topk(spec, x, ins["w"], ins["rows"], got[0] if spec.residual else None, *got[-3:])
+
+
+@pytest.mark.parametrize("spec,tokens", TOPK_SPECS, ids=TOPK_IDS)
+def test_topk_cuda_form_emulated(spec, tokens):
+    """The CUDA top-k form (the multi-token kernel, ``tokens`` rows a block; a warp per row selects K of the block's
+    logits in shared memory) on the CPU emulation of its generated code, against NumPy, with a partial last block."""
+    from dataclasses import replace
+
+    from cuda_emu import EmulatedKernel
+
+    from moec.compiler.build import _cuda_modules
+
+    spec = replace(spec, tokens=tokens)
+    src = _cuda_modules(tvm.compile(tvm.IRModule({"norm_router": make_norm_router(spec, "cuda")}),
+                                    target=make_target("cuda", "sm_90")).mod)[0].inspect_source("cuda")
+    kern = EmulatedKernel(src, "norm_router_kernel")
+    cfg = launch_config(spec)
+    assert cfg["shared_bytes"] == tokens * spec.hidden * NP[spec.y_dtype](0).itemsize + tokens * spec.outputs * 4
+    for t in (5, 11):
+        ins, x = _topk_inputs(spec, t, seed=t)
+        y = np.full((t, spec.hidden), np.nan, NP[spec.y_dtype])
+        idx = np.full((t, spec.topk), -7, spec.index_dtype)
+        val = np.full((t, spec.topk), np.nan, NP[spec.values_dtype])
+        args = {**ins, "y": y, "idx": idx, "val": val, "N": t}
+        if spec.residual:
+            args["x"] = np.zeros_like(x)
+        kern((-(-t // tokens), 1, 1), cfg["threads"],
+             **{k: (v.view(np.uint16) if isinstance(v, np.ndarray) and v.dtype == ml_dtypes.bfloat16 else v) for k, v in args.items()})
+        _check_topk(spec, x, ins["w"], ins["rows"], args["x"] if spec.residual else None, y, idx, val)
+
+
+def test_topk_form_refusals():
+    with pytest.raises(MoecError, match="topk must be"):
+        NormRouterSpec(64, 8, 1e-5, topk=9).check()
+    with pytest.raises(MoecError, match="no router bias"):
+        NormRouterSpec(64, 8, 1e-5, bias_dtype="float32", topk=2).check()
+    with pytest.raises(MoecError, match="exceeds the 992"):
+        NormRouterSpec(64, 1000, 1e-5, topk=2).check()
+    with pytest.raises(MoecError, match="multi-token one on CUDA"):
+        make_norm_router(NormRouterSpec(64, 8, 1e-5, topk=2), "cuda")
+
+
+def _phase1(imported, target, topk: bool):
+    """Phase 1 of the default pipeline with the norm + router fusion, the top-k joining it (``topk``) or not."""
+    from moec.passes import pipeline as pl
+
+    fuse = FuseRouterIntoNorm(target)
+    if not topk:  # the same pipeline with FuseTopKIntoRouterNorm a no-op
+        orig = pl.FuseTopKIntoRouterNorm
+        pl.FuseTopKIntoRouterNorm = lambda *a, **k: tvm.transform.module_pass(lambda m, _c: m, opt_level=0, name="noop")
+    try:
+        pipe, _ = pl.moec_pipeline(imported.num_inputs, target, "hf-olmoe", fuse_router_norm=fuse, phases=1)
+        with target:
+            return pipe(imported.mod), fuse
+    finally:
+        if not topk:
+            pl.FuseTopKIntoRouterNorm = orig
+
+
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_ir_topk_joins_the_norm_router(zoo, target):
+    """An OLMoE router (softmax, top-k of the probabilities, no renormalisation: ``FuseSoftmaxTopK``'s topk_softmax):
+    before, each layer's norm_router writes logits that a topk_softmax kernel reads; after, one norm_router_topk call a
+    layer gives the indices and values, in both entries, the CUDA decode in the multi-token form a token a block."""
+    imported = zoo.imported("hf-olmoe", "pt2")
+    tgt = LLVM if target == "llvm" else make_target("cuda", "sm_90")
+    (before, _), (after, fuse) = _phase1(imported, tgt, False), _phase1(imported, tgt, True)
+    layers = 2
+    assert fuse.topk_fused == {"decode": layers, "prefill": layers} and not any(fuse.topk_skipped.values())
+    for entry in ("decode", "prefill"):
+        names_b = [c.args[0].name_hint for c in _tir_calls(before[entry])]
+        names_a = [c.args[0].name_hint for c in _tir_calls(after[entry])]
+        assert names_b.count("topk_softmax") == layers and "topk_softmax" not in names_a
+        fused = [c for c in _tir_calls(after[entry]) if c.args[0].name_hint.startswith("norm_router_topk")]
+        assert len(fused) == layers and not [n for n in names_a if n.startswith("norm_router") and "topk" not in n]
+        # the other kernels are the same, call for call
+        rest = lambda names: [n for n in names if not n.startswith(("norm_router", "topk_softmax"))]  # noqa: E731
+        assert rest(names_a) == rest(names_b)
+        for c in fused:
+            spec = next(s for s, n in fuse.kernels.items() if n == c.args[0].name_hint)
+            assert (spec.outputs, spec.topk, spec.index_dtype, spec.residual) == (8, 2, "int64", True)  # 8 experts, top-2
+            assert [f.dtype for f in c.ty.fields] == ["float32", "float32", "int64", "float32"]  # x, y, idx, val: no logits
+            if target == "cuda":
+                assert spec.tokens == (1 if entry == "decode" else 8)
+    assert fuse.manifest()["topk_fused"] == {"decode": layers, "prefill": layers}
+
+
+def test_compiled_topk_fused_equals_unfused(zoo, tmp_path):
+    """hf-olmoe compiled by default (norm + router + top-k in one kernel a layer) against the build without the router
+    fusion, and against torch: prefill and three decode steps."""
+    fused = zoo.artifact("hf-olmoe", "pt2")  # the default build (test_engine's)
+    unfused = moec.compile(zoo.imported("hf-olmoe", "pt2"), tmp_path / "unfused", target="llvm", fuse_router_norm=False)
+    mf = json.loads((fused / "manifest.json").read_text())["options"]["fuse_router_norm"]
+    assert mf["topk_fused"] == {"decode": 2, "prefill": 2}
+    assert all("topk" in name for name in mf["kernels"] if name.startswith("norm_router_topk")) and any(
+        spec["topk"] for spec in mf["kernels"].values())
+    (lf, hist), (lu, _) = _run(fused), _run(unfused)
+    np.testing.assert_allclose(lf, lu, rtol=1e-5, atol=1e-5)
+    model, _ = zoo.model("hf-olmoe")
+    for i in range(2):
+        np.testing.assert_allclose(lf[-1][i], torch_last_logits(model, hist[i]), atol=ATOL, rtol=1e-4)
