@@ -30,6 +30,13 @@ w normalises rows w, w + 8, ... into shared memory (and y), then computes the lo
 for all TB rows at once: each router row is read once per TB tokens (per token, the other form reads the router's
 E rows and its own row NB times over, from the L2: at a prefill chunk of 2048 tokens that traffic, not the bytes
 of x, bounds the kernel).
+
+With ``topk`` K (the router's softmax top-k, as ``topk_softmax`` computes it: ``FuseTopKIntoRouterNorm``) the kernel
+writes each row's K indices [T, K] and softmax values [T, K] in place of the logits: the logits, rounded to
+``logits_dtype`` as the unfused pair stores them, stay in shared memory (CUDA) or registers (llvm), and K passes take
+the largest not yet taken (the lower index on a tie), its value ``exp(l - max) / sum exp(logits - max)`` in float32.
+On CUDA this is the multi-token form (``tokens`` >= 1; the decode entry's a token a block), after whose logits a warp
+per row holds E / 32 logits a lane and selects by shuffles; no router bias, E at most 992.
 """
 
 from __future__ import annotations
