@@ -25,6 +25,7 @@ from tvm.sym.analyzer import Analyzer
 from tvm.script import tirx as T
 
 from ..schedules.kernels import memoized
+from ..schedules.kernels.topk import NEG, warp_select
 
 _ROW_WARPS = 4  # CUDA form: rows (warps) per block
 
@@ -109,13 +110,8 @@ def _topk_select_warp(n: int, k: int, dtype: str, index_dtype: str, largest: boo
     larger value winning and, on a tie, the lower index (as the CPU form), and the owning lane marks it.
     With ``softmax`` the row's max and sum of exponentials are reduced first (shuffles too)."""
     C = -(-n // 32)  # entries per lane
-    if C > 31:
-        raise ValueError(f"topk over {n} entries: the warp form holds at most 992 per row")
     sign = T.float32(1.0 if largest else -1.0)
-    NEG = T.float32(-3.0e38)
-
-    def shfl(v, o):
-        return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
+    select = warp_select(n, k, index_dtype, values_dtype, softmax, largest)  # (raises past 992 entries)
 
     @T.macro
     def body(x, idx, val, rows):
@@ -134,43 +130,8 @@ def _topk_select_warp(n: int, k: int, dtype: str, index_dtype: str, largest: boo
                         if r < rows:  # the same for the whole warp: the shuffles see every lane
                             for c in T.unroll(C):
                                 vals[c] = T.if_then_else(c * 32 + tx < n,
-                                                         T.Cast("float32", x[r, T.min(c * 32 + tx, n - 1)]) * sign, NEG)
-                            if softmax:
-                                stat[0] = NEG
-                                for c in T.unroll(C):
-                                    stat[0] = T.max(stat[0], vals[c])
-                                for o in T.unroll(5):
-                                    stat[0] = T.max(stat[0], shfl(stat[0], 16 >> o))
-                                stat[1] = T.float32(0)
-                                for c in T.unroll(C):
-                                    if c * 32 + tx < n:
-                                        stat[1] = stat[1] + T.exp(vals[c] - stat[0])
-                                for o in T.unroll(5):
-                                    stat[1] = stat[1] + shfl(stat[1], 16 >> o)
-                            taken[0] = 0
-                            for p in T.serial(k):
-                                bv[0] = NEG
-                                bi[0] = n
-                                for c in T.unroll(C):  # the lane's best untaken entry (lower index first)
-                                    if c * 32 + tx < n and (taken[0] >> c) & 1 == 0:
-                                        if bi[0] == n or vals[c] > bv[0]:
-                                            bv[0] = vals[c]
-                                            bi[0] = c * 32 + tx
-                                for o in T.unroll(5):
-                                    ov[0] = shfl(bv[0], 16 >> o)
-                                    oi[0] = shfl(bi[0], 16 >> o)
-                                    if oi[0] < n and (bi[0] == n or ov[0] > bv[0] or (ov[0] == bv[0] and oi[0] < bi[0])):
-                                        bv[0] = ov[0]
-                                        bi[0] = oi[0]
-                                if tx == 0:
-                                    idx[r, p] = T.Cast(index_dtype, bi[0])
-                                    if values_dtype is not None:
-                                        if softmax:
-                                            val[r, p] = T.Cast(values_dtype, T.exp(bv[0] - stat[0]) / stat[1])
-                                        else:
-                                            val[r, p] = T.Cast(values_dtype, bv[0] * sign)
-                                if bi[0] % 32 == tx:
-                                    taken[0] = taken[0] | (1 << (bi[0] // 32))
+                                                         T.Cast("float32", x[r, T.min(c * 32 + tx, n - 1)]) * sign, T.float32(NEG))
+                            select(vals, taken, stat, bv, bi, ov, oi, tx, idx, val, r)
 
     if values_dtype is None:
         @T.prim_func(private=True, s_tir=True)

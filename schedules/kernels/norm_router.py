@@ -50,6 +50,7 @@ except ImportError:  # runtime-only TVM (the GPU bench): launch_config still wor
 
 from ...compiler.errors import MoecError
 from . import memoized
+from .topk import NEG, warp_select
 
 DTYPES = ("float32", "float16", "bfloat16")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -379,9 +380,10 @@ def _make_cuda_tokens(spec: NormRouterSpec):
     rfull = D % (32 * RVEC) == 0
     RPW = -(-TB // NW)  # rows a warp normalises
     router_row = _router_row(ed, RVEC)
-    K, TOPK = spec.topk, spec.topk > 0
+    TOPK = spec.topk > 0
     C = -(-E // 32)  # top-k: logits a lane holds
-    NEG = T.float32(-3.0e38)
+    if TOPK:
+        select = warp_select(E, spec.topk, spec.index_dtype, spec.values_dtype, softmax=True)
 
     def shfl(v, o):
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, o, 32, 32)
@@ -395,9 +397,13 @@ def _make_cuda_tokens(spec: NormRouterSpec):
                     T.writes()
                     ys = T.sblock_alloc_buffer((TB * D,), spec.y_dtype, scope="shared")
                     ls = T.sblock_alloc_buffer((TB * E if TOPK else 1,), "float32", scope="shared")  # top-k: logits as stored
-                    vals = T.sblock_alloc_buffer((C,), "float32", scope="local")
-                    sel = T.sblock_alloc_buffer((6,), "float32", scope="local")  # max, sum, best, its index, other's two
+                    vals = T.sblock_alloc_buffer((C,), "float32", scope="local")  # top-k: the warp's row, C a lane
                     taken = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    bv = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    bi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    ov = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    oi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     xl = T.sblock_alloc_buffer((IT * VEC,), spec.x_dtype, scope="local")
                     bl = T.sblock_alloc_buffer((VEC,), spec.x_dtype, scope="local")
                     wl = T.sblock_alloc_buffer((VEC,), spec.weight_dtype, scope="local")
@@ -476,39 +482,9 @@ def _make_cuda_tokens(spec: NormRouterSpec):
                         for j in T.unroll(RPW):
                             if j * NW + warp < TB and t0 + j * NW + warp < n32:
                                 for c in T.unroll(C):
-                                    vals[c] = T.if_then_else(c * 32 + lane < E, ls[(j * NW + warp) * E + T.min(c * 32 + lane, E - 1)], NEG)
-                                sel[0] = NEG
-                                for c in T.unroll(C):
-                                    sel[0] = T.max(sel[0], vals[c])
-                                for o in T.unroll(5):
-                                    sel[0] = T.max(sel[0], shfl(sel[0], 16 >> o))
-                                sel[1] = T.float32(0)
-                                for c in T.unroll(C):
-                                    if c * 32 + lane < E:
-                                        sel[1] = sel[1] + T.exp(vals[c] - sel[0])
-                                for o in T.unroll(5):
-                                    sel[1] = sel[1] + shfl(sel[1], 16 >> o)
-                                taken[0] = 0
-                                for p in T.serial(K):
-                                    sel[2] = NEG
-                                    sel[3] = T.float32(E)  # no candidate
-                                    for c in T.unroll(C):  # the lane's best untaken entry (lower index first)
-                                        if c * 32 + lane < E and (taken[0] >> c) & 1 == 0:
-                                            if sel[3] == T.float32(E) or vals[c] > sel[2]:
-                                                sel[2] = vals[c]
-                                                sel[3] = T.Cast("float32", c * 32 + lane)
-                                    for o in T.unroll(5):
-                                        sel[4] = shfl(sel[2], 16 >> o)
-                                        sel[5] = shfl(sel[3], 16 >> o)
-                                        if sel[5] < T.float32(E) and (sel[3] == T.float32(E) or sel[4] > sel[2]
-                                                                     or (sel[4] == sel[2] and sel[5] < sel[3])):
-                                            sel[2] = sel[4]
-                                            sel[3] = sel[5]
-                                    if lane == 0:
-                                        idx[t0 + j * NW + warp, p] = T.Cast(spec.index_dtype, T.Cast("int32", sel[3]))
-                                        val[t0 + j * NW + warp, p] = T.Cast(spec.values_dtype, T.exp(sel[2] - sel[0]) / sel[1])
-                                    if T.Cast("int32", sel[3]) % 32 == lane:
-                                        taken[0] = taken[0] | (1 << (T.Cast("int32", sel[3]) // 32))
+                                    vals[c] = T.if_then_else(c * 32 + lane < E, ls[(j * NW + warp) * E + T.min(c * 32 + lane, E - 1)],
+                                                             T.float32(NEG))
+                                select(vals, taken, stat, bv, bi, ov, oi, lane, idx, val, t0 + j * NW + warp)
 
     return _signature(spec, body)
 
