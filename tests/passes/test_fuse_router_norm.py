@@ -655,7 +655,7 @@ def _phase1(imported, target, topk: bool):
             pl.FuseTopKIntoRouterNorm = orig
 
 
-@pytest.mark.parametrize("target", ["llvm", "cuda"])
+@pytest.mark.parametrize("target", ["cuda"])  # (the llvm build: test_compiled_topk_fused_equals_unfused's manifest)
 def test_ir_topk_joins_the_norm_router(zoo, target):
     """An OLMoE router (softmax, top-k of the probabilities, no renormalisation: ``FuseSoftmaxTopK``'s topk_softmax):
     before, each layer's norm_router writes logits that a topk_softmax kernel reads; after, one norm_router_topk call a
@@ -683,17 +683,14 @@ def test_ir_topk_joins_the_norm_router(zoo, target):
     assert fuse.manifest()["topk_fused"] == {"decode": layers, "prefill": layers}
 
 
-def test_compiled_topk_fused_equals_unfused(zoo, tmp_path):
-    """hf-olmoe compiled by default (norm + router + top-k in one kernel a layer) against the build without the router
-    fusion, and against torch: prefill and three decode steps."""
+def test_compiled_topk_fused_matches_torch(zoo):
+    """hf-olmoe compiled by default (norm + router + top-k in one kernel a layer, both entries) against torch: prefill
+    and three decode steps (the build without the router fusion: test_compiled_fused_equals_unfused's form)."""
     fused = zoo.artifact("hf-olmoe", "pt2")  # the default build (test_engine's)
-    unfused = moec.compile(zoo.imported("hf-olmoe", "pt2"), tmp_path / "unfused", target="llvm", fuse_router_norm=False)
     mf = json.loads((fused / "manifest.json").read_text())["options"]["fuse_router_norm"]
-    assert mf["topk_fused"] == {"decode": 2, "prefill": 2}
-    assert all("topk" in name for name in mf["kernels"] if name.startswith("norm_router_topk")) and any(
-        spec["topk"] for spec in mf["kernels"].values())
-    (lf, hist), (lu, _) = _run(fused), _run(unfused)
-    np.testing.assert_allclose(lf, lu, rtol=1e-5, atol=1e-5)
+    assert mf["topk_fused"] == {"decode": 2, "prefill": 2} and not mf["topk_skipped"]
+    assert [spec["topk"] for name, spec in mf["kernels"].items() if name.startswith("norm_router_topk")] == [2]
+    lf, hist = _run(fused)
     model, _ = zoo.model("hf-olmoe")
     for i in range(2):
         np.testing.assert_allclose(lf[-1][i], torch_last_logits(model, hist[i]), atol=ATOL, rtol=1e-4)

@@ -227,18 +227,21 @@ def test_fatbin_callback_is_given_back_after_loading(tmp_path):
             tvm_ffi.register_global_func(_CUDA_COMPILE, before, override=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_tiered(zoo, tmp_path_factory):
+    """``tiny`` compiled for llvm with the tiered cache, small pages and frequent re-ranks (shared by the greedy tests)."""
+    from moec.passes.tiered_kv_attention import TieredOptions
+
+    return moec.compile(zoo.source("tiny", "onnx"), tmp_path_factory.mktemp("tiered") / "art", kv_cache="tiered",
+                        tiered_options=TieredOptions(t2_page=32, sink=2, recent=8, rerank_every=3))
+
+
 @pytest.mark.parametrize("cache", ["paged", "tiered"])
-def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
+def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tiny_tiered, cache):
     """``decode_greedy_steps`` (each step's argmax fed to the next step on the device, read back a step late) yields
     the tokens of ``decode_greedy`` in a loop, step for step, through the tiered cache's re-ranks too, and leaves the
     same lengths; the argmax entry returns the decode's int64 token ids."""
-    from moec.passes.tiered_kv_attention import TieredOptions
-
-    if cache == "paged":
-        art = zoo.artifact("tiny", "onnx")
-    else:
-        art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / "tiered", kv_cache="tiered",
-                           tiered_options=TieredOptions(t2_page=32, sink=2, recent=8, rerank_every=3))
+    art = zoo.artifact("tiny", "onnx") if cache == "paged" else tiny_tiered
     prompts = [list(range(3, 3 + n)) for n in (70, 9, 41)]
     a, b = moec.load(art), moec.load(art)
     sa, la = a.prefill(prompts)
@@ -262,18 +265,12 @@ def test_pipelined_greedy_steps_equal_the_step_loop(zoo, tmp_path, cache):
 
 
 @pytest.mark.parametrize("cache", ["paged", "tiered"])
-def test_greedy_steps_take_the_greedy_graph(zoo, tmp_path, cache):
+def test_greedy_steps_take_the_greedy_graph(zoo, tiny_tiered, cache):
     """Which entry a step runs, on CPU with stand-ins for the graph entries (built for CUDA only): a greedy step within the
     graphs' bounds runs ``decode_graph_greedy`` and returns its tokens with no argmax after it, a step returning logits
     runs ``decode_graph``, a step beyond the bounds the plain ``decode`` and then the argmax; the tokens are the
     ungraphed engine's either way."""
-    from moec.passes.tiered_kv_attention import TieredOptions
-
-    if cache == "paged":
-        art = zoo.artifact("tiny", "onnx")
-    else:
-        art = moec.compile(zoo.source("tiny", "onnx"), tmp_path / "tiered", kv_cache="tiered",
-                           tiered_options=TieredOptions(t2_page=32, sink=2, recent=8, rerank_every=3))
+    art = zoo.artifact("tiny", "onnx") if cache == "paged" else tiny_tiered
     e, ref = moec.load(art), moec.load(art)
     decode, argmax = e.vm["decode"], e.vm["argmax"]
     calls = []
