@@ -460,8 +460,8 @@ class FuseTopKIntoRouterNorm:
         self.fused, self.skipped = fuse.topk_fused, fuse.topk_skipped  # (the fuse pass's manifest reports them)
 
     def _match(self, g: DataflowGraph, var, spec: NormRouterSpec, topk_keys: dict):
-        """(logits index, topk call var, its output type, K, index dtype, values dtype) for the norm_router call
-        ``var``, or a reason string."""
+        """(logits index, topk call var, its output type, K, index dtype, values dtype, the bindings from the logits to
+        the top-k) for the norm_router call ``var``, or a reason string."""
         at = len(var.ty.fields) - 1  # the logits: the last output
         if spec.bias_dtype is not None:
             return "a router bias"
@@ -469,13 +469,14 @@ class FuseTopKIntoRouterNorm:
         logits = [u for u in items if g.value[u].index == at]
         if len(logits) != 1 or len(items) != len(g.users.get(var, [])):
             return "its outputs read other than item by item"
-        cur = logits[0]
+        cur, chain = logits[0], [logits[0]]  # (chain: the logits' item and the reshapes to the top-k, left dead)
         while True:
             users = g.users.get(cur, [])
             if len(users) != 1:
                 return "the logits have other users"
             cur = users[0]
             if g.op(cur) == "relax.reshape" or isinstance(g.value.get(cur), relax.Var):
+                chain.append(cur)
                 continue
             break
         tk = g.call(cur)
@@ -485,7 +486,7 @@ class FuseTopKIntoRouterNorm:
         rows = _dims(cur.ty.fields[0])[0]
         if n != spec.outputs or dtype != spec.logits_dtype or not same_shape((rows,), _dims(var.ty.fields[at])[:1]):
             return "the top-k is over other rows"
-        return at, cur, cur.ty, k, index_dtype, values_dtype
+        return at, cur, cur.ty, k, index_dtype, values_dtype, chain
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
@@ -497,7 +498,7 @@ class FuseTopKIntoRouterNorm:
         for gv, func in num_input_entries(mod, "FuseTopKIntoRouterNorm", self.source):
             func = relax.analysis.remove_all_unused(func)  # (the softmax FuseSoftmaxTopK left dead)
             g = DataflowGraph(func, int(func.attrs["num_input"]))
-            matches, skipped = {}, []
+            matches, skipped, dead = {}, [], set()
             for b in g.bindings:
                 call = g.call(b.var)
                 if g.op(b.var) != "relax.call_tir" or call.args[0].name_hint not in specs:
@@ -507,7 +508,7 @@ class FuseTopKIntoRouterNorm:
                 if isinstance(got, str):
                     skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {got}")
                     continue
-                at, tk, tk_ty, k, index_dtype, values_dtype = got
+                at, tk, tk_ty, k, index_dtype, values_dtype, chain = got
                 new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype,
                               tokens=(spec.tokens or 1) if form == "cuda" else spec.tokens)
                 try:
@@ -516,16 +517,13 @@ class FuseTopKIntoRouterNorm:
                     skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {exc}")
                     continue
                 matches[b.var] = (new, at, tk, tk_ty)
+                dead.update(chain)
             self.fused[gv.name_hint] = len(matches)
             self.skipped[gv.name_hint] = skipped
             if not matches:
                 continue
             rewriter = _TopKRewriter(out, matches, None)
-            for var, (spec, at, tk, _) in matches.items():
-                cur = next(u for u in g.users[var] if g.value[u].index == at)
-                while cur != tk:
-                    rewriter.dead.add(cur)
-                    cur = g.users[cur][0]
+            rewriter.dead = dead
             rewriter.kernel = lambda spec, b=rewriter.builder_: kernels.get(b, spec)
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
             out = rewriter.builder_.get()

@@ -190,9 +190,9 @@ def _make_llvm(spec: NormRouterSpec):
                 T.writes()
                 acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
                 yv = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                lg = T.sblock_alloc_buffer((E,), "float32", scope="local")  # top-k: the row's logits as stored
+                lg = T.sblock_alloc_buffer((E if TOPK else 1,), "float32", scope="local")  # top-k: the row's logits as stored
                 sel = T.sblock_alloc_buffer((4,), "float32", scope="local")  # top-k: max, sum of exp, best value, its index
-                tk = T.sblock_alloc_buffer((E,), "int32", scope="local")  # top-k: taken
+                tk = T.sblock_alloc_buffer((E if TOPK else 1,), "int32", scope="local")  # top-k: taken
                 if spec.residual:  # the sum, rounded to its dtype as stored
                     for d in T.serial(D):
                         x[t, d] = T.Cast(spec.x_dtype, _f32(ra[t, d]) + _f32(rb[t, d]))
