@@ -441,6 +441,12 @@ class _TopKRewriter(relax.PyExprMutator):
             super().visit_var_binding_(binding)
 
 
+# why the decode entry's norm + router keeps its own top-k kernel on CUDA
+PER_TOKEN_REASON = ("the per-token form (a block per token and logit group) would become a block per token, slower at "
+                    "decode: 13.1 us a layer on the H100 at 128 tokens against 7.5 + 3.7 for the pair "
+                    "(bench/results/serve_h100_olmoe_128x4096_tiered_a0d4c1c.json, ..._profile_e639275.json)")
+
+
 @tvm.transform.module_pass(opt_level=0, name="FuseTopKIntoRouterNorm")
 class FuseTopKIntoRouterNorm:
     """The softmax top-k after a fused norm + router goes into the same kernel (``norm_router``'s top-k form).
@@ -448,12 +454,14 @@ class FuseTopKIntoRouterNorm:
     Expects the ``norm_router`` calls of ``FuseRouterIntoNorm`` and the ``topk_softmax`` calls of ``FuseSoftmaxTopK``
     (run after both). Matches, by structure: a ``norm_router`` call without a router bias whose logits output [T, E]
     has one user chain, through reshapes only, ending in a ``topk_softmax`` call over the same T rows of E (its input
-    dtype the logits' own). Guarantees after: one ``call_tir`` of the kernel's top-k form (``NormRouterSpec.topk``;
-    on CUDA the multi-token form, decode's a token a block) with outputs [x,] y, idx [T, K], val [T, K]: the
-    ``topk_softmax`` call's outputs are those (reshaped to its shapes), the norm's and the residual's as before; no
-    logits are written. The same indices as the two kernels give and the same values up to float rounding: the kernel
-    selects over the logits rounded to their dtype as the unfused pair stores them. Others stay (``skipped`` says
-    why where a norm_router's logits reached a top-k another way)."""
+    dtype the logits' own). Guarantees after: one ``call_tir`` of the kernel's top-k form (``NormRouterSpec.topk``)
+    with outputs [x,] y, idx [T, K], val [T, K]: the ``topk_softmax`` call's outputs are those (reshaped to its
+    shapes), the norm's and the residual's as before; no logits are written. On CUDA only the multi-token form fuses
+    (the prefill entry's, ``tokens`` > 0, where a block already holds its rows' logits): the per-token form (decode's)
+    keeps its grid of a block per (token, logit group) and the top-k its own kernel, faster at decode than a block
+    per token (``PER_TOKEN_REASON``). The same indices as the two kernels give and the same values up to float
+    rounding: the kernel selects over the logits rounded to their dtype as the unfused pair stores them. Others stay
+    (``skipped`` says why where a norm_router's logits reached a top-k another way)."""
 
     def __init__(self, fuse: FuseRouterIntoNorm, topk, target: tvm.target.Target, source: str = "model") -> None:
         self.fuse, self.topk_pass, self.target, self.source = fuse, topk, target, source
@@ -504,13 +512,16 @@ class FuseTopKIntoRouterNorm:
                 if g.op(b.var) != "relax.call_tir" or call.args[0].name_hint not in specs:
                     continue
                 spec = specs[call.args[0].name_hint]
+                if form == "cuda" and not spec.tokens:
+                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {PER_TOKEN_REASON}")
+                    continue
                 got = self._match(g, b.var, spec, topk_keys)
                 if isinstance(got, str):
                     skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {got}")
                     continue
                 at, tk, tk_ty, k, index_dtype, values_dtype, chain = got
                 new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype,
-                              tokens=(spec.tokens or 1) if form == "cuda" else spec.tokens)
+                              tokens=spec.tokens)
                 try:
                     check_supported(new, form)
                 except MoecError as exc:

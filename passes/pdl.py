@@ -80,6 +80,12 @@ def _arch_number(target: tvm.target.Target) -> int:
     return int(digits) if digits else 0
 
 
+# why --pdl is refused with TVM's paged KV cache (the "paged" and "bf16" caches)
+PAGED_REASON = ("with programmatic dependent launch TVM's paged KV cache gave other greedy tokens than without it on "
+                "an H100 (one stream of four from its 10th decode step: bench/results/gpu_tests_h100_a0d4c1c.json); "
+                "use --kv-cache fp8 or tiered with --pdl, or drop --pdl")
+
+
 def tir_pipeline(target: tvm.target.Target) -> str:
     """The name of the TIR pipeline (TVM's default, then ``ProgrammaticDependentLaunch``) for ``tvm.compile``'s
     ``tir_pipeline``, registered on first use. Refuses targets other than CUDA sm_90 and later."""

@@ -658,29 +658,32 @@ def _phase1(imported, target, topk: bool):
 @pytest.mark.parametrize("target", ["cuda"])  # (the llvm build: test_compiled_topk_fused_equals_unfused's manifest)
 def test_ir_topk_joins_the_norm_router(zoo, target):
     """An OLMoE router (softmax, top-k of the probabilities, no renormalisation: ``FuseSoftmaxTopK``'s topk_softmax):
-    before, each layer's norm_router writes logits that a topk_softmax kernel reads; after, one norm_router_topk call a
-    layer gives the indices and values, in both entries, the CUDA decode in the multi-token form a token a block."""
+    before, each layer's norm_router writes logits that a topk_softmax kernel reads; after, in the prefill entry (the
+    multi-token form, 8 rows a block) one norm_router_topk call a layer gives the indices and values; the decode entry
+    (the per-token form on CUDA) keeps the pair, each skip saying why."""
+    from moec.passes.fuse_router_norm import PER_TOKEN_REASON
+
     imported = zoo.imported("hf-olmoe", "pt2")
     tgt = LLVM if target == "llvm" else make_target("cuda", "sm_90")
     (before, _), (after, fuse) = _phase1(imported, tgt, False), _phase1(imported, tgt, True)
     layers = 2
-    assert fuse.topk_fused == {"decode": layers, "prefill": layers} and not any(fuse.topk_skipped.values())
-    for entry in ("decode", "prefill"):
-        names_b = [c.args[0].name_hint for c in _tir_calls(before[entry])]
-        names_a = [c.args[0].name_hint for c in _tir_calls(after[entry])]
-        assert names_b.count("topk_softmax") == layers and "topk_softmax" not in names_a
-        fused = [c for c in _tir_calls(after[entry]) if c.args[0].name_hint.startswith("norm_router_topk")]
-        assert len(fused) == layers and not [n for n in names_a if n.startswith("norm_router") and "topk" not in n]
-        # the other kernels are the same, call for call
-        rest = lambda names: [n for n in names if not n.startswith(("norm_router", "topk_softmax"))]  # noqa: E731
-        assert rest(names_a) == rest(names_b)
-        for c in fused:
-            spec = next(s for s, n in fuse.kernels.items() if n == c.args[0].name_hint)
-            assert (spec.outputs, spec.topk, spec.index_dtype, spec.residual) == (8, 2, "int64", True)  # 8 experts, top-2
-            assert [f.dtype for f in c.ty.fields] == ["float32", "float32", "int64", "float32"]  # x, y, idx, val: no logits
-            if target == "cuda":
-                assert spec.tokens == (1 if entry == "decode" else 8)
-    assert fuse.manifest()["topk_fused"] == {"decode": layers, "prefill": layers}
+    assert fuse.topk_fused == {"decode": 0, "prefill": layers} and not fuse.topk_skipped["prefill"]
+    assert len(fuse.topk_skipped["decode"]) == layers and all(PER_TOKEN_REASON in r for r in fuse.topk_skipped["decode"])
+    names = {entry: ([c.args[0].name_hint for c in _tir_calls(before[entry])],
+                     [c.args[0].name_hint for c in _tir_calls(after[entry])]) for entry in ("decode", "prefill")}
+    assert names["decode"][0] == names["decode"][1] and names["decode"][1].count("topk_softmax") == layers
+    names_b, names_a = names["prefill"]
+    assert names_b.count("topk_softmax") == layers and "topk_softmax" not in names_a
+    fused = [c for c in _tir_calls(after["prefill"]) if c.args[0].name_hint.startswith("norm_router_topk")]
+    assert len(fused) == layers and not [n for n in names_a if n.startswith("norm_router") and "topk" not in n]
+    # the other kernels are the same, call for call
+    rest = lambda names: [n for n in names if not n.startswith(("norm_router", "topk_softmax"))]  # noqa: E731
+    assert rest(names_a) == rest(names_b)
+    for c in fused:
+        spec = next(s for s, n in fuse.kernels.items() if n == c.args[0].name_hint)
+        assert (spec.outputs, spec.topk, spec.index_dtype, spec.residual, spec.tokens) == (8, 2, "int64", True, 8)
+        assert [f.dtype for f in c.ty.fields] == ["float32", "float32", "int64", "float32"]  # x, y, idx, val: no logits
+    assert fuse.manifest()["topk_fused"] == {"decode": 0, "prefill": layers}
 
 
 def test_compiled_topk_fused_matches_torch(zoo):
