@@ -327,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graph-max-context", type=int, default=4096,
                    help="most tokens of one stream the graphs serve (sizes the tiered page tables; default 4096)")
     p.add_argument("--pdl", action="store_true",
-                   help="CUDA sm_90+: launch every kernel with programmatic dependent launch (each waits for the grid "
-                        "before it in its first instruction, so the next launch overlaps the kernel before it)")
+                   help="CUDA sm_90+, fp8 and tiered caches: launch every kernel with programmatic dependent launch "
+                        "(each waits for the grid before it in its first instruction, so the next launch overlaps the "
+                        "kernel before it); measured slower at the headline point on an H100, so off by default")
     p.add_argument("--report-schedules", action="store_true", help="print each kernel's schedule source afterwards")
     p.set_defaults(func=cmd_compile)
 
