@@ -66,6 +66,13 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
                                                    "t1_quarters": 2}),
             "mixtral-mma2-pf-q-t1x3": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True,
                                                    "t1_quarters": 3}),
+            # no merge kernel: the last split warp of each (sequence, KV head) merges (``merge_in_split``), on the
+            # compiled OLMoE form and on the default half2 forms
+            "olmoe-half2-pipe4-t1h2-scat-fm": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True,
+                                                         "merge_in_split": True}),
+            "olmoe-half2-pipe4-fm": ("olmoe", {"half2": True, "stages": 4, "merge_in_split": True}),
+            "mixtral-mma2-pf-q-fm": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True,
+                                                 "merge_in_split": True}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-t1h2": ("check", {"half2": True, "t1_half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}
@@ -172,7 +179,12 @@ def _mma(name: str) -> bool:
     return name in VARIANTS and bool(VARIANTS[name][1].get("t2_mma"))
 
 
-def _args(tvm, dev, qv, pools, tables, mass0, splits=None, t2_mma=False):
+def _fused(name: str) -> bool:
+    """Whether the variant merges in its split kernel (``merge_in_split``: ``part_ml`` has the counters' row)."""
+    return name in VARIANTS and bool(VARIANTS[name][1].get("merge_in_split"))
+
+
+def _args(tvm, dev, qv, pools, tables, mass0, splits=None, t2_mma=False, fused=False):
     """Kernel arguments: pools and mass as given (layer axis first), then ``decode_workspaces``."""
     from moec.schedules.kernels import reference as ref
     from moec.schedules.kernels.tiered_decode import decode_workspaces
@@ -182,7 +194,7 @@ def _args(tvm, dev, qv, pools, tables, mass0, splits=None, t2_mma=False):
     ps1, hkv, ps2 = pools["t1_k"].shape[-2], pools["t1_k"].shape[-3], pools["t2_k"].shape[-2]
     host = [qv] + [pools[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
     host += [np.zeros((b, h, d), np.float32), mass0]
-    host += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma)]
+    host += [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma, fused)]
     return [tvm.runtime.tensor(a, dev) for a in host]
 
 
@@ -208,9 +220,10 @@ def check(root: Path, device: str) -> list[dict]:
         lmass = ref.layered(mass0, layers=LAYERS, layer=LAYER)
         mod = _load(root, name, device)
         for splits in (None, 3):
-            args = _args(tvm, dev, qv, lpools, tables, lmass, splits, _mma(name))
+            args = _args(tvm, dev, qv, lpools, tables, lmass, splits, _mma(name), _fused(name))
             mod["tiered_decode"](*args, LAYER, scale)
             out, mass = args[15].numpy(), args[16].numpy()
+            counters_zero = not _fused(name) or not args[19].numpy()[:, :, -1].any()  # (merge_in_split: reset)
             want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(batch)])
             want_mass = ref.expected_mass(mass0, qv, deq, slots, scale)
             err, merr = float(np.abs(out - want).max()), float(np.abs(mass[LAYER] - want_mass).max())
@@ -218,8 +231,8 @@ def check(root: Path, device: str) -> list[dict]:
             tol = HALF2_TOL if name in VARIANTS and (VARIANTS[name][1].get("half2") or _mma(name)) else (1e-4, 1e-5)
             results.append({"shape": name, "batch": batch, "tier1_tokens": t1, "tier2_pages": t2,
                             "splits": int(args[18].shape[2]), "max_abs_out_error": err, "max_abs_mass_error": merr,
-                            "tolerance": list(tol), "other_layers_untouched": untouched,
-                            "passed": err < tol[0] and merr < tol[1] and untouched})
+                            "tolerance": list(tol), "other_layers_untouched": untouched, "counters_zero": counters_zero,
+                            "passed": err < tol[0] and merr < tol[1] and untouched and counters_zero})
             print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -271,7 +284,7 @@ def profile(root: Path, variant: str, launches: int) -> None:
     d = SHAPES[name][2]
     fn = _load(root, variant, "cuda")["tiered_decode"]  # (first: it loads TVM's CUDA runtime)
     dev = tvm.cuda(0)
-    args = _args(tvm, dev, *_speed_inputs(name), t2_mma=_mma(variant))
+    args = _args(tvm, dev, *_speed_inputs(name), t2_mma=_mma(variant), fused=_fused(variant))
     for _ in range(launches):
         fn(*args, LAYER, d**-0.5)
     dev.sync()
@@ -304,7 +317,7 @@ def speed(root: Path, name: str, variants: tuple[str, ...] = (), sweep: tuple[in
         # sequence in S splits is S warps, whose waves over the SMs differ
         for sp in (None,) + (MMA_SPLITS if _mma(var) else OTHER_SPLITS):
             wargs = args[:17] + [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in decode_workspaces(
-                b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp, t2_mma=_mma(var))]
+                b, h, hkv, T1_TOKENS // ps1, ps1, t2p, ps2, d, sp, t2_mma=_mma(var), merge_in_split=_fused(var))]
             variant_ms[var if sp is None else f"{var}@{sp}"] = _time(vfn, wargs, (LAYER, d**-0.5), dev)
     t1_bytes = b * hkv * T1_TOKENS * (2 * d + 2 * 2 + 4 + 4 * 2)  # K, V bytes; 2 scales; table; mass read+write
     t2_bytes = b * hkv * t2p * (2 * ps2 * d // 4 + 2 * 2 * d + 2 * 2 * ps2)  # codes; key mu/sigma; value mu/sigma

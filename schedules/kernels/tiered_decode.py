@@ -408,16 +408,18 @@ def decode_splits(batch: int, num_kv_heads: int, m1: int, t1_page: int, m2: int,
 
 
 def decode_workspaces(batch: int, num_heads: int, num_kv_heads: int, m1: int, t1_page: int, m2: int, t2_page: int,
-                      head_dim: int = 128, splits: int | None = None, t2_mma: bool = False) -> list[tuple[tuple[int, ...], str]]:
+                      head_dim: int = 128, splits: int | None = None, t2_mma: bool = False,
+                      merge_in_split: bool = False) -> list[tuple[tuple[int, ...], str]]:
     """Shapes and dtypes of the workspaces ``tiered_decode`` takes after ``t1_mass``, in argument order.
 
     ``scores`` [B, H, M1 * PS1] (tier-1 scores kept for the importance pass), ``part_acc``
     [B, H, S, Dh] and ``part_ml`` [B, H, S, 2] (the CUDA form's per-split unnormalised output and its
-    running max and sum; S splits of the sequence, from ``decode_splits`` unless given).
+    running max and sum; S splits of the sequence, from ``decode_splits`` unless given); with
+    ``merge_in_split`` ``part_ml`` has a row S more, the splits' arrival counters (zero, as every workspace is).
     """
     s = splits or decode_splits(batch, num_kv_heads, m1, t1_page, m2, t2_mma, num_heads // num_kv_heads)
     return [((batch, num_heads, m1 * t1_page), "float32"), ((batch, num_heads, s, head_dim), "float32"),
-            ((batch, num_heads, s, 2), "float32")]
+            ((batch, num_heads, s + int(merge_in_split), 2), "float32")]
 
 
 def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1_page: int = 16, t2_page: int = 128,
@@ -425,7 +427,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             t1_stages: int = 0, reg_bases: bool = False, split_values: bool = False, fields: bool = False,
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
                             t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False,
-                            scatter_scores: bool = False, out_dtype: str = "float32", t1_quarters: int = 1):
+                            scatter_scores: bool = False, out_dtype: str = "float32", t1_quarters: int = 1,
+                            merge_in_split: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -492,6 +495,13 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     that one score per lane (the tile max over the warp, one exp2 a lane rather than one a token), and the lanes of a
     group fetch the tile's probabilities back with one shuffle each. The probability sums then differ by lane and
     are summed over all 32 lanes at the end.
+
+    ``merge_in_split`` drops kernel 2: each split warp, once its partial result is written, counts itself in (a
+    ``__threadfence`` then an ``atomicAdd`` on its (sequence, KV head)'s counter), and the last of the S to arrive
+    merges the splits and adds the importance as kernel 2's block would, with its 32 lanes, then zeroes the counter
+    for the next call. The counters live in ``part_ml``'s row S (``part_ml`` is [B, H, S + 1, 2]; counter of (b, hk)
+    at [b, hk G, S, 0], zero on entry as the workspaces are: ``decode_workspaces(..., merge_in_split=True)``). One
+    launch a layer less, and the merges of the pairs done early overlap the splits still streaming.
 
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
@@ -585,6 +595,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             return T.call_pure_extern("uint32", E4M3_HI, w)
     _check_out_dtype(out_dtype)
     NT2 = min(D, 128)  # threads of the merge kernel
+    FUSE = bool(merge_in_split)
+    NTF = min(D, 32)  # merge_in_split: the lanes of the last split warp that merge
     MU = 8  # rounds of its tier-1 loop unrolled (8: up to 1024 tier-1 tokens a sequence in one round of loads)
     S2, S1 = stages, t1_stages
     for name, st_ in (("stages", S2), ("t1_stages", S1)):
@@ -1238,6 +1250,35 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     part_ml[b, hk * G + 2 * ti + e, sp, 1] = st[2 + e]
 
 
+    @T.macro
+    def merge_pair(b, hk, tx, NT, S, part_ml, part_acc, out, scores, t1_len, t1_table, t1_mass, layer, mg, linv, lg, o, mtot):
+        # thread tx of NT: the splits of (b, hk) into out (channels tx, tx + NT, ...), then the importance of the
+        # tier-1 tokens tx, tx + NT, ...
+        n1m: T.let[T.int32] = t1_len[b]
+        for g in T.serial(G):
+            mg[g] = T.float32(NEG)
+            for s in T.serial(S):
+                mg[g] = T.max(mg[g], part_ml[b, hk * G + g, s, 0])
+            lg[0] = T.float32(0)
+            for j in T.unroll(D // NT):
+                o[j] = T.float32(0)
+            for s in T.serial(S):
+                lg[0] = lg[0] + part_ml[b, hk * G + g, s, 1] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+                for j in T.unroll(D // NT):
+                    o[j] = o[j] + part_acc[b, hk * G + g, s, j * NT + tx] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
+            linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
+            for j in T.unroll(D // NT):
+                out[b, hk * G + g, j * NT + tx] = T.Cast(out_dtype, o[j] * linv[g])
+        # the tier-1 tokens NT at a time, MU rounds unrolled: their loads (score, page, mass) issue together instead
+        # of one dependent round after another
+        for c0 in T.serial(T.ceildiv(n1m, NT * MU)):
+            for u in T.unroll(MU):
+                if (c0 * MU + u) * NT + tx < n1m:
+                    mtot[0] = T.float32(0)
+                    for g in T.serial(G):
+                        mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, (c0 * MU + u) * NT + tx] - mg[g]) * linv[g]
+                    t1_mass[layer, t1_table[b, ((c0 * MU + u) * NT + tx) // PS1], hk, ((c0 * MU + u) * NT + tx) % PS1] += mtot[0]
+
     @T.prim_func(s_tir=True)
     def tiered_decode(q_h: T.handle, t1k_h: T.handle, t1v_h: T.handle, t1ks_h: T.handle, t1vs_h: T.handle,
                       t2k_h: T.handle, t2v_h: T.handle, t2kmu_h: T.handle, t2ksig_h: T.handle, t2vmu_h: T.handle,
@@ -1265,7 +1306,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         t1_mass = T.match_buffer(mass_h, (NL, P1, HKV, PS1), "float32")
         scores = T.match_buffer(scores_h, (B, H, M1 * PS1), "float32")
         part_acc = T.match_buffer(pacc_h, (B, H, S, D), "float32")
-        part_ml = T.match_buffer(pml_h, (B, H, S, 2), "float32")
+        part_ml = T.match_buffer(pml_h, (B, H, S + int(FUSE), 2), "float32")  # (merge_in_split: row S, the counters)
         t1_k8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_k.data)
         t1_v8 = T.decl_buffer((NL * P1 * HKV * PS1 * D,), "float8_e4m3fn", data=t1_v.data)
         t1_ks1 = T.decl_buffer((NL * P1 * HKV * PS1,), "float16", data=t1_ks.data)
@@ -1354,6 +1395,13 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             sh = T.sblock_alloc_buffer((SHB // 4,), "uint32", scope="shared")  # the cp.async stages
                             sh16 = T.decl_buffer((SHB // 2,), "float16", data=sh.data, scope="shared")
                             sh8 = T.decl_buffer((SHB,), "float8_e4m3fn", data=sh.data, scope="shared")
+                        if FUSE:  # the merge's registers (the last split warp of a pair merges it)
+                            fmg = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                            flinv = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                            flg = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            fo = T.sblock_alloc_buffer((D // NTF,), "float32", scope="local")
+                            fmtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            farr = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         b: T.let[T.int32] = bs // S
                         sp: T.let[T.int32] = bs % S
                         ST1: T.let[T.int32] = t1_splits(S)  # splits on tier 1 (all of them but with t2_mma)
@@ -1526,43 +1574,38 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                 t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
                                              t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
                                              muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr)
+                        if FUSE:
+                            # this split's writes, then its arrival; the last of the pair's S merges (the threadfence
+                            # reduction pattern: fence, count, and the last to count reads the others' writes)
+                            T.evaluate(T.call_extern("void", "__threadfence"))
+                            sync_warp()
+                            farr[0] = T.float32(0)
+                            if lane == 0:
+                                farr[0] = T.call_extern("float32", "atomicAdd", T.address_of(part_ml[b, hk * G, S, 0]),
+                                                        T.float32(1))
+                            farr[0] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), farr[0], 0, 32, 32)
+                            if farr[0] == T.Cast("float32", S - 1):
+                                T.evaluate(T.call_extern("void", "__threadfence"))
+                                if lane < NTF:
+                                    merge_pair(b, hk, lane, NTF, S, part_ml, part_acc, out, scores, t1_len, t1_table, t1_mass,
+                                               layer, fmg, flinv, flg, fo, fmtot)
+                                if lane == 0:  # zero again for the next call (the workspaces serve every layer)
+                                    part_ml[b, hk * G, S, 0] = T.float32(0)
 
-        # ---- merge the splits; importance of the tier-1 tokens
-        for b in T.thread_binding(B, thread="blockIdx.x"):
-            for hk in T.thread_binding(HKV, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT2, thread="threadIdx.x"):
-                    with T.sblock("merge"):
-                        T.reads()
-                        T.writes()
-                        mg = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        linv = T.sblock_alloc_buffer((G,), "float32", scope="local")
-                        lg = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        o = T.sblock_alloc_buffer((D // NT2,), "float32", scope="local")
-                        mtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        n1m: T.let[T.int32] = t1_len[b]
-                        for g in T.serial(G):
-                            mg[g] = T.float32(NEG)
-                            for s in T.serial(S):
-                                mg[g] = T.max(mg[g], part_ml[b, hk * G + g, s, 0])
-                            lg[0] = T.float32(0)
-                            for j in T.unroll(D // NT2):
-                                o[j] = T.float32(0)
-                            for s in T.serial(S):
-                                lg[0] = lg[0] + part_ml[b, hk * G + g, s, 1] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
-                                for j in T.unroll(D // NT2):
-                                    o[j] = o[j] + part_acc[b, hk * G + g, s, j * NT2 + tx] * T.exp2(part_ml[b, hk * G + g, s, 0] - mg[g])
-                            linv[g] = T.if_then_else(lg[0] > T.float32(0), T.float32(1) / lg[0], T.float32(0))
-                            for j in T.unroll(D // NT2):
-                                out[b, hk * G + g, j * NT2 + tx] = T.Cast(out_dtype, o[j] * linv[g])
-                        # the tier-1 tokens NT2 at a time, MU rounds unrolled: their loads (score, page, mass) issue
-                        # together instead of one dependent round after another
-                        for c0 in T.serial(T.ceildiv(n1m, NT2 * MU)):
-                            for u in T.unroll(MU):
-                                if (c0 * MU + u) * NT2 + tx < n1m:
-                                    mtot[0] = T.float32(0)
-                                    for g in T.serial(G):
-                                        mtot[0] = mtot[0] + T.exp2(scores[b, hk * G + g, (c0 * MU + u) * NT2 + tx] - mg[g]) * linv[g]
-                                    t1_mass[layer, t1_table[b, ((c0 * MU + u) * NT2 + tx) // PS1], hk,
-                                            ((c0 * MU + u) * NT2 + tx) % PS1] += mtot[0]
+        # ---- merge the splits; importance of the tier-1 tokens (merge_in_split: in the split kernel's last warps)
+        if not FUSE:
+            for b in T.thread_binding(B, thread="blockIdx.x"):
+                for hk in T.thread_binding(HKV, thread="blockIdx.y"):
+                    for tx in T.thread_binding(NT2, thread="threadIdx.x"):
+                        with T.sblock("merge"):
+                            T.reads()
+                            T.writes()
+                            mg = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                            linv = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                            lg = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            o = T.sblock_alloc_buffer((D // NT2,), "float32", scope="local")
+                            mtot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            merge_pair(b, hk, tx, NT2, S, part_ml, part_acc, out, scores, t1_len, t1_table, t1_mass, layer,
+                                       mg, linv, lg, o, mtot)
 
     return tiered_decode

@@ -418,7 +418,9 @@ def test_cuda_tier2_forms_match_numpy_on_gpu(form, tol, shape, t1_lens, t2_pages
 
 def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscale=1.0):
     """One decode step of the CUDA form ``form`` run on the CPU emulation of its generated code (tests/cuda_emu.py)
-    against NumPy over the same dequantized values: (max output error, max importance-mass error)."""
+    against NumPy over the same dequantized values: (max output error, max importance-mass error). With
+    ``merge_in_split`` in ``form`` only the split kernel runs (its last warp of each pair merges), and its arrival
+    counters must be zero again after it."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.targets import make_target
@@ -435,12 +437,15 @@ def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscal
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):  # (no host-computed kernel parameters)
         src = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(*shape, **form)}),
                           target=make_target("cuda")).mod.imports[0].inspect_source()
-    split_k, merge_k = EmulatedKernel(src, "tiered_decode_kernel"), EmulatedKernel(src, "tiered_decode_kernel_1")
+    fused = bool(form.get("merge_in_split"))
+    split_k = EmulatedKernel(src, "tiered_decode_kernel")
+    merge_k = None if fused else EmulatedKernel(src, "tiered_decode_kernel_1")
+    assert fused == ("tiered_decode_kernel_1" not in src)  # one kernel when the split warps merge
     b, (m1, m2) = len(t1_lens), (tables["t1_table"].shape[1], tables["t2_table"].shape[1])
     lp = {k: np.ascontiguousarray(ref.layered(pools[k])) for k in ref.POOL_ORDER}
     mass0 = rng.random(pools["t1_k"].shape[:3]).astype(np.float32)
     out, mass = np.zeros((b, h, d), np.float32), np.ascontiguousarray(ref.layered(mass0))
-    ws = [np.zeros(s_, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma)]
+    ws = [np.zeros(s_, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma, fused)]
     args = dict(q=qv, t1_k8=lp["t1_k"], t1_v8=lp["t1_v"], t1_k32=lp["t1_k"].view(np.uint32), t1_v32=lp["t1_v"].view(np.uint32), t1_ks32=lp["t1_ks"].view(np.uint32), t1_vs32=lp["t1_vs"].view(np.uint32), t1_ks1=lp["t1_ks"], t1_vs1=lp["t1_vs"], t2_k32=lp["t2_k"].view(np.uint32),
                 t2_v32=lp["t2_v"].view(np.uint32), t2_kmu1=lp["t2_kmu"], t2_ksig1=lp["t2_ksig"], t2_vmu1=lp["t2_vmu"],
                 t2_vsig1=lp["t2_vsig"], t2_vmu32=lp["t2_vmu"].view(np.uint32), t2_vsig32=lp["t2_vsig"].view(np.uint32),
@@ -448,7 +453,10 @@ def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscal
                 P2=lp["t2_k"].shape[1], S=ws[1].shape[2], layer=ref.LAYER, sm_scale=scale, **tables)
     pick = lambda k: {n.removesuffix("_ptr"): args[n.removesuffix("_ptr")] for _, n in k.params}  # noqa: E731
     split_k((b * ws[1].shape[2], hkv, 1), 32, **pick(split_k))
-    merge_k((b, hkv, 1), min(d, 128), **pick(merge_k))
+    if fused:
+        assert not ws[2][:, :, -1].any()  # every pair's counter back to zero
+    else:
+        merge_k((b, hkv, 1), min(d, 128), **pick(merge_k))
     np.testing.assert_array_equal(mass[0], ref.layered(mass0)[0])  # other layers untouched
     want = np.stack([ref.attention(qv[s], *deq[s], scale)[0] for s in range(b)])
     return float(np.abs(out - want).max()), float(np.abs(mass[ref.LAYER] - ref.expected_mass(mass0, qv, deq, slots, scale)).max())
@@ -576,3 +584,17 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(32, 8, 128, t2_mma=True, t1_quarters=4)
     with pytest.raises(ValueError, match="tier-1 pages of 16 tokens"):
         make_tiered_decode_cuda(16, 16, 128, 32, 128, t2_mma=True, t1_mma=True)
+
+
+@pytest.mark.parametrize("form,shape,t1_lens,t2_pages,splits", [
+    ({"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True}, (16, 16, 128, 16, 128), [70, 33], [3, 2], 3),
+    ({"half2": True, "stages": 4}, (32, 8, 128, 16, 128), [100, 16], [1, 3], None),  # 4 query heads per KV head
+    ({"half2": True, "stages": 4}, (4, 2, 32, 16, 32), [300, 45], [2, 1], 2),  # 32-channel heads: 300 tier-1 tokens
+], ids=["olmoe-paired-scat", "mixtral-heads", "long-tier1-dh32"])
+def test_merge_in_split_emulated(form, shape, t1_lens, t2_pages, splits):
+    """``merge_in_split``: no merge kernel; the last split warp of each (sequence, KV head) merges and adds the
+    importance: the same output and mass as the two kernels, to float32 rounding (its 32 lanes sum in another order)."""
+    got = _emulated_decode({**form, "merge_in_split": True}, shape, t1_lens, t2_pages, splits)
+    want = _emulated_decode(form, shape, t1_lens, t2_pages, splits)
+    assert got[0] < 5e-3 and got[1] < 1e-3, got
+    assert abs(got[0] - want[0]) < 1e-5 and abs(got[1] - want[1]) < 1e-5, (got, want)
