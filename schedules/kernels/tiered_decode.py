@@ -501,7 +501,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     merges the splits and adds the importance as kernel 2's block would, with its 32 lanes, then zeroes the counter
     for the next call. The counters live in ``part_ml``'s row S (``part_ml`` is [B, H, S + 1, 2]; counter of (b, hk)
     at [b, hk G, S, 0], zero on entry as the workspaces are: ``decode_workspaces(..., merge_in_split=True)``). One
-    launch a layer less, and the merges of the pairs done early overlap the splits still streaming.
+    launch a layer less, and the merges of the pairs done early overlap the splits still streaming; but slower on the
+    H100 (bench/results/tiered_decode_fm_h100_151bbbe.json: OLMoE 0.349 against 0.330 ms a layer), so not compiled in.
 
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
