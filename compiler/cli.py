@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "moec-<cache>-offload / -prefetch: experts offloaded into "
                         "--expert-slots slots, loaded on demand / also prefetched; -offload-fp8 / -prefetch-fp8: the "
                         "same with FP8 experts; moec-<cache>-fp8experts: experts stored as FP8, all resident; "
-                        "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed; moec-<cache>-pdl: --pdl), "
+                        "moec-<cache>-ptiled / -pstreamed: --prefill-gemm tiled / streamed; moec-fp8-pdl, moec-tiered-pdl and "
+                        "their -fp8experts forms: --pdl), "
                         "moec-tiered-fields (--decode-kernel "
                         "split-fields), moec-tiered-half2 / -mma / -paired (--decode-kernel split-half2 / split-mma / "
                         "split-paired), hf-eager, hf-compile")
