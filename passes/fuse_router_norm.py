@@ -512,12 +512,10 @@ class FuseTopKIntoRouterNorm:
                 if g.op(b.var) != "relax.call_tir" or call.args[0].name_hint not in specs:
                     continue
                 spec = specs[call.args[0].name_hint]
-                if form == "cuda" and not spec.tokens:
-                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {PER_TOKEN_REASON}")
-                    continue
                 got = self._match(g, b.var, spec, topk_keys)
-                if isinstance(got, str):
-                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {got}")
+                if isinstance(got, str) or (form == "cuda" and not spec.tokens):
+                    why = got if isinstance(got, str) else PER_TOKEN_REASON
+                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {why}")
                     continue
                 at, tk, tk_ty, k, index_dtype, values_dtype, chain = got
                 new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype,
