@@ -211,11 +211,15 @@ def _vm(root: Path, device: str):
     return VirtualMachine(tvm.runtime.load_module(str(root / "lib.so")), tvm.cuda(0)), tvm.cuda(0)
 
 
-def cold_us(calls: dict) -> dict:
+TLB_BYTES = 0  # --tlb-gb: also time each call with the page writes of ``cold_kernels_us(..., tlb_bytes)`` before it
+
+
+def cold_us(calls: dict, tlb_bytes: int = 0) -> dict:
     """Device time (us) of each call in ``calls`` (name -> function of no arguments), each made right after a 256 MB
     write, so its weights come from HBM as in a model's step rather than from the L2 as in a warm loop: the sum of
-    its kernels' own times (the device trace), median over repeats (``grouped_experts.cold_kernels_us``)."""
-    return {n: v["total"] for n, v in cold_kernels_us(calls).items()}
+    its kernels' own times (the device trace), median over repeats (``grouped_experts.cold_kernels_us``); with
+    ``tlb_bytes``, after a byte written in each 2 MB page of that many bytes too."""
+    return {n: v["total"] for n, v in cold_kernels_us(calls, tlb_bytes=tlb_bytes).items()}
 
 
 def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
@@ -242,6 +246,7 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
     if device == "cuda":
         cold = {"moec_dense_gemm" + sx: (lambda f=vm[name + sx]: f(*args)) for sx in VARIANTS}
         cold["torch_linear"] = lambda: F.linear(x, w)
+        cold_tlb = cold_us(cold, TLB_BYTES) if TLB_BYTES else None
         cold = cold_us(cold)
     err = max(errs.values())
     wbytes = n * k * 2
@@ -251,6 +256,8 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
     if cold:
         row["cold_us"] = cold
         row["cold_GBps_weights"] = {s: wbytes / v / 1e3 for s, v in cold.items()}
+        if cold_tlb:
+            row["cold_tlb_us"] = cold_tlb
     print(json.dumps(row), flush=True)
     return row
 
@@ -278,7 +285,10 @@ def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -
            "ms": ms, "weight_bytes": wbytes, "GBps_weights": {f: wbytes / v / 1e6 for f, v in ms.items()},
            "merged_speedup": ms["separate"] / ms["merged"] if "separate" in ms and "merged" in ms else None}
     if device == "cuda":
-        row["cold_us"] = cold_us({f: (lambda fn=vm[f"{name}_{f}"]: fn(*args)) for f in QKV_ALL})
+        calls = {f: (lambda fn=vm[f"{name}_{f}"]: fn(*args)) for f in QKV_ALL}
+        row["cold_us"] = cold_us(calls)
+        if TLB_BYTES:
+            row["cold_tlb_us"] = cold_us(calls, TLB_BYTES)
         row["cold_GBps_weights"] = {f: wbytes / v / 1e3 for f, v in row["cold_us"].items()}
     print(json.dumps(row), flush=True)
     return row
@@ -294,7 +304,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(QKV)))
     ap.add_argument("--variants", help="prepare: only these launch forms (comma-separated, see select())")
+    ap.add_argument("--tlb-gb", type=float, default=0.0,
+                    help="run (CUDA): also time each form cold after a byte written in every 2 MB page of a buffer of "
+                         "this many GB (cold_tlb_us: whether address translations, not only L2 lines, cost the step)")
     args = ap.parse_args()
+    global TLB_BYTES
+    TLB_BYTES = int(args.tlb_gb * (1 << 30))
     if args.step == "prepare":
         select(args.variants)
         for table in (SHAPES, QKV):  # only the shapes asked for are built
@@ -311,7 +326,7 @@ def main() -> int:
     doc = {"benchmark": "dense_gemm", "command": " ".join(["python3"] + sys.argv), "git_commit": args.commit,
            "python": platform.python_version(), "torch": torch.__version__,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": _device_name(args.device),
-           "timing": "ms per call; medians of repeats"}
+           "timing": "ms per call; medians of repeats", "tlb_gb": args.tlb_gb}
     doc["copy_GBps"] = copy_bandwidth(args.device)
     vm, dev = _vm(args.dir, args.device)
     number, repeat = (20, 5) if args.device == "cuda" else (1, 2)

@@ -306,28 +306,51 @@ COLD_REPS = 15
 FLUSH_BYTES = 256 << 20  # written between calls: more than the L2 (50 MB) several times over
 
 
-def cold_kernels_us(calls: dict, reps: int = COLD_REPS) -> dict:
+TLB_PAGE = 2 << 20  # the GPU's large pages: a byte written in each of many moves the address translations elsewhere
+
+
+def cold_kernels_us(calls: dict, reps: int = COLD_REPS, tlb_bytes: int = 0) -> dict:
     """Per call of ``calls`` (name -> function of no arguments), each made right after a ``FLUSH_BYTES`` write so that
     its weights come from HBM as in a model's step: ``{kernel name: us, ..., "total": us}``, medians over ``reps`` of
-    the kernels' own times (the CUPTI trace, ``moec.compiler.serve_bench.device_events``)."""
+    the kernels' own times (the CUPTI trace, ``moec.compiler.serve_bench.device_events``). ``tlb_bytes`` > 0: before
+    the flush, also one byte written in every 2 MB page of a buffer of that size, as a decode step touches tens of GB
+    between two launches of a kernel (its weights' address translations gone too, not only their L2 lines)."""
     import torch
 
     from moec.compiler.serve_bench import device_events
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    pages = None
+    if tlb_bytes:
+        big = torch.zeros(tlb_bytes // TLB_PAGE * TLB_PAGE, dtype=torch.uint8, device="cuda")
+        pages = big.view(-1, TLB_PAGE)[:, 0]  # a strided view: one byte a page
     names = list(calls)
 
     def go():
         for _ in range(reps):
             for n in names:
+                if pages is not None:
+                    pages.add_(1)
                 flush.zero_()
                 calls[n]()
 
-    flush.zero_()  # (the fill kernel's first launch is not traced)
+    if pages is not None:
+        pages.add_(1)  # (first launches are not traced)
+    flush.zero_()
     _, events = device_events(go)
     if events is None:
         raise RuntimeError("cold timing: the device activity tracer could not start")
+    return cold_segments(events, names, reps, pages is not None)
+
+
+def cold_segments(events: list, names: list, reps: int, touched: bool = False) -> dict:
+    """``cold_kernels_us``'s reading of the trace: the kernels in launch order; with ``touched`` the first is the page
+    writes, dropped wherever its name recurs; the next is the flush, whose name marks each call's start. Per name of
+    ``names`` (called in that order, ``reps`` rounds): its kernels' median times and the median of their total."""
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    if touched:
+        touch = kernels[0]["name"]
+        kernels = [e for e in kernels if e["name"] != touch]
     fill = kernels[0]["name"]  # the first traced kernel is a flush: every kernel of its name marks a call's start
     segments, cur = [], None
     for e in kernels:

@@ -42,6 +42,31 @@ def test_cold_kernel_times_from_a_trace(monkeypatch):
         ge.cold_kernels_us(calls, reps=3)
 
 
+def test_cold_kernel_times_with_page_writes(monkeypatch):
+    """``tlb_bytes``: a byte written in each 2 MB page before every call's flush; the trace's first kernel (those
+    writes) is dropped wherever it recurs, and the calls' times are read as without it."""
+    import torch
+
+    import grouped_experts as ge
+    from moec.compiler import serve_bench
+
+    ev, ts = [], 0.0
+    for call in [[("k1", 10.0)], [("k1", 14.0)], [("k1", 12.0)]]:
+        for name, d in [("touch", 30.0), ("fill", 50.0)] + call:
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": d})
+            ts += d + 1
+    zeros = torch.zeros
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda n, dtype=None, device=None: zeros(8, dtype=dtype))
+    monkeypatch.setattr(torch, "zeros", lambda n, dtype=None, device=None: made.append(n) or zeros(n, dtype=dtype))
+    monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), ev))
+    got = ge.cold_kernels_us({"a": lambda: None}, reps=3, tlb_bytes=2 * ge.TLB_PAGE + 5)
+    assert made == [2 * ge.TLB_PAGE]  # whole pages
+    assert got == {"a": {"k1": 12.0, "total": 12.0}}
+    # read as a trace without page writes, "touch" would mark the calls and the flush count in them
+    assert ge.cold_segments(ev, ["a"], 3) == {"a": {"fill": 50.0, "k1": 12.0, "total": 62.0}}
+
+
 def test_grouped_experts_bench_builds_the_named_variants():
     """``--variants`` builds the named launch shapes beside the forms every run checks (default, FP8, warp, slots)."""
     import grouped_experts as ge
