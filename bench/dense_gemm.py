@@ -211,9 +211,6 @@ def _vm(root: Path, device: str):
     return VirtualMachine(tvm.runtime.load_module(str(root / "lib.so")), tvm.cuda(0)), tvm.cuda(0)
 
 
-TLB_BYTES = 0  # --tlb-gb: also time each call with the page writes of ``cold_kernels_us(..., tlb_bytes)`` before it
-
-
 def cold_us(calls: dict, tlb_bytes: int = 0) -> dict:
     """Device time (us) of each call in ``calls`` (name -> function of no arguments), each made right after a 256 MB
     write, so its weights come from HBM as in a model's step rather than from the L2 as in a warm loop: the sum of
@@ -222,7 +219,7 @@ def cold_us(calls: dict, tlb_bytes: int = 0) -> dict:
     return {n: v["total"] for n, v in cold_kernels_us(calls, tlb_bytes=tlb_bytes).items()}
 
 
-def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
+def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int, tlb_bytes: int = 0) -> dict:
     import torch
     import tvm
     from torch.nn import functional as F
@@ -246,7 +243,7 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
     if device == "cuda":
         cold = {"moec_dense_gemm" + sx: (lambda f=vm[name + sx]: f(*args)) for sx in VARIANTS}
         cold["torch_linear"] = lambda: F.linear(x, w)
-        cold_tlb = cold_us(cold, TLB_BYTES) if TLB_BYTES else None
+        cold_tlb = cold_us(cold, tlb_bytes) if tlb_bytes else None  # (--tlb-gb)
         cold = cold_us(cold)
     err = max(errs.values())
     wbytes = n * k * 2
@@ -262,7 +259,7 @@ def run_point(vm, dev, name: str, m: int, device: str, number: int, repeat: int)
     return row
 
 
-def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -> dict:
+def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int, tlb_bytes: int = 0) -> dict:
     import torch
     import tvm
 
@@ -287,8 +284,8 @@ def run_qkv(vm, dev, name: str, m: int, device: str, number: int, repeat: int) -
     if device == "cuda":
         calls = {f: (lambda fn=vm[f"{name}_{f}"]: fn(*args)) for f in QKV_ALL}
         row["cold_us"] = cold_us(calls)
-        if TLB_BYTES:
-            row["cold_tlb_us"] = cold_us(calls, TLB_BYTES)
+        if tlb_bytes:  # (--tlb-gb)
+            row["cold_tlb_us"] = cold_us(calls, tlb_bytes)
         row["cold_GBps_weights"] = {f: wbytes / v / 1e3 for f, v in row["cold_us"].items()}
     print(json.dumps(row), flush=True)
     return row
@@ -308,8 +305,6 @@ def main() -> int:
                     help="run (CUDA): also time each form cold after a byte written in every 2 MB page of a buffer of "
                          "this many GB (cold_tlb_us: whether address translations, not only L2 lines, cost the step)")
     args = ap.parse_args()
-    global TLB_BYTES
-    TLB_BYTES = int(args.tlb_gb * (1 << 30))
     if args.step == "prepare":
         select(args.variants)
         for table in (SHAPES, QKV):  # only the shapes asked for are built
@@ -333,7 +328,8 @@ def main() -> int:
     doc["rows"] = []
     for name in args.shapes.split(","):
         for m in args.tokens:
-            r = (run_qkv if name in QKV else run_point)(vm, dev, name, m, args.device, number, repeat)
+            r = (run_qkv if name in QKV else run_point)(vm, dev, name, m, args.device, number, repeat,
+                                                        int(args.tlb_gb * (1 << 30)))
             r["fraction_of_copy"] = {s: v / doc["copy_GBps"] for s, v in r["GBps_weights"].items()}
             doc["rows"].append(r)
             if args.json:

@@ -513,13 +513,13 @@ class FuseTopKIntoRouterNorm:
                     continue
                 spec = specs[call.args[0].name_hint]
                 got = self._match(g, b.var, spec, topk_keys)
-                if isinstance(got, str) or (form == "cuda" and not spec.tokens):
-                    why = got if isinstance(got, str) else PER_TOKEN_REASON
-                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {why}")
+                if not isinstance(got, str) and form == "cuda" and not spec.tokens:
+                    got = PER_TOKEN_REASON
+                if isinstance(got, str):
+                    skipped.append(f"{call.args[0].name_hint} ({b.var.name}): {got}")
                     continue
                 at, tk, tk_ty, k, index_dtype, values_dtype, chain = got
-                new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype,
-                              tokens=spec.tokens)
+                new = replace(spec, topk=k, index_dtype=index_dtype, values_dtype=values_dtype)
                 try:
                     check_supported(new, form)
                 except MoecError as exc:
