@@ -20,6 +20,7 @@ from .cuda_graph import GraphBounds, PrepareDecodeGraph, RewriteDecodeGraph
 from .device_sampling import ENTRY as ARGMAX, AddGreedySampler
 from .fuse_router_norm import FuseRouterIntoNorm, FuseTopKIntoRouterNorm
 from .legalize_topk import FuseSoftmaxTopK, legalize_topk
+from .output_views import ViewOutputReshape
 from .paged_kv_attention import InsertPagedKVAttention
 from .simplify_layout import SimplifyLayout
 from .simplify_power import SimplifyPower
@@ -80,6 +81,7 @@ def _lowering(target: tvm.target.Target, entries: list[str], dump: Path | None, 
         # Phase 4. Lower to the VM (with CUDA graphs: decode_graph, statically planned, then its regions lifted).
         *([prepare] if prepare is not None else []),
         relax.transform.RewriteDataflowReshape(),
+        ViewOutputReshape(),  # (the entries' last reshape, which the pass above leaves: the logits' copy)
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),

@@ -83,6 +83,13 @@ def test_ir_before_after(rewritten):
     # decode: one set of the kernel's three workspaces serves every layer (scratch written before it is read)
     ws = [tuple(c.args[1].fields[17:20]) for c in _calls_to(after["decode"], "tiered_decode")]
     assert len(ws) == layers and all(w[0].same_as(ws[0][0]) and w[2].same_as(ws[0][2]) for w in ws)
+    # ... allocated without a fill, as is the output each call writes in full (no zero-fill kernels in the step);
+    # the prefill's output and running statistics keep theirs
+    bound = {b.var: b.value for block in after["decode"].body.blocks for b in block.bindings}
+    for c in _calls_to(after["decode"], "tiered_decode"):
+        for arg in [c.args[1].fields[15]] + list(c.args[1].fields[17:20]):
+            assert bound[arg].op.name == "relax.builtin.alloc_tensor", bound[arg]
+    assert "R.builtin.alloc_tensor" not in after["prefill"].script()
     fp8, _ = out["fp8"]
     assert "rerank" not in {gv.name_hint for gv in fp8.get_global_vars()}
 
@@ -330,7 +337,8 @@ def test_tensor_core_decode_kernel_choice(tiny, tmp_path):
         mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1,
                             tiered=TieredOptions(t2_page=128, decode_kernel="split-mma"))[0](imported.mod)
     # the decode workspaces: one more split than decode_splits' count, two at least
-    assert re.search(r"R\.zeros\(R\.shape\(\[\w+, 2, T\.max\(1, T\.min\(8, [^\]]*\)\) \+ 1, 128\]\)", mod.script())
+    assert re.search(r"R\.builtin\.alloc_tensor\(R\.shape\(\[\w+, 2, T\.max\(1, T\.min\(8, [^\]]*\)\) \+ 1, 128\]\)",
+                     mod.script())
     assert "mma" in mod["tiered_decode"].script()
     with target:  # "split" on one query head per KV head: the half2 form (measured faster there)
         mod = moec_pipeline(imported.num_inputs, target, "d128", phases=1, tiered=TieredOptions(t2_page=128))[0](imported.mod)

@@ -40,8 +40,9 @@ def test_against_numpy_over_dequantized_values(kernel, seed, t1_lens, t2_pages):
     m1, m2 = tables["t1_table"].shape[1], tables["t2_table"].shape[1]
     lp = {k: ref.layered(pools[k]) for k in ref.POOL_ORDER}
     args = [qv] + [lp[k] for k in ref.POOL_ORDER] + [tables[k] for k in ref.TABLE_ORDER]
-    out = np.zeros((len(t1_lens), H, D), np.float32)
-    ws = [np.zeros(shape, dtype) for shape, dtype in decode_workspaces(len(t1_lens), H, HKV, m1, PS1, m2, PS2, D)]
+    # (NaN: compiled models allocate the output and the workspaces without a fill; the kernel writes before it reads)
+    out = np.full((len(t1_lens), H, D), np.nan, np.float32)
+    ws = [np.full(shape, np.nan, dtype) for shape, dtype in decode_workspaces(len(t1_lens), H, HKV, m1, PS1, m2, PS2, D)]
     lmass = ref.layered(mass0)
     tv = [tvm.runtime.tensor(a, dev) for a in args + [out, lmass.copy()] + ws]
     kernel["tiered_decode"](*tv, ref.LAYER, scale)
@@ -444,8 +445,12 @@ def _emulated_decode(form, shape, t1_lens, t2_pages, splits, t2_mma=False, qscal
     b, (m1, m2) = len(t1_lens), (tables["t1_table"].shape[1], tables["t2_table"].shape[1])
     lp = {k: np.ascontiguousarray(ref.layered(pools[k])) for k in ref.POOL_ORDER}
     mass0 = rng.random(pools["t1_k"].shape[:3]).astype(np.float32)
-    out, mass = np.zeros((b, h, d), np.float32), np.ascontiguousarray(ref.layered(mass0))
-    ws = [np.zeros(s_, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma, fused)]
+    # the output and the workspaces start as NaN (compiled models allocate them without a fill): every split writes
+    # its partials and every score the merge reads before anything reads them; only merge_in_split's counters start 0
+    out, mass = np.full((b, h, d), np.nan, np.float32), np.ascontiguousarray(ref.layered(mass0))
+    ws = [np.full(s_, np.nan, dt) for s_, dt in decode_workspaces(b, h, hkv, m1, ps1, m2, ps2, d, splits, t2_mma, fused)]
+    if fused:
+        ws[2][:, :, -1] = 0
     args = dict(q=qv, t1_k8=lp["t1_k"], t1_v8=lp["t1_v"], t1_k32=lp["t1_k"].view(np.uint32), t1_v32=lp["t1_v"].view(np.uint32), t1_ks32=lp["t1_ks"].view(np.uint32), t1_vs32=lp["t1_vs"].view(np.uint32), t1_ks1=lp["t1_ks"], t1_vs1=lp["t1_vs"], t2_k32=lp["t2_k"].view(np.uint32),
                 t2_v32=lp["t2_v"].view(np.uint32), t2_kmu1=lp["t2_kmu"], t2_ksig1=lp["t2_ksig"], t2_vmu1=lp["t2_vmu"],
                 t2_vsig1=lp["t2_vsig"], t2_vmu32=lp["t2_vmu"].view(np.uint32), t2_vsig32=lp["t2_vsig"].view(np.uint32),
