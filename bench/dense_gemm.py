@@ -90,7 +90,12 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
                                                                            "dyn_shared": DYN},
              "merged_k8w8nt16d": VARIANTS["_k8w8nt16d"], "merged_k2nt16g2": {"stages": 4, "n_tiles": 16, "k_splits": 2,
                                                                             "k_groups": 2, "dyn_shared": DYN},
-             "merged_k2nt8g2": VARIANTS["_k2nt8g2"], "merged_k2nt8g4": VARIANTS["_k2nt8g4"]}
+             "merged_k2nt8g2": VARIANTS["_k2nt8g2"], "merged_k2nt8g4": VARIANTS["_k2nt8g4"],
+             # the one-launch q/k/v at 128 tokens is 384 blocks of 32-token passes (6144 rows / 64 x 4 passes), three a
+             # multiprocessor, where a 2048-row projection has one: 64-token passes (192 blocks) read the weight from
+             # the L2 twice instead of four times; 2-warp blocks or 16-token passes put more blocks on each
+             "merged_s4nt8": VARIANTS["_s4nt8"], "merged_s4w2": VARIANTS["_s4w2"], "merged_s4nt2": VARIANTS["_s4nt2"],
+             "merged_s4w2nt8": {"stages": 4, "warps": 2, "n_tiles": 8}}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
