@@ -10,7 +10,8 @@ static buffer exactly as the copy's would be (an entry's outputs are read before
 
 Expects: phase-3 IR (reshape PrimFuncs called through ``call_tir``), after ``RewriteDataflowReshape``. Guarantees:
 each dataflow output bound to ``call_tir`` of a PrimFunc with the reshape pattern (one tensor argument, no
-symbolic arguments) is bound to ``relax.reshape`` of that argument to the same shape instead. Nothing else
+symbolic arguments) whose argument the same block's ``call_tir`` made (a fresh tensor: not a parameter, not a
+buffer updated in place) is bound to ``relax.reshape`` of that argument to the same shape instead. Nothing else
 changes; a reshape PrimFunc no call uses any more is removed.
 """
 
@@ -47,6 +48,10 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding) -> None:
         src = None if isinstance(binding.var, relax.DataflowVar) else _reshape_call(self.mod_, binding.value)
+        if src is not None:  # only a tensor the block's own call_tir made: a view of a parameter or of a buffer
+            made = self.lookup_binding(src) if isinstance(src, relax.DataflowVar) else None  # updated in place aliases
+            if not (isinstance(made, relax.Call) and made.op.same_as(_CALL_TIR)):
+                src = None
         if src is None:
             super().visit_var_binding_(binding)
             return

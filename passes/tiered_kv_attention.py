@@ -99,7 +99,7 @@ def _i32(x: int):
 
 def _uninitialized(shape, dtype: str) -> relax.Expr:
     """A tensor allocated without a fill, for a buffer the kernel writes in full before anything reads it (the decode
-    output and its workspaces: a zero fill was three kernels and 14 us a step at 128 x 4096 on an H100)."""
+    output and its workspaces: their zero fills were four kernels and 14 us a step at 128 x 4096 on an H100)."""
     return relax.op.builtin.alloc_tensor(relax.ShapeExpr(shape), dtype, 0)
 
 

@@ -48,6 +48,21 @@ def test_ir_before_after():
     assert again(after).same_as(after) and again.rewritten == 0  # nothing left to rewrite: the module unchanged
 
 
+def test_reshape_of_a_parameter_stays_a_copy():
+    """An output reshape of what the block did not make itself (a parameter) is left alone: a view would alias the
+    caller's tensor."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([4, 8], "float32"))
+    with bb.function("g", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.reshape(x, [1, 4, 8]))
+        bb.emit_func_output(out)
+    mod = relax.transform.RewriteDataflowReshape()(relax.transform.LegalizeOps()(bb.get()))
+    assert _calls(mod["g"]) == ["reshape"]
+    p = ViewOutputReshape()
+    assert p(mod).same_as(mod) and p.rewritten == 0
+
+
 def test_numerics_after_the_pipeline():
     """The rewritten module through the rest of the VM lowering gives the values of the original on the CPU."""
     x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
