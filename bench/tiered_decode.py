@@ -73,6 +73,22 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "olmoe-half2-pipe4-fm": ("olmoe", {"half2": True, "stages": 4, "merge_in_split": True}),
             "mixtral-mma2-pf-q-fm": ("mixtral", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True,
                                                  "merge_in_split": True}),
+            # tier 2 on tensor cores with its 16-token tiles staged through shared memory (``stages``: a cp.async
+            # ring, several tiles in flight a warp instead of one a tile ahead in registers), the magic operand in a
+            # register (one LOP3 a pair); for one query head per KV head with tier 1 in float16 pairs on CUDA cores or
+            # on tensor cores, on a quarter or half of the splits (tier 1 is about 40% of the bytes)
+            "olmoe-mma-s4-q-t1h2": ("olmoe", {"t2_mma": True, "stages": 4, "t2_keep_q": True, "t1_half2": True}),
+            "olmoe-mma-s4-q-t1h2-t1x2": ("olmoe", {"t2_mma": True, "stages": 4, "t2_keep_q": True, "t1_half2": True,
+                                                   "t1_quarters": 2}),
+            "olmoe-mma-s6-q-t1h2-t1x2": ("olmoe", {"t2_mma": True, "stages": 6, "t2_keep_q": True, "t1_half2": True,
+                                                   "t1_quarters": 2}),
+            "olmoe-mma2-s4-q": ("olmoe", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True}),
+            "olmoe-mma2-s4-q-t1x2": ("olmoe", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
+                                               "t1_quarters": 2}),
+            "olmoe-mma2-pf-q": ("olmoe", {"t2_mma": True, "t1_mma": True, "t2_prefetch": True, "t2_keep_q": True}),
+            "mixtral-mma2-s4-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True}),
+            "mixtral-mma2-s4-q-t1x2": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
+                                                   "t1_quarters": 2}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-t1h2": ("check", {"half2": True, "t1_half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}

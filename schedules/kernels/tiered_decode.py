@@ -548,8 +548,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
             raise ValueError(f"the tensor-core tier 2 of the tiered decode needs head_dim 128 (got {D}), at most 8 query "
                              f"heads per KV head (got {G}), tier-2 pages of a multiple of 64 tokens (got {PS2}) and "
                              "evenly spaced 2-bit levels")
-        if stages:
-            raise ValueError("CUDA tiered decode: the tensor-core tier 2 loads its codes straight into registers (stages 0)")
+        if stages and t2_prefetch:
+            raise ValueError("CUDA tiered decode: the tensor-core tier 2 stages its tiles (stages > 0) or loads each a "
+                             "tile ahead into registers (t2_prefetch), not both")
     NEG = -1e30
     consts = _code_consts()
     SRC = [c[0] for c in consts]
@@ -618,6 +619,14 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     OFF_V2, OFF_VMU = TPS * GS2, 2 * TPS * GS2
     OFF_VSIG, OFF_KSIG = OFF_VMU + 2 * TILE, OFF_VMU + 4 * TILE
     STG2 = OFF_KSIG + 4 * D
+    # tensor-core tier 2 with stages: a stage is one 16-token tile, [K codes: 16 rows][V codes: 16 rows][vmu: 16]
+    # [vsig: 16] (float16); a row's W2 words padded to MRS bytes, so that the lanes' fragment reads (keys: 8 bytes of
+    # rows 2 gi, 2 gi + 1 at word 2 ti; values: rows 2 ti (+ 1, + 8, + 9) at word gi) fall on distinct banks
+    MRS = W2 * 4 + 16
+    MOFF_V, MOFF_MU = 16 * MRS, 32 * MRS
+    MOFF_SIG = MOFF_MU + 32
+    if MMA and S2:
+        STG2 = MOFF_SIG + 32
     CPG2 = GB2 // 16  # 16-byte chunks of a token group (tier 2)
     NCH2 = TPS * CPG2  # chunks of a tile's K codes (and of its V codes)
     NV2 = TILE * 2 // 16  # chunks of a tile's vmu (and of its vsig)
@@ -969,10 +978,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         NTT = PS2 // 16  # 16-token tiles of a page
         NVS = PS2 // 64  # uint32 pairs of sigma each lane reads for the page's largest
 
-        def mpair(w, j):  # pair j of word w as two float16 1024 + c 2^p
+        def mpair(w, j, mag):  # pair j of word w as two float16 1024 + c 2^p (mag[0]: MMA_MAGIC in a register, which
+            #                    lets one LOP3 do the AND and the OR: with both constants ptxas emitted two)
             src = _tab(j, MMA_SRC, "int32")
             x = T.if_then_else(src == 0, w << T.uint32(4), T.if_then_else(src == 1, w, w >> T.uint32(6)))
-            return (x & _tab(j, MMASK, "uint32")) | T.uint32(MMA_MAGIC)
+            return (x & _tab(j, MMASK, "uint32")) | mag[0]
 
         def shfl_idx(v, src):
             return T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), v, src, 32, 32)
@@ -994,6 +1004,34 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 vw[r] = t2_v32[(pbase * PS2 + tt * 16 + 2 * ti + r % 2 + 8 * (r // 2)) * W2 + gi]
             vv[0] = t2_vmu32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
             vv[1] = t2_vsig32[(pbase * PS2 + tt * 16 + 2 * gi) // 2]
+
+        @T.macro
+        def mma_issue(u, slot, b, hk, sp2, S2n, lane, layer, P2, mpg, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1):
+            # (stages) tile u of this split's tier-2 tiles (page u // NTT, its tokens (u % NTT) 16 ..) into stage slot:
+            # lane l copies 16 bytes of the K rows and of the V rows (row l // 2, half l % 2), lanes 0 .. 3 the tile's
+            # value mu and sigma; the page is looked up at its first tile (tiles are issued in order) and kept in mpg
+            if u % NTT == 0:
+                mpg[0] = t2_table[b, sp2 + (u // NTT) * S2n]
+            cp(sh[(slot * STG2 + lane // 2 * MRS + lane % 2 * 16) // 4],
+               t2_k32[(((layer * P2 + mpg[0]) * HKV + hk) * PS2 + u % NTT * 16 + lane // 2) * W2 + lane % 2 * 4])
+            cp(sh[(slot * STG2 + MOFF_V + lane // 2 * MRS + lane % 2 * 16) // 4],
+               t2_v32[(((layer * P2 + mpg[0]) * HKV + hk) * PS2 + u % NTT * 16 + lane // 2) * W2 + lane % 2 * 4])
+            if lane < 2:
+                cp(sh[(slot * STG2 + MOFF_MU + lane * 16) // 4],
+                   t2_vmu1[((layer * P2 + mpg[0]) * HKV + hk) * PS2 + u % NTT * 16 + lane * 8])
+            elif lane < 4:
+                cp(sh[(slot * STG2 + MOFF_SIG + (lane - 2) * 16) // 4],
+                   t2_vsig1[((layer * P2 + mpg[0]) * HKV + hk) * PS2 + u % NTT * 16 + (lane - 2) * 8])
+
+        @T.macro
+        def mma_load_staged(kw, vw, vv, slot, gi, ti, sh):
+            # mma_load's words from stage slot
+            kw[T.ramp(0, 1, 2)] = sh[T.ramp((slot * STG2 + 2 * gi * MRS) // 4 + 2 * ti, 1, 2)]
+            kw[T.ramp(2, 1, 2)] = sh[T.ramp((slot * STG2 + (2 * gi + 1) * MRS) // 4 + 2 * ti, 1, 2)]
+            for r in T.unroll(4):
+                vw[r] = sh[(slot * STG2 + MOFF_V + (2 * ti + r % 2 + 8 * (r // 2)) * MRS) // 4 + gi]
+            vv[0] = sh[(slot * STG2 + MOFF_MU) // 4 + gi]
+            vv[1] = sh[(slot * STG2 + MOFF_SIG) // 4 + gi]
 
         @T.macro
         def mma_value_scale(st, tf, dacc):
@@ -1135,11 +1173,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
         @T.macro
         def t2_mma_split(b, hk, sp, sp2, S2n, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32, t2_vsig32,
                          t2_ksig1, t2_kmu1, part_acc, part_ml, wb, af, afh, bf, bfh, sc, dacc, st, tf, uu, kh, kw, vw, vv, pv, xv,
-                         kwn, vwn, vvn, qr):
+                         kwn, vwn, vvn, qr, sh, mpg, t2_vmu1, t2_vsig1, mag):
             # lane (gi, ti): keys' A rows gi / gi + 8 are the tile's tokens 2 gi / 2 gi + 1, their k the channels of
             # words 2 ti, 2 ti + 1; the scores' columns (and the values' D columns) are query heads 2 ti, 2 ti + 1.
             gi: T.let[T.int32] = lane // 4
             ti: T.let[T.int32] = lane % 4
+            mag[0] = T.uint32(MMA_MAGIC) | (T.Cast("uint32", layer) >> T.uint32(31))  # (layer >= 0: the OR adds nothing)
             for i in T.unroll(32):
                 dacc[i] = T.float32(0)
             for e in T.unroll(2):
@@ -1152,6 +1191,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                 for x in T.unroll(32):
                     qr[x] = qload(q, b, hk, gi, 32 * ti + x, sm_scale)
             np2: T.let[T.int32] = (n2 - sp2 + S2n - 1) // S2n
+            if S2 > 0:  # prologue: tiles 0 .. S2 - 2 in flight (empty groups past the end)
+                for s0 in T.unroll(S2 - 1):
+                    if s0 < np2 * NTT:
+                        mma_issue(s0, s0, b, hk, sp2, S2n, lane, layer, P2, mpg, sh, t2_table, t2_k32, t2_v32, t2_vmu1,
+                                  t2_vsig1)
+                    T.evaluate(T.ptx["cp.async.commit_group"]())
             for ip in T.serial(np2):
                 pbase: T.let[T.int64] = T.Cast("int64", (layer * P2 + t2_table[b, sp2 + ip * S2n]) * HKV + hk)
                 # ---- the values' scale: VS = MMA_VALUE_MAX / (the page's largest sigma), rescaled only when needed
@@ -1204,16 +1249,24 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             vv[i] = vvn[i]
                         if tt + 1 < NTT:
                             mma_load(kwn, vwn, vvn, pbase, tt + 1, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
+                    elif S2 > 0:  # tile ip NTT + tt has landed; every lane has read the last, whose slot is refilled
+                        T.evaluate(T.ptx["cp.async.wait_group"](max(S2 - 2, 0)))
+                        sync_warp()
+                        if ip * NTT + tt + S2 - 1 < np2 * NTT:
+                            mma_issue(ip * NTT + tt + S2 - 1, (ip * NTT + tt + S2 - 1) % S2, b, hk, sp2, S2n, lane, layer, P2,
+                                      mpg, sh, t2_table, t2_k32, t2_v32, t2_vmu1, t2_vsig1)
+                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                        mma_load_staged(kw, vw, vv, (ip * NTT + tt) % S2, gi, ti, sh)
                     else:
                         mma_load(kw, vw, vv, pbase, tt, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
                     # ---- scores: A = codes of tokens 2 gi, 2 gi + 1 (rows gi, gi + 8), B = w, C starts at -offsets
                     for i in T.unroll(4):
                         sc[i] = -st[12 + i % 2]
                     for m in T.unroll(8):
-                        af[0] = mpair(kw[0], m)
-                        af[1] = mpair(kw[2], m)
-                        af[2] = mpair(kw[1], m)
-                        af[3] = mpair(kw[3], m)
+                        af[0] = mpair(kw[0], m, mag)
+                        af[1] = mpair(kw[2], m, mag)
+                        af[2] = mpair(kw[1], m, mag)
+                        af[3] = mpair(kw[3], m, mag)
                         bf[0] = wb[2 * m]
                         bf[1] = wb[2 * m + 1]
                         T.evaluate(_mma(afh, 0, bfh, 0, sc, 0, "fp16"))
@@ -1230,7 +1283,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     pv[3] = T.call_pure_extern("uint32", "__byte_perm", vw[2], vw[3], T.uint32(0x7632))
                     for mt in T.unroll(8):
                         for r in T.unroll(4):
-                            af[r] = mpair(pv[r], mt)
+                            af[r] = mpair(pv[r], mt, mag)
                         T.evaluate(_mma(afh, 0, bfh, 0, dacc, mt * 4, "fp16"))
             # ---- this split's partial result: sums over the rows (xor over gi), then per channel and head
             for e in T.unroll(2):
@@ -1378,6 +1431,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             mtf = T.sblock_alloc_buffer((8,), "float32", scope="local")
                             muu = T.sblock_alloc_buffer((32,), "float32", scope="local")
                             mkh = T.sblock_alloc_buffer((64,), "float16", scope="local")
+                            mmag = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                             mkw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                             mvw = T.sblock_alloc_buffer((4,), "uint32", scope="local")
                             mvv = T.sblock_alloc_buffer((2,), "uint32", scope="local")
@@ -1571,10 +1625,16 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                              scores, part_acc, part_ml, mqhi, mqlo, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf, mkq, mvq, mvv,
                                              mpv, mxv)
                         if MMA:
-                            if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
-                                t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
-                                             t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
-                                             muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr)
+                            if S1 + S2 > 0:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
+                                if sp >= ST1:
+                                    t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
+                                                 t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst,
+                                                 mtf, muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr, sh, pg2, t2_vmu1, t2_vsig1, mmag)
+                            else:  # (no stages: no shared buffer)
+                                if sp >= ST1:
+                                    t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
+                                                 t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst,
+                                                 mtf, muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr, None, None, t2_vmu1, t2_vsig1, mmag)
                         if FUSE:
                             # this split's writes, then its arrival; the last of the pair's S merges (the threadfence
                             # reduction pattern: fence, count, and the last to count reads the others' writes)

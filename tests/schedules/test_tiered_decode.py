@@ -538,7 +538,11 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
     # the same with half the splits on tier 1 (t1_quarters 2: 2 of the 4 splits)
     ({**T1, **PF, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 1.0),
     # no tier-2 page (the tier-2 splits write empty partials), tier 1 on tensor cores with partial last pages
-    (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0)])
+    (T1, (16, 16, 128, 16, 128), [37, 5], [0, 0], 3, 2.0),
+    # tier 2's tiles staged through shared memory (a ring of 4 / 3): pages of 8 tiles, the ring across page ends and
+    # past the last tile; OLMoE's heads with tier 1 in float16 pairs on CUDA cores, Mixtral's with tier 1 on tensor cores
+    ({"stages": 4, "t2_keep_q": True, "t1_half2": True}, (16, 16, 128, 16, 128), [70, 16], [3, 2], 3, 1.0),
+    ({**T1, "stages": 3, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 2.0)])
 def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
     float16 1024 + c 2^p), tier 1 in splits of its own; ``t1_mma``: tier 1 too (FP8 widened to float16 pairs,
@@ -579,8 +583,12 @@ def test_tensor_core_tier2_compiles_and_refuses():
         make_tiered_decode_cuda(4, 2, 32, 16, 32, t2_mma=True)
     with pytest.raises(ValueError, match="pick one"):
         make_tiered_decode_cuda(16, 16, 128, t2_mma=True, half2=True)
-    with pytest.raises(ValueError, match="stages 0"):
-        make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)
+    with pytest.raises(ValueError, match="not both"):
+        make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4, t2_prefetch=True)
+    # staged: one cp.async ring of 16-token tiles (4 chunks a lane a tile: K and V rows, lanes 0 .. 3 value mu / sigma)
+    src = tvm.compile(tvm.IRModule({"tiered_decode": make_tiered_decode_cuda(16, 16, 128, t2_mma=True, stages=4)}),
+                      target=make_target("cuda", "sm_90")).mod.imports[0].inspect_source()
+    assert "cp_async_wait_group_async_wait_group_2" in src and "__shared__" in src
     with pytest.raises(ValueError, match="t2_prefetch, t1_mma, t2_keep_q and t1_quarters are options"):
         make_tiered_decode_cuda(16, 16, 128, half2=True, t2_prefetch=True)
     with pytest.raises(ValueError, match="t1_quarters are options"):
