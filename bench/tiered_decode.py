@@ -89,6 +89,9 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "mixtral-mma2-s4-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True}),
             "mixtral-mma2-s4-q-t1x2": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
                                                    "t1_quarters": 2}),
+            # the compiled OLMoE form with its page's 4 tiles unrolled (constant stage slots and row offsets)
+            "olmoe-half2-pipe4-t1h2-scat-up": ("olmoe", {"half2": True, "stages": 4, "t1_half2": True, "scatter_scores": True,
+                                                         "unroll_page": True}),
             "check-half2": ("check", {"half2": True}),
             "check-half2-t1h2": ("check", {"half2": True, "t1_half2": True}),
             "check-half2-pipe3": ("check", {"half2": True, "stages": 3})}

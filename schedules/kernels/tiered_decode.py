@@ -428,7 +428,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                             half2: bool = False, t2_mma: bool = False, t2_prefetch: bool = False, t1_mma: bool = False,
                             t2_keep_q: bool = False, min_blocks: int = 0, t1_half2: bool = False,
                             scatter_scores: bool = False, out_dtype: str = "float32", t1_quarters: int = 1,
-                            merge_in_split: bool = False):
+                            merge_in_split: bool = False, unroll_page: bool = False):
     """CUDA form: flash-decoding over warps, then a merge kernel that also accumulates the importance.
 
     Kernel 1: one warp (block) per (sequence, KV head, split). Lane l owns channels 16 (l % LPT) ..
@@ -504,6 +504,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     launch a layer less, and the merges of the pairs done early overlap the splits still streaming; but slower on the
     H100 (bench/results/tiered_decode_fm_h100_151bbbe.json: OLMoE 0.349 against 0.330 ms a layer), so not compiled in.
 
+    ``unroll_page`` (tier 2 on CUDA cores with ``stages``) unrolls the loop over a page's tiles: with as many stages as
+    tiles a page (OLMoE's 4 of 32 tokens) each tile's stage slot and row offsets are constants, which drops most of the
+    address arithmetic of the copies and the reads (ptxas for sm_90, the paired form: 2,512 instructions a page against
+    2,721), at four times the loop's code.
+
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
     warps an SM (a 20% occupancy) hold every tile in flight; 16 blocks bound it to 117 without spills.
@@ -527,6 +532,9 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     REG, VSPLIT, FIELDS, HALF2, MMA = bool(reg_bases), bool(split_values), bool(fields), bool(half2), bool(t2_mma)
     PF, T1MMA, KQ, T1H2 = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q), bool(t1_half2)
     SCAT = bool(scatter_scores)
+    UNROLL_PAGE = bool(unroll_page)
+    if UNROLL_PAGE and (MMA or not stages):
+        raise ValueError("CUDA tiered decode: unroll_page unrolls the staged tier-2 loop on CUDA cores (stages > 0, not t2_mma)")
     if SCAT and (G != 1 or KSTEP != LPT or MMA or T1MMA or VSPLIT):
         raise ValueError(f"CUDA tiered decode: scatter_scores takes one query head per KV head (got {G}) and as many tokens "
                          f"a tile's group as lanes a token (KSTEP {KSTEP}, {LPT} lanes), not the tensor-core or split-value forms")
@@ -1546,7 +1554,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                                t2_vsig1, t2_ksig1, t2_kmu1)
                                     T.evaluate(T.ptx["cp.async.commit_group"]())
                                 for ip in T.serial(np2):
-                                    for st in T.serial(NSUB):
+                                    for st in (T.unroll(NSUB) if UNROLL_PAGE else T.serial(NSUB)):
                                         # as tier 1: tile ip NSUB + st has landed, tile ip NSUB + st - 1 is read by all
                                         T.evaluate(T.ptx["cp.async.wait_group"](max(S2 - 2, 0)))
                                         sync_warp()

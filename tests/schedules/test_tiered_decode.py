@@ -512,6 +512,23 @@ def test_scatter_scores_emulated(extra):
     assert abs(got[0] - want[0]) < 1e-5 and abs(got[1] - want[1]) < 1e-5, (got, want)
 
 
+def test_unrolled_page_emulated():
+    """``unroll_page`` (the page's tiles unrolled: constant stage slots and row offsets) does the same operations in the
+    same order: the same output and importance as the rolled loop, to the bit, on the compiled OLMoE form with pages of
+    4 tiles on 4 stages and, for the ring's slots not lining up with the page's tiles, on 3 stages."""
+    shape, t1_lens, t2_pages = (16, 16, 128, 16, 128), [70, 33], [3, 2]
+    for stages in (4, 3):
+        form = {"half2": True, "stages": stages, "t1_half2": True, "scatter_scores": True}
+        got = _emulated_decode({**form, "unroll_page": True}, shape, t1_lens, t2_pages, 3)
+        want = _emulated_decode(form, shape, t1_lens, t2_pages, 3)
+        assert got[0] < 5e-3 and got[1] < 1e-3 and got == want, (stages, got, want)
+    from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
+
+    for extra in ({"half2": True}, {"t2_mma": True, "stages": 4}):
+        with pytest.raises(ValueError, match="unroll_page"):
+            make_tiered_decode_cuda(16, 16, 128, unroll_page=True, **extra)
+
+
 def test_scatter_scores_refuses_grouped_heads():
     from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
 
