@@ -504,10 +504,10 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     launch a layer less, and the merges of the pairs done early overlap the splits still streaming; but slower on the
     H100 (bench/results/tiered_decode_fm_h100_151bbbe.json: OLMoE 0.349 against 0.330 ms a layer), so not compiled in.
 
-    ``unroll_page`` (tier 2 on CUDA cores with ``stages``) unrolls the loop over a page's tiles: with as many stages as
-    tiles a page (OLMoE's 4 of 32 tokens) each tile's stage slot and row offsets are constants, which drops most of the
-    address arithmetic of the copies and the reads (ptxas for sm_90, the paired form: 2,512 instructions a page against
-    2,721), at four times the loop's code.
+    ``unroll_page`` (with ``stages``) unrolls the loop over a tier-2 page's tiles: with a stage count that divides the
+    tiles a page (OLMoE's 4 tiles of 32 tokens on CUDA cores, 8 of 16 on tensor cores) each tile's stage slot and row
+    offsets are constants, which drops most of the address arithmetic of the copies and the reads (ptxas for sm_90,
+    the paired form: 2,512 instructions a page against 2,721), at the page's tiles times the loop's code.
 
     ``min_blocks`` > 0 declares the split kernel's launch bounds with that many blocks (warps) per SM, which
     caps its registers at 65536 / (32 min_blocks): the half2 form at OLMoE's shape takes 145 registers, so 13
@@ -533,8 +533,8 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     PF, T1MMA, KQ, T1H2 = bool(t2_prefetch), bool(t1_mma), bool(t2_keep_q), bool(t1_half2)
     SCAT = bool(scatter_scores)
     UNROLL_PAGE = bool(unroll_page)
-    if UNROLL_PAGE and (MMA or not stages):
-        raise ValueError("CUDA tiered decode: unroll_page unrolls the staged tier-2 loop on CUDA cores (stages > 0, not t2_mma)")
+    if UNROLL_PAGE and not stages:
+        raise ValueError("CUDA tiered decode: unroll_page unrolls the staged tier-2 loop (stages > 0)")
     if SCAT and (G != 1 or KSTEP != LPT or MMA or T1MMA or VSPLIT):
         raise ValueError(f"CUDA tiered decode: scatter_scores takes one query head per KV head (got {G}) and as many tokens "
                          f"a tile's group as lanes a token (KSTEP {KSTEP}, {LPT} lanes), not the tensor-core or split-value forms")
@@ -1248,7 +1248,7 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                     st[10 + e] = shfl_idx(tf[4], 4 * (2 * ti + e))
                 if PF:
                     mma_load(kwn, vwn, vvn, pbase, 0, gi, ti, t2_k32, t2_v32, t2_vmu32, t2_vsig32)
-                for tt in T.serial(NTT):
+                for tt in (T.unroll(NTT) if UNROLL_PAGE else T.serial(NTT)):
                     if PF:  # this tile's words were loaded during the last; the next tile's are loaded now
                         for i in T.unroll(4):
                             kw[i] = kwn[i]

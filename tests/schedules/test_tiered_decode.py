@@ -524,7 +524,7 @@ def test_unrolled_page_emulated():
         assert got[0] < 5e-3 and got[1] < 1e-3 and got == want, (stages, got, want)
     from moec.schedules.kernels.tiered_decode import make_tiered_decode_cuda
 
-    for extra in ({"half2": True}, {"t2_mma": True, "stages": 4}):
+    for extra in ({"half2": True}, {"t2_mma": True}):
         with pytest.raises(ValueError, match="unroll_page"):
             make_tiered_decode_cuda(16, 16, 128, unroll_page=True, **extra)
 
@@ -559,7 +559,10 @@ PF, T1 = {"t2_prefetch": True}, {"t1_mma": True}
     # tier 2's tiles staged through shared memory (a ring of 4 / 3): pages of 8 tiles, the ring across page ends and
     # past the last tile; OLMoE's heads with tier 1 in float16 pairs on CUDA cores, Mixtral's with tier 1 on tensor cores
     ({"stages": 4, "t2_keep_q": True, "t1_half2": True}, (16, 16, 128, 16, 128), [70, 16], [3, 2], 3, 1.0),
-    ({**T1, "stages": 3, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 2.0)])
+    ({**T1, "stages": 3, "t2_keep_q": True, "t1_quarters": 2}, (32, 8, 128, 16, 128), [100, 40], [2, 3], 4, 2.0),
+    # the page's 8 tiles unrolled (constant slots of a ring of 4 / offsets of a ring of 3)
+    ({"stages": 4, "t2_keep_q": True, "t1_half2": True, "unroll_page": True}, (16, 16, 128, 16, 128), [70, 16], [3, 2], 3, 1.0),
+    ({**T1, "stages": 3, "t2_keep_q": True, "unroll_page": True}, (32, 8, 128, 16, 128), [33, 16], [2, 3], 3, 1.0)])
 def test_tensor_core_decode_emulated(extra, shape, t1_lens, t2_pages, splits, qscale):
     """``t2_mma``: tier 2 on tensor cores (keys: codes x q sigma; values: codes^T x p sigma, the 2-bit codes as
     float16 1024 + c 2^p), tier 1 in splits of its own; ``t1_mma``: tier 1 too (FP8 widened to float16 pairs,
