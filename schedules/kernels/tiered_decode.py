@@ -478,7 +478,12 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
     of the splits, 1 to 3, that take tier 1: at 15% of the tokens in FP8 and 85% in 2-bit codes, tier 1 is about 40%
     of the bytes). On the H100 it was 30%
     faster than half2 with 4 query heads per KV head and 30% slower with one (bench/results/tiered_decode_h100_mma.json;
-    ``decode_form`` chooses).
+    ``decode_form`` chooses). ``stages`` S > 1 with ``t2_mma`` stages its 16-token tiles through shared memory instead
+    (a ring of S tiles a warp, as the CUDA-core form's: each lane copies 16 bytes of the tile's K rows and of its V
+    rows, four lanes its value mu / sigma; rows padded to W2 * 4 + 16 bytes so the fragments' reads hit distinct banks):
+    the register prefetch keeps one 1 KB tile in flight a warp, too few bytes for the DRAM's latency at one query head
+    per KV head. (ptxas for sm_90 at OLMoE's shape, with ``unroll_page``: 2,568 instructions a 128-token page, 272 of
+    them in the rarely taken rescale branches, against the paired form's 2,512 with 80 there.)
 
     ``t1_half2`` takes the tier-1 sums in float16 pairs too (registers, not ``t1_stages``): each 16-byte row of FP8 is
     widened to eight float16 pairs (``cvt.rn.f16x2.e4m3x2``, exact), the key scores are eight ``fma.rn.f16x2`` a token
