@@ -84,6 +84,14 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
                                                    "t1_quarters": 2}),
             "olmoe-mma-s4-q-t1h2-t1x2-up": ("olmoe", {"t2_mma": True, "stages": 4, "t2_keep_q": True, "t1_half2": True,
                                                       "t1_quarters": 2, "unroll_page": True}),
+            # the same with launch bounds (``min_blocks``: ptxas -v for sm_90): 150 registers unbounded, 13 warps an SM
+            # (14.8% warps active on the H100 at 85b7b8c); 16 blocks an SM bound it to 127 without spills
+            "olmoe-mma-s4-q-t1h2-mb16": ("olmoe", {"t2_mma": True, "stages": 4, "t2_keep_q": True, "t1_half2": True,
+                                                   "min_blocks": 16}),
+            "olmoe-mma-s4-q-t1h2-up-mb16": ("olmoe", {"t2_mma": True, "stages": 4, "t2_keep_q": True, "t1_half2": True,
+                                                      "unroll_page": True, "min_blocks": 16}),
+            "olmoe-mma-s6-q-t1h2-up-mb16": ("olmoe", {"t2_mma": True, "stages": 6, "t2_keep_q": True, "t1_half2": True,
+                                                      "unroll_page": True, "min_blocks": 16}),
             "olmoe-mma2-s4-q": ("olmoe", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True}),
             "olmoe-mma2-s4-q-t1x2": ("olmoe", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
                                                "t1_quarters": 2}),
@@ -91,6 +99,8 @@ VARIANTS = {"olmoe-half2-pipe4": ("olmoe", {"half2": True, "stages": 4}),
             "mixtral-mma2-s4-q": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True}),
             "mixtral-mma2-s4-q-up": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
                                                  "unroll_page": True}),
+            "mixtral-mma2-s4-q-up-mb14": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
+                                                      "unroll_page": True, "min_blocks": 14}),  # 161 registers unbounded
             "mixtral-mma2-s4-q-t1x2": ("mixtral", {"t2_mma": True, "t1_mma": True, "stages": 4, "t2_keep_q": True,
                                                    "t1_quarters": 2}),
             # the compiled OLMoE form with its page's 4 tiles unrolled (constant stage slots and row offsets)
