@@ -1638,16 +1638,11 @@ def make_tiered_decode_cuda(num_heads: int, num_kv_heads: int, head_dim: int, t1
                                              scores, part_acc, part_ml, mqhi, mqlo, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf, mkq, mvq, mvv,
                                              mpv, mxv)
                         if MMA:
-                            if S1 + S2 > 0:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ...
-                                if sp >= ST1:
-                                    t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
-                                                 t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst,
-                                                 mtf, muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr, sh, pg2, t2_vmu1, t2_vsig1, mmag)
-                            else:  # (no stages: no shared buffer)
-                                if sp >= ST1:
-                                    t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
-                                                 t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst,
-                                                 mtf, muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr, None, None, t2_vmu1, t2_vsig1, mmag)
+                            if sp >= ST1:  # tier 2 on tensor cores: pages sp - ST1, + (S - ST1), ... (stages: in sh)
+                                t2_mma_split(b, hk, sp, sp - ST1, S - ST1, lane, layer, P2, n2, sm_scale, q, t2_table, t2_k32, t2_v32, t2_vmu32,
+                                             t2_vsig32, t2_ksig1, t2_kmu1, part_acc, part_ml, mwb, maf, mafh, mbf, mbfh, msc, mdacc, mst, mtf,
+                                             muu, mkh, mkw, mvw, mvv, mpv, mxv, mkwn, mvwn, mvvn, mqr, sh if S1 + S2 > 0 else None,
+                                             pg2 if S1 + S2 > 0 else None, t2_vmu1, t2_vsig1, mmag)
                         if FUSE:
                             # this split's writes, then its arrival; the last of the pair's S merges (the threadfence
                             # reduction pattern: fence, count, and the last to count reads the others' writes)
