@@ -80,7 +80,14 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_k4nt16g2": {"stages": 4, "n_tiles": 16, "k_splits": 4, "k_groups": 2, "dyn_shared": DYN},
             "_k2nt8g2": {"stages": 4, "n_tiles": 8, "k_splits": 2, "k_groups": 2, "dyn_shared": DYN},
             "_k2nt8g4": {"stages": 3, "n_tiles": 8, "k_splits": 2, "k_groups": 4, "dyn_shared": DYN},
-            "_k4w2nt16g4": {"stages": 3, "warps": 2, "n_tiles": 16, "k_splits": 4, "k_groups": 4, "dyn_shared": DYN}}
+            "_k4w2nt16g4": {"stages": 3, "warps": 2, "n_tiles": 16, "k_splits": 4, "k_groups": 4, "dyn_shared": DYN},
+            # ldmatrix fragments (``DenseSpec.ldmatrix``): no register moves between the fragment loads and the mma (ptxas
+            # for sm_90 at 32-token passes: 92 instructions a k-step against 137, 44 of them moves); at the compiled
+            # shape, 64-token passes (the LM heads'), 2-warp blocks and 3, 6 or 8 stages
+            "_s4l": {"stages": 4, "ldmatrix": True}, "_s4lnt8": {"stages": 4, "n_tiles": 8, "ldmatrix": True},
+            "_s4lw2": {"stages": 4, "warps": 2, "ldmatrix": True}, "_s3l": {"stages": 3, "ldmatrix": True},
+            "_s6dl": {"stages": 6, "dyn_shared": 6 * 12288, "ldmatrix": True},
+            "_s8dl": {"stages": 8, "dyn_shared": 8 * 12288, "ldmatrix": True}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
@@ -95,7 +102,9 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              # multiprocessor, where a 2048-row projection has one: 64-token passes (192 blocks) read the weight from
              # the L2 twice instead of four times; 2-warp blocks or 16-token passes put more blocks on each
              "merged_s4nt8": VARIANTS["_s4nt8"], "merged_s4w2": VARIANTS["_s4w2"], "merged_s4nt2": VARIANTS["_s4nt2"],
-             "merged_s4w2nt8": {"stages": 4, "warps": 2, "n_tiles": 8}}
+             "merged_s4w2nt8": {"stages": 4, "warps": 2, "n_tiles": 8},
+             "merged_s4l": VARIANTS["_s4l"], "merged_s4lnt8": VARIANTS["_s4lnt8"], "merged_s4lw2": VARIANTS["_s4lw2"],
+             "merged_s6dl": VARIANTS["_s6dl"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)

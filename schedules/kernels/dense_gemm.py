@@ -26,7 +26,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
-from .grouped_experts import (_MMA_TYPE, DYN_SMEM_LIMIT, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
+from .grouped_experts import (_MMA_TYPE, _mma, DYN_SMEM_LIMIT, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
                               _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared, check_tile, tile_buffer, tile_copy_row, tile_scope)
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -57,6 +57,9 @@ class DenseSpec:
     #                    once at 128 tokens) and more rows while the grid still fills the GPU. Slower than one split
     #                    at every decode size on the H100 (bench/results/dense_gemm_splitk_h100_d8e80a5.json): compiled
     #                    models keep one
+    ldmatrix: bool = False  # cp.async stages: fragments by ldmatrix from chunk-swizzled stages (``_ldsm_pipe_mainloop``)
+    #                        instead of each lane's 16-byte loads, whose weight fragments ptxas assembled with register
+    #                        moves (sm_90: 44 moves in a k-step's 137 instructions at 32-token passes)
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -88,6 +91,10 @@ class DenseSpec:
             raise MoecError("dense_gemm: k_splits > 1 needs cp.async stages (stages >= 2)")
         if self.l2_prefetch not in (0, 64, 128, 256):
             raise MoecError(f"dense_gemm: l2_prefetch must be 0, 64, 128 or 256, got {self.l2_prefetch!r}")
+        if not isinstance(self.ldmatrix, bool):
+            raise MoecError(f"dense_gemm: ldmatrix must be True or False, got {self.ldmatrix!r}")
+        if self.ldmatrix and (not self.stages or self.k_groups > 1):
+            raise MoecError("dense_gemm: ldmatrix fragments need cp.async stages (stages >= 2) and one k group")
         if self.stages and pipe_stages(self)[0] < 2:
             raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
@@ -160,6 +167,8 @@ def launch_config(spec: DenseSpec) -> dict:
     if spec.stages:
         st, per = pipe_stages(spec)
         form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
+        if spec.ldmatrix:
+            form += ", ldmatrix fragments"
         if spec.k_groups > 1:
             form += f", {spec.k_groups} k groups"
         blocks = ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows))
@@ -180,6 +189,85 @@ SPLIT_THREADS = 256  # threads a block of the k splits' sum
 
 def _attrs(name: str = "dense_gemm") -> dict:
     return {"tirx.is_scheduled": True, "global_symbol": name, "tirx.noalias": True}
+
+
+def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stages: int, nw: int, xl: int):
+    """The k loop of the cp.async form with ldmatrix fragments (``DenseSpec.ldmatrix``), as a TIR macro
+    ``mainloop(sb, af, bf, acc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at, ab)``.
+
+    Tiles, accumulators (``acc[(t nt + n) 4 + c]``: row ``tile_row(t) + g + 8 (c // 2)``, token ``n 8 + 2 q + c % 2``),
+    copies and barriers are ``_mma_pipe_mainloop``'s; what changes is where a k-step's 64 elements of a row sit and how
+    the fragments are read. ``sb`` is one buffer: the stages' weight rows ([stage][warp][tile][row 16][8 chunks][8]),
+    then their token rows ([stage][token 8 nt][8 chunks][8]); chunk c of row r (elements 8 c .. 8 c + 7 of the
+    k-step) sits at position ``c ^ (r % 8)``, so the eight rows of an ldmatrix matrix hit eight distinct 16-byte bank
+    groups. Lane (g, q) copies chunks 4 c + q of its warp's rows g and g + 8 (c = 0, 1: 4 lanes, 64 contiguous bytes
+    of a row); thread tx the token chunks tx, tx + 32 nw, ... (row ``(j 32 nw + tx) // 8``, chunk ``tx % 8``).
+
+    The k16 step s of a k-step takes chunks 2 s and 2 s + 1, in order, for both operands: one ldmatrix x4 a tile
+    (matrices: rows 0-7 and 8-15 of chunk 2 s, then of chunk 2 s + 1) gives its weight fragment a0..a3 in the mma's
+    register order, one x4 a token tile and two k16 steps (matrices: its 8 token rows at chunks 4 h .. 4 h + 3) its
+    b0, b1 of steps 2 h and 2 h + 1, with no register moves between loads and mma. Every token tile is multiplied,
+    with no branch between the loads and the mma (k16 steps outermost, so that consecutive mma add into different
+    accumulators): the columns of tokens past ``nv`` read stale shared memory and are never stored."""
+    cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
+    cpx = "cp.async.cg.shared.global"
+    WST = nw * tiles * 1024  # elements of a stage's weight rows
+    XO = stages * WST  # the token stages' first element
+    TOK = nt * 8
+
+    def wpos(st, warp, t, row, ch):  # first element of chunk ch of row ``row`` (0..15) of the warp's tile t, stage st
+        return (((st * nw + warp) * tiles + t) * 16 + row) * 64 + T.bitwise_xor(ch, row % 8) * 8
+
+    def xpos(st, tok, ch):  # first element of chunk ch of token row ``tok`` (0 .. TOK - 1), stage st
+        return XO + (st * TOK + tok) * 64 + T.bitwise_xor(ch, tok % 8) * 8
+
+    @T.macro
+    def issue(sb, st, kc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at):
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for rh in T.unroll(2):
+                    for c in T.unroll(2):
+                        T.evaluate(T.ptx[cpw](T.address_of(sb[wpos(st, tx // 32, t, g + 8 * rh, 4 * c + q)]),
+                                              T.address_of(w_at(tile_row(t) + 8 * rh + g, kc * 64 + c * 32 + q * 8)), 16))
+        for j in T.unroll(xl):
+            if TOK * 8 % (32 * nw) == 0 or j * 32 * nw + tx < TOK * 8:
+                if x_ok(j):
+                    T.evaluate(T.ptx[cpx](T.address_of(sb[xpos(st, (j * 32 * nw + tx) // 8, tx % 8)]),
+                                          T.address_of(x_at(j, kc * 64 + tx % 8 * 8)), 16))
+
+    @T.macro
+    def mainloop(sb, af, bf, acc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at, ab):
+        lane: T.let[T.int32] = tx % 32
+        for i in T.unroll(tiles * 4 * nt):
+            acc[i] = T.float32(0)
+        T.tvm_storage_sync("shared")  # the previous pass's last steps are read: its stages may be refilled
+        for s0 in T.unroll(stages - 1):
+            if s0 < steps:
+                issue(sb, s0, s0, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kc in T.serial(steps):
+            T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+            T.tvm_storage_sync("shared")
+            if kc + stages - 1 < steps:
+                issue(sb, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            for t in T.unroll(tiles):
+                if tile_ok(t):
+                    for s in T.unroll(4):
+                        T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, (t * 4 + s) * 8, T.address_of(
+                            sb[wpos(kc % stages, tx // 32, t, lane % 8 + (lane // 8) % 2 * 8, 2 * s + lane // 16)]), 0,
+                            dtype=af.dtype))
+            for n in T.unroll(nt):
+                for h in T.unroll(2):
+                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, n * 16 + h * 8, T.address_of(
+                        sb[xpos(kc % stages, n * 8 + lane % 8, 4 * h + lane // 8)]), 0, dtype=bf.dtype))
+            for s in T.unroll(4):  # (k16 steps outside: consecutive mma add into different accumulators)
+                for t in T.unroll(tiles):
+                    if tile_ok(t):
+                        for n in T.unroll(nt):
+                            T.evaluate(_mma(af, (t * 4 + s) * 8, bf, n * 16 + 4 * s, acc, (t * nt + n) * 4, ab))
+
+    return mainloop
 
 
 def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | None = None):
@@ -229,12 +317,18 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     KS, KO = K // KSP, K // KSP // G  # input features of a split and of a group
     KG = KC // KSP // G  # k-steps of a group
     A = RT * 4 * NT  # accumulators a thread
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, G, S * NW * G * RT * 1024) if S else _mma_mainloop()
-    XB = 16 if S else NT * 16  # the staged form reads one token tile at a time from shared memory
+    LDSM = spec.ldmatrix
+    if LDSM:
+        mainloop = _ldsm_pipe_mainloop(spec.l2_prefetch, RT, NT, KG, S, NW, XL)
+    else:
+        mainloop = _mma_pipe_mainloop(spec.l2_prefetch, G, S * NW * G * RT * 1024) if S else _mma_mainloop()
+    XB = 16 if S and not LDSM else NT * 16  # the staged form reads one token tile at a time from shared memory
     # the cp.async stages (a one-element placeholder in the register form); past 48 KB in dynamic shared memory
     SSC = ("shared.dyn" if spec.dyn_shared else "shared") if S else "local"
     SW = S * NW * RT * 1024 if S else 1  # [stage][warp][tile][rh][c][lane][8]
     SX = S * TOK * 64 if S else 1  # [stage][token][chunk (swizzled)][8]
+    if LDSM:  # one buffer (ldmatrix addresses it by element): the weight stages, then the token stages
+        SW, SX = S * (NW * RT * 1024 + TOK * 64), 1
     if G > 1:  # one buffer: the weight stages of all warps, then each group's token stages (two buffers of the k-group
         #        form in dynamic shared memory were laid over each other by TVM's merge of dynamic shared allocations)
         SW, SX = S * NW * G * RT * 1024 + G * S * TOK * 64, 1
@@ -271,7 +365,11 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
         rb: T.let[T.int32] = bbl * ROWS + (tl(tx) // 32) * (RT * 16)
         p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
         nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
-        if S > 0:
+        if LDSM:
+            mainloop(ws, af, xf, acc, tx, g, q, lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out,
+                     lambda row, k: w[row, kofs(k, tx, sp)], lambda j: (j * 32 * NW + tx) // 8 < nv,
+                     lambda j, k: x[p0 + (j * 32 * NW + tx) // 8, kofs(k, tx, sp)], ab)
+        elif S > 0:
             mainloop(ws, ws if G > 1 else xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KG, S, NW * G, XL,
                      lambda t: rb + t * 16, lambda t: rb + t * 16 < n_out, lambda row, k: w[row, kofs(k, tx, sp)],
                      lambda j: (j * 32 * NW + tl(tx)) // 8 < nv, lambda j, k: x[p0 + (j * 32 * NW + tl(tx)) // 8, kofs(k, tx, sp)], ab)

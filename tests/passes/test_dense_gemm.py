@@ -463,6 +463,59 @@ def test_cuda_dynamic_shared_stages_emulated(stages, n_tiles):
     assert pipe_stages(DenseSpec(64, 64, stages=16, n_tiles=n_tiles, dyn_shared=5 * per)) == (5, per)  # as many as fit
 
 
+@pytest.mark.parametrize("warps, row_tiles, n_tiles, stages, k, parts, k_splits",
+                         [(4, 1, 4, 4, 640, None, 1), (2, 2, 2, 3, 128, None, 1), (4, 1, 8, 4, 256, None, 1),
+                          (1, 1, 1, 2, 192, None, 1), (4, 1, 4, 4, 384, (32, 32, 32), 1), (4, 1, 16, 4, 512, None, 2)])
+def test_cuda_ldmatrix_form_emulated(warps, row_tiles, n_tiles, stages, k, parts, k_splits):
+    """``ldmatrix``: the cp.async form with chunk-swizzled stages and fragments by ldmatrix (both operands, no register
+    moves), every token tile multiplied. On the CPU emulation of the generated code, against NumPy: one token, a
+    partial last pass (37) and three passes, one to three weights, k splits, fewer k-steps than stages; nvcc accepts
+    it for sm_90."""
+    from cuda_emu import EmulatedKernel
+    from tvm.support import nvcc
+
+    spec = DenseSpec(out_features=96, in_features=k, stages=stages, warps=warps, row_tiles=row_tiles, n_tiles=n_tiles,
+                     ldmatrix=True, k_splits=k_splits, dyn_shared=232448 if n_tiles > 8 else 0)
+    assert "ldmatrix fragments" in launch_config(spec)["form"]
+    src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda", parts)}), target=make_target("cuda")).mod.imports[0].inspect_source()
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
+    if k == 640:
+        with make_target("cuda", "sm_90"):
+            assert len(nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90", compiler="nvcc")) > 0
+    name = {None: "dense_gemm", 3: "dense_gemm3"}[parts and len(parts)]
+    kern = EmulatedKernel(src, f"{name}_kernel")
+    add = EmulatedKernel(src, f"{name}_kernel_1") if k_splits > 1 else None
+    cfg = launch_config(spec)
+    for m in (1, 37, 3 * 8 * n_tiles):
+        rng = np.random.default_rng(m + k)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((96, k)).astype(ml_dtypes.bfloat16)
+        ref = reference(x, w)
+        widths = list(parts) if parts else [96]
+        grid = (-(-m // cfg["tokens_per_block"]), sum(-(-n // cfg["rows_per_block"]) for n in widths), k_splits)
+        if parts is None:
+            y = np.full((m, 96), np.nan, np.float32)
+            args = {"x": x.view(np.uint16), "w": w.view(np.uint16), "y": y}
+            outs = [(y, ref)]
+        else:
+            ws = np.split(w, np.cumsum(parts)[:-1])
+            ys = [np.full((m, n), np.nan, np.float32) for n in parts]
+            args = {"x": x.view(np.uint16), **{f"w{i + 1}": wi.view(np.uint16) for i, wi in enumerate(ws)},
+                    **{f"y{i + 1}": yi for i, yi in enumerate(ys)}}
+            outs = list(zip(ys, np.split(ref, np.cumsum(parts)[:-1], axis=1)))
+        if k_splits > 1:
+            args["sums"] = np.full((m, k_splits, 96), np.nan, np.float32)
+        kern(grid, cfg["threads"], M=m, **args)
+        if add is not None:
+            add((-(-(m * 96 // 4) // 256), 1, 1), 256, M=m, **args)
+        for y, r in outs:
+            np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-3)
+    with pytest.raises(MoecError, match="ldmatrix fragments need"):
+        DenseSpec(64, 64, ldmatrix=True).check()
+    with pytest.raises(MoecError, match="ldmatrix fragments need"):
+        DenseSpec(64, 256, stages=4, k_groups=2, ldmatrix=True).check()
+
+
 @pytest.mark.parametrize("k_groups, warps, stages, n_tiles, k", [(2, 4, 4, 4, 128), (2, 4, 3, 2, 640), (4, 2, 4, 4, 1024),
                                                                     (8, 1, 2, 8, 512)])
 def test_cuda_k_groups_emulated(k_groups, warps, stages, n_tiles, k):
