@@ -134,13 +134,16 @@ def eligible(spec: DenseSpec) -> str | None:
 # 118 against 153 us) while 32-token blocks keep the projections fastest up to 128 tokens.
 COMPILED_STAGES = 4
 WIDE_OUT_FEATURES = 16384  # from here on (LM heads) blocks take 8 token tiles
+COMPILED_LDMATRIX = True  # fragments by ldmatrix (``DenseSpec.ldmatrix``): faster at every 128-token shape on an H100
+#                           (bench/results/dense_gemm_ldmatrix_h100_a116b95.json)
 
 
 def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
                   out_dtype: str = "float32") -> DenseSpec:
     """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above)."""
     return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
-                     out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4)
+                     out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4,
+                     ldmatrix=COMPILED_LDMATRIX)
 
 
 def shared_limit(spec: DenseSpec) -> int:
