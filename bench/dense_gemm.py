@@ -87,7 +87,12 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_s4l": {"stages": 4, "ldmatrix": True}, "_s4lnt8": {"stages": 4, "n_tiles": 8, "ldmatrix": True},
             "_s4lw2": {"stages": 4, "warps": 2, "ldmatrix": True}, "_s3l": {"stages": 3, "ldmatrix": True},
             "_s6dl": {"stages": 6, "dyn_shared": 6 * 12288, "ldmatrix": True},
-            "_s8dl": {"stages": 8, "dyn_shared": 8 * 12288, "ldmatrix": True}}
+            "_s8dl": {"stages": 8, "dyn_shared": 8 * 12288, "ldmatrix": True},
+            # the next k-step's fragments loaded under this step's mma (``DenseSpec.frag_ahead``; ncu of `_s4l` at 128
+            # tokens on the H100: 1.4 cycles an instruction waiting on shared-memory results, 1.1 on the copies)
+            "_s4la": {"stages": 4, "ldmatrix": True, "frag_ahead": True},
+            "_s6dla": {"stages": 6, "dyn_shared": 6 * 12288, "ldmatrix": True, "frag_ahead": True},
+            "_s4lnt8a": {"stages": 4, "n_tiles": 8, "ldmatrix": True, "frag_ahead": True}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
@@ -104,7 +109,7 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              "merged_s4nt8": VARIANTS["_s4nt8"], "merged_s4w2": VARIANTS["_s4w2"], "merged_s4nt2": VARIANTS["_s4nt2"],
              "merged_s4w2nt8": {"stages": 4, "warps": 2, "n_tiles": 8},
              "merged_s4l": VARIANTS["_s4l"], "merged_s4lnt8": VARIANTS["_s4lnt8"], "merged_s4lw2": VARIANTS["_s4lw2"],
-             "merged_s6dl": VARIANTS["_s6dl"]}
+             "merged_s6dl": VARIANTS["_s6dl"], "merged_s4la": VARIANTS["_s4la"], "merged_s6dla": VARIANTS["_s6dla"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)

@@ -60,6 +60,7 @@ class DenseSpec:
     ldmatrix: bool = False  # cp.async stages: fragments by ldmatrix from chunk-swizzled stages (``_ldsm_pipe_mainloop``)
     #                        instead of each lane's 16-byte loads, whose weight fragments ptxas assembled with register
     #                        moves (sm_90: 44 moves in a k-step's 137 instructions at 32-token passes)
+    frag_ahead: bool = False  # ldmatrix: the next k-step's fragments loaded under this step's mma (two fragment buffers)
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -95,6 +96,11 @@ class DenseSpec:
             raise MoecError(f"dense_gemm: ldmatrix must be True or False, got {self.ldmatrix!r}")
         if self.ldmatrix and (not self.stages or self.k_groups > 1):
             raise MoecError("dense_gemm: ldmatrix fragments need cp.async stages (stages >= 2) and one k group")
+        if not isinstance(self.frag_ahead, bool):
+            raise MoecError(f"dense_gemm: frag_ahead must be True or False, got {self.frag_ahead!r}")
+        if self.frag_ahead and (not self.ldmatrix or pipe_stages(self)[0] < 3):
+            raise MoecError("dense_gemm: frag_ahead loads ldmatrix fragments a k-step ahead: it needs ldmatrix=True and "
+                            "3 cp.async stages or more")
         if self.stages and pipe_stages(self)[0] < 2:
             raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
@@ -171,7 +177,7 @@ def launch_config(spec: DenseSpec) -> dict:
         st, per = pipe_stages(spec)
         form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
         if spec.ldmatrix:
-            form += ", ldmatrix fragments"
+            form += ", ldmatrix fragments" + (" a k-step ahead" if spec.frag_ahead else "")
         if spec.k_groups > 1:
             form += f", {spec.k_groups} k groups"
         blocks = ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows))
@@ -194,7 +200,8 @@ def _attrs(name: str = "dense_gemm") -> dict:
     return {"tirx.is_scheduled": True, "global_symbol": name, "tirx.noalias": True}
 
 
-def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stages: int, nw: int, xl: int):
+def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stages: int, nw: int, xl: int,
+                        ahead: bool = False):
     """The k loop of the cp.async form with ldmatrix fragments (``DenseSpec.ldmatrix``), as a TIR macro
     ``mainloop(sb, af, bf, acc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at, ab)``.
 
@@ -211,7 +218,11 @@ def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stage
     register order, one x4 a token tile and two k16 steps (matrices: its 8 token rows at chunks 4 h .. 4 h + 3) its
     b0, b1 of steps 2 h and 2 h + 1, with no register moves between loads and mma. Every token tile is multiplied,
     with no branch between the loads and the mma (k16 steps outermost, so that consecutive mma add into different
-    accumulators): the columns of tokens past ``nv`` read stale shared memory and are never stored."""
+    accumulators): the columns of tokens past ``nv`` read stale shared memory and are never stored.
+
+    ``ahead`` (``DenseSpec.frag_ahead``, 3 stages or more): two fragment buffers; k-step kc + 1's fragments are loaded
+    while k-step kc's mma run, so the mma do not wait on the ldmatrix of their own step. Each step then waits until
+    the copies of the step after it have landed as well (``cp.async.wait_group S - 3``): one stage fewer in flight."""
     cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
     cpx = "cp.async.cg.shared.global"
     WST = nw * tiles * 1024  # elements of a stage's weight rows
@@ -238,9 +249,37 @@ def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stage
                     T.evaluate(T.ptx[cpx](T.address_of(sb[xpos(st, (j * 32 * nw + tx) // 8, tx % 8)]),
                                           T.address_of(x_at(j, kc * 64 + tx % 8 * 8)), 16))
 
+    AF, BF = tiles * 32, nt * 16  # elements of one k-step's weight and token fragments (``ahead``: two of each)
+
+    @T.macro
+    def load(sb, af, bf, st, buf, tx, tile_ok):  # the fragments of the k-step in stage st into fragment buffer buf
+        lane: T.let[T.int32] = tx % 32
+        for t in T.unroll(tiles):
+            if tile_ok(t):
+                for s in T.unroll(4):
+                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, buf * AF + (t * 4 + s) * 8, T.address_of(
+                        sb[wpos(st, tx // 32, t, lane % 8 + (lane // 8) % 2 * 8, 2 * s + lane // 16)]), 0, dtype=af.dtype))
+        for n in T.unroll(nt):
+            for h in T.unroll(2):
+                T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, buf * BF + n * 16 + h * 8, T.address_of(
+                    sb[xpos(st, n * 8 + lane % 8, 4 * h + lane // 8)]), 0, dtype=bf.dtype))
+
+    @T.macro
+    def multiply(af, bf, acc, buf, tile_ok, ab):
+        for s in T.unroll(4):  # (k16 steps outside: consecutive mma add into different accumulators)
+            for t in T.unroll(tiles):
+                if tile_ok(t):
+                    for n in T.unroll(nt):
+                        T.evaluate(_mma(af, buf * AF + (t * 4 + s) * 8, bf, buf * BF + n * 16 + 4 * s, acc, (t * nt + n) * 4, ab))
+
+    @T.macro
+    def refill(sb, kc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at):
+        if kc + stages - 1 < steps:
+            issue(sb, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+        T.evaluate(T.ptx["cp.async.commit_group"]())
+
     @T.macro
     def mainloop(sb, af, bf, acc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at, ab):
-        lane: T.let[T.int32] = tx % 32
         for i in T.unroll(tiles * 4 * nt):
             acc[i] = T.float32(0)
         T.tvm_storage_sync("shared")  # the previous pass's last steps are read: its stages may be refilled
@@ -248,27 +287,29 @@ def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stage
             if s0 < steps:
                 issue(sb, s0, s0, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-        for kc in T.serial(steps):
+        if ahead:
+            # step 0's fragments before the loop; at step kc the groups up to kc + 1 have landed (at most S - 3 younger
+            # pending), so step kc + 1's fragments load from their stage while step kc's mma run on the other buffer.
+            # Stage (kc - 1) % S, refilled at step kc, was last read at step kc - 2, which every warp has finished
             T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
             T.tvm_storage_sync("shared")
-            if kc + stages - 1 < steps:
-                issue(sb, (kc + stages - 1) % stages, kc + stages - 1, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
-            T.evaluate(T.ptx["cp.async.commit_group"]())
-            for t in T.unroll(tiles):
-                if tile_ok(t):
-                    for s in T.unroll(4):
-                        T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", af.data, (t * 4 + s) * 8, T.address_of(
-                            sb[wpos(kc % stages, tx // 32, t, lane % 8 + (lane // 8) % 2 * 8, 2 * s + lane // 16)]), 0,
-                            dtype=af.dtype))
-            for n in T.unroll(nt):
-                for h in T.unroll(2):
-                    T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", bf.data, n * 16 + h * 8, T.address_of(
-                        sb[xpos(kc % stages, n * 8 + lane % 8, 4 * h + lane // 8)]), 0, dtype=bf.dtype))
-            for s in T.unroll(4):  # (k16 steps outside: consecutive mma add into different accumulators)
-                for t in T.unroll(tiles):
-                    if tile_ok(t):
-                        for n in T.unroll(nt):
-                            T.evaluate(_mma(af, (t * 4 + s) * 8, bf, n * 16 + 4 * s, acc, (t * nt + n) * 4, ab))
+            load(sb, af, bf, 0, 0, tx, tile_ok)
+            for k2 in T.serial((steps + 1) // 2):  # two k-steps a round: the buffers' roles are constants
+                for par in T.unroll(2):
+                    if k2 * 2 + par < steps:
+                        T.evaluate(T.ptx["cp.async.wait_group"](stages - 3))
+                        T.tvm_storage_sync("shared")
+                        refill(sb, k2 * 2 + par, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+                        if k2 * 2 + par + 1 < steps:
+                            load(sb, af, bf, (k2 * 2 + par + 1) % stages, 1 - par, tx, tile_ok)
+                        multiply(af, bf, acc, par, tile_ok, ab)
+        else:
+            for kc in T.serial(steps):
+                T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                T.tvm_storage_sync("shared")
+                refill(sb, kc, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+                load(sb, af, bf, kc % stages, 0, tx, tile_ok)
+                multiply(af, bf, acc, 0, tile_ok, ab)
 
     return mainloop
 
@@ -322,10 +363,11 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     A = RT * 4 * NT  # accumulators a thread
     LDSM = spec.ldmatrix
     if LDSM:
-        mainloop = _ldsm_pipe_mainloop(spec.l2_prefetch, RT, NT, KG, S, NW, XL)
+        mainloop = _ldsm_pipe_mainloop(spec.l2_prefetch, RT, NT, KG, S, NW, XL, spec.frag_ahead)
     else:
         mainloop = _mma_pipe_mainloop(spec.l2_prefetch, G, S * NW * G * RT * 1024) if S else _mma_mainloop()
     XB = 16 if S and not LDSM else NT * 16  # the staged form reads one token tile at a time from shared memory
+    FB = 2 if spec.frag_ahead else 1  # fragment buffers (frag_ahead: this k-step's and the next's)
     # the cp.async stages (a one-element placeholder in the register form); past 48 KB in dynamic shared memory
     SSC = ("shared.dyn" if spec.dyn_shared else "shared") if S else "local"
     SW = S * NW * RT * 1024 if S else 1  # [stage][warp][tile][rh][c][lane][8]
@@ -399,9 +441,9 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             T.reads()
             T.writes()
             wa = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][row g|g+8][16]
-            af = T.sblock_alloc_buffer((RT * 32,), wdt, scope="local")  # [r][step][8]
+            af = T.sblock_alloc_buffer((FB * RT * 32,), wdt, scope="local")  # [buffer][r][step][8]
             xb = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # [tile][16]
-            xf = T.sblock_alloc_buffer((XB,), wdt, scope="local")  # its mma operand copy (scalar-typed)
+            xf = T.sblock_alloc_buffer((FB * XB,), wdt, scope="local")  # its mma operand copy (scalar-typed; ldmatrix: [buffer][n][16])
             acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
             ws = T.sblock_alloc_buffer((SW,), wdt, scope=SSC)  # [stage][warp][tile][rh][c][lane][8]
             xs = T.sblock_alloc_buffer((SX,), wdt, scope=SSC)  # [stage][token][chunk (swizzled)][8]

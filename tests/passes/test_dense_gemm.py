@@ -463,20 +463,22 @@ def test_cuda_dynamic_shared_stages_emulated(stages, n_tiles):
     assert pipe_stages(DenseSpec(64, 64, stages=16, n_tiles=n_tiles, dyn_shared=5 * per)) == (5, per)  # as many as fit
 
 
-@pytest.mark.parametrize("warps, row_tiles, n_tiles, stages, k, parts, k_splits",
-                         [(4, 1, 4, 4, 640, None, 1), (2, 2, 2, 3, 128, None, 1), (4, 1, 8, 4, 256, None, 1),
-                          (1, 1, 1, 2, 192, None, 1), (4, 1, 4, 4, 384, (32, 32, 32), 1), (4, 1, 16, 4, 512, None, 2)])
-def test_cuda_ldmatrix_form_emulated(warps, row_tiles, n_tiles, stages, k, parts, k_splits):
+@pytest.mark.parametrize("warps, row_tiles, n_tiles, stages, k, parts, k_splits, ahead",
+                         [(4, 1, 4, 4, 640, None, 1, False), (2, 2, 2, 3, 128, None, 1, False), (4, 1, 8, 4, 256, None, 1, False),
+                          (1, 1, 1, 2, 192, None, 1, False), (4, 1, 4, 4, 384, (32, 32, 32), 1, False),
+                          (4, 1, 16, 4, 512, None, 2, False), (4, 1, 4, 4, 640, None, 1, True), (2, 2, 2, 3, 192, None, 1, True),
+                          (4, 1, 4, 3, 64, (32, 32, 32), 1, True), (4, 1, 16, 5, 512, None, 2, True)])
+def test_cuda_ldmatrix_form_emulated(warps, row_tiles, n_tiles, stages, k, parts, k_splits, ahead):
     """``ldmatrix``: the cp.async form with chunk-swizzled stages and fragments by ldmatrix (both operands, no register
-    moves), every token tile multiplied. On the CPU emulation of the generated code, against NumPy: one token, a
-    partial last pass (37) and three passes, one to three weights, k splits, fewer k-steps than stages; nvcc accepts
-    it for sm_90."""
+    moves), every token tile multiplied; ``frag_ahead``: the next k-step's fragments loaded under this step's mma. On
+    the CPU emulation of the generated code, against NumPy: one token, a partial last pass (37) and three passes, one
+    to three weights, k splits, fewer k-steps than stages and odd counts of k-steps; nvcc accepts it for sm_90."""
     from cuda_emu import EmulatedKernel
     from tvm.support import nvcc
 
     spec = DenseSpec(out_features=96, in_features=k, stages=stages, warps=warps, row_tiles=row_tiles, n_tiles=n_tiles,
-                     ldmatrix=True, k_splits=k_splits, dyn_shared=232448 if n_tiles > 8 else 0)
-    assert "ldmatrix fragments" in launch_config(spec)["form"]
+                     ldmatrix=True, frag_ahead=ahead, k_splits=k_splits, dyn_shared=232448 if n_tiles > 8 else 0)
+    assert "ldmatrix fragments" in launch_config(spec)["form"] and ("a k-step ahead" in launch_config(spec)["form"]) == ahead
     src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda", parts)}), target=make_target("cuda")).mod.imports[0].inspect_source()
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
     if k == 640:
@@ -514,6 +516,10 @@ def test_cuda_ldmatrix_form_emulated(warps, row_tiles, n_tiles, stages, k, parts
         DenseSpec(64, 64, ldmatrix=True).check()
     with pytest.raises(MoecError, match="ldmatrix fragments need"):
         DenseSpec(64, 256, stages=4, k_groups=2, ldmatrix=True).check()
+    with pytest.raises(MoecError, match="frag_ahead loads ldmatrix fragments"):
+        DenseSpec(64, 256, stages=2, ldmatrix=True, frag_ahead=True).check()
+    with pytest.raises(MoecError, match="frag_ahead loads ldmatrix fragments"):
+        DenseSpec(64, 256, stages=4, frag_ahead=True).check()
 
 
 @pytest.mark.parametrize("k_groups, warps, stages, n_tiles, k", [(2, 4, 4, 4, 128), (2, 4, 3, 2, 640), (4, 2, 4, 4, 1024),
