@@ -118,7 +118,8 @@ QKV = {"olmoe_qkv": ((2048, 2048, 2048), 2048), "mixtral_qkv": ((4096, 1024, 102
 
 def select(variants: str | None) -> None:
     """Keep only the named launch forms (comma-separated suffixes, ``base`` for the register form, ``_s4`` for the
-    compiled one; q/k/v forms ``merged``, ``separate``, ``merged_*``): fewer kernels to build. ``prepare`` records the
+    cp.async form compiled models took before 574bfaf, ``_s4l`` for theirs since; q/k/v forms ``merged`` (the compiled
+    one-launch form), ``separate``, ``merged_*``): fewer kernels to build. ``prepare`` records the
     choice in the directory's index.json and ``run`` times what was built."""
     global QKV_ALL
     if not variants:

@@ -13,7 +13,9 @@ its 4 lanes) and the same 16 of token g of each 8-token tile; the four mma of th
 k = 16 q + 4 s + (0..3), one permutation of k for both operands. The token pass is the grid's fastest
 axis, so the blocks that share a weight slice run together and all but the first read it from L2: at
 decode sizes (M <= TOK) the weight is streamed from HBM once per step. Nothing is padded: M is dynamic,
-token tiles past M are skipped (warp-uniform), rows past N are not read.
+token tiles past M are skipped (warp-uniform), rows past N are not read. Compiled models (``compiled_spec``) take
+the cp.async form with ldmatrix fragments (``DenseSpec.ldmatrix``, ``_ldsm_pipe_mainloop``): the same tiles and
+grid, the stages' chunks swizzled for ldmatrix and the k16 steps in natural order, every token tile multiplied.
 """
 
 from __future__ import annotations
