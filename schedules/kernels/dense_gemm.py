@@ -100,9 +100,8 @@ class DenseSpec:
             raise MoecError("dense_gemm: ldmatrix fragments need cp.async stages (stages >= 2) and one k group")
         if not isinstance(self.frag_ahead, bool):
             raise MoecError(f"dense_gemm: frag_ahead must be True or False, got {self.frag_ahead!r}")
-        if self.frag_ahead and (not self.ldmatrix or pipe_stages(self)[0] < 3):
-            raise MoecError("dense_gemm: frag_ahead loads ldmatrix fragments a k-step ahead: it needs ldmatrix=True and "
-                            "3 cp.async stages or more")
+        if self.frag_ahead and not self.ldmatrix:
+            raise MoecError("dense_gemm: frag_ahead loads ldmatrix fragments a k-step ahead: it needs ldmatrix=True")
         if self.stages and pipe_stages(self)[0] < 2:
             raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
@@ -222,9 +221,9 @@ def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stage
     with no branch between the loads and the mma (k16 steps outermost, so that consecutive mma add into different
     accumulators): the columns of tokens past ``nv`` read stale shared memory and are never stored.
 
-    ``ahead`` (``DenseSpec.frag_ahead``, 3 stages or more): two fragment buffers; k-step kc + 1's fragments are loaded
-    while k-step kc's mma run, so the mma do not wait on the ldmatrix of their own step. Each step then waits until
-    the copies of the step after it have landed as well (``cp.async.wait_group S - 3``): one stage fewer in flight."""
+    ``ahead`` (``DenseSpec.frag_ahead``): two fragment buffers; k-step kc + 1's fragments are loaded while k-step kc's
+    mma run, so the mma do not wait on the ldmatrix of their own step. The refill of a step moves ahead of its wait
+    and barrier (the stage it overwrites was read two steps before), so as many copy groups stay in flight."""
     cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
     cpx = "cp.async.cg.shared.global"
     WST = nw * tiles * 1024  # elements of a stage's weight rows
@@ -290,18 +289,19 @@ def _ldsm_pipe_mainloop(l2_prefetch: int, tiles: int, nt: int, steps: int, stage
                 issue(sb, s0, s0, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         if ahead:
-            # step 0's fragments before the loop; at step kc the groups up to kc + 1 have landed (at most S - 3 younger
-            # pending), so step kc + 1's fragments load from their stage while step kc's mma run on the other buffer.
-            # Stage (kc - 1) % S, refilled at step kc, was last read at step kc - 2, which every warp has finished
+            # step 0's fragments before the loop. At step kc: refill the stage step kc - 1 read (its ldmatrix ran at step
+            # kc - 2, before every warp passed step kc - 1's barrier), wait for the groups up to kc + 1 (S - 2 younger
+            # pending, as without ``ahead``), one barrier, then step kc + 1's fragments into the other buffer, issued
+            # ahead of step kc's mma so that their loads run under them
             T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
             T.tvm_storage_sync("shared")
             load(sb, af, bf, 0, 0, tx, tile_ok)
             for k2 in T.serial((steps + 1) // 2):  # two k-steps a round: the buffers' roles are constants
                 for par in T.unroll(2):
                     if k2 * 2 + par < steps:
-                        T.evaluate(T.ptx["cp.async.wait_group"](stages - 3))
-                        T.tvm_storage_sync("shared")
                         refill(sb, k2 * 2 + par, tx, g, q, tile_row, tile_ok, w_at, x_ok, x_at)
+                        T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                        T.tvm_storage_sync("shared")
                         if k2 * 2 + par + 1 < steps:
                             load(sb, af, bf, (k2 * 2 + par + 1) % stages, 1 - par, tx, tile_ok)
                         multiply(af, bf, acc, par, tile_ok, ab)
