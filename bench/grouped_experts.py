@@ -46,9 +46,9 @@ DTYPE = "bfloat16"
 def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores: bool = True, **launch):
     from moec.schedules.kernels.grouped_experts import GroupedExpertsSpec
 
-    return GroupedExpertsSpec(hidden=d, inter=i, experts=e, top_k=k, x_dtype=DTYPE, w_dtype=DTYPE, h_dtype=DTYPE,
-                              rw_dtype="float32", out_dtype=DTYPE, ids_dtype="int64", w_format=w_format,
-                              tensor_cores=tensor_cores, **launch)
+    return GroupedExpertsSpec(hidden=d, inter=i, experts=e, top_k=k, w_dtype=DTYPE, rw_dtype="float32", out_dtype=DTYPE,
+                              ids_dtype="int64", w_format=w_format, tensor_cores=tensor_cores,
+                              **{"x_dtype": DTYPE, "h_dtype": DTYPE, **launch})
 
 
 def _funcs(only=None) -> dict:
@@ -98,16 +98,23 @@ VARIANTS = {"regs": {"stages": 0, "l2_prefetch": 0}, "rt1": {"stages": 0, "l2_pr
 # shapes that might lift its read rate at decode sizes (77% of the copy rate on the H100 where bf16 reads at 92%):
 # 2 warps a block (twice the blocks, each with 4 or 6 stages), 8 warps, 8 stages in dynamic shared memory, no L2
 # prefetch hint, a block per weight pass at the decode tiling
+F16 = {"x_dtype": "float16", "h_dtype": "float16"}
 FP8_VARIANTS = {"fp8_regs": {"stages": 0, "l2_prefetch": 0}, "fp8_s3": {"stages": 3},
                 "fp8_nt8_pb": {"n_tiles": 8, "pass_blocks": True},
                 "fp8_w2": {"warps": 2}, "fp8_w2_s6": {"warps": 2, "stages": 6}, "fp8_w8": {"warps": 8},
                 "fp8_s8d": {"stages": 8, "dyn_shared": 8 * 16384}, "fp8_pf0": {"l2_prefetch": 0},
-                "fp8_pb": {"pass_blocks": True}}
+                "fp8_pb": {"pass_blocks": True},
+                # the mma k16 step by k16 step over every token tile (``interleave``), and the mma in float16 (the
+                # activations and h in float16: the e4m3 pairs widened by one conversion instruction, not three integer
+                # operations); the float16 forms take x in float16 (cast before the timed call, not counted)
+                "fp8_i": {"interleave": True}, "fp8_f16": F16, "fp8_f16_i": {**F16, "interleave": True},
+                "fp8_f16_i_s6d": {**F16, "interleave": True, "stages": 6, "dyn_shared": 6 * 16384}}
 # timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
 # forms that differ from it in shared memory, and the FP8 forms (on their own inputs)
 COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
 COLD_FP8 = ("experts_fp8", "experts_fp8_regs", "experts_fp8_s3", "experts_fp8_w2", "experts_fp8_w2_s6", "experts_fp8_w8",
-            "experts_fp8_s8d", "experts_fp8_pf0", "experts_fp8_pb")
+            "experts_fp8_s8d", "experts_fp8_pf0", "experts_fp8_pb", "experts_fp8_i", "experts_fp8_f16", "experts_fp8_f16_i",
+            "experts_fp8_f16_i_s6d")
 
 
 def build_module(shape, kind: str, only=None):
@@ -126,7 +133,7 @@ def build_module(shape, kind: str, only=None):
         gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fname}")
               for n, make in KERNELS.items()}
         t = tvm.tirx.Var("t", "int64")
-        x = relax.Var("x", relax.TensorType((t, d), DTYPE))
+        x = relax.Var("x", relax.TensorType((t, d), spec.x_dtype))
         ids = relax.Var("ids", relax.TensorType((t, k), "int64"))
         rw = relax.Var("rw", relax.TensorType((t, k), "float32"))
         wdt = "uint8" if fmt == "fp8" else DTYPE
@@ -143,7 +150,7 @@ def build_module(shape, kind: str, only=None):
                 off, order = bb.emit(relax.TupleGetItem(prep, 0)), bb.emit(relax.TupleGetItem(prep, 1))
                 if slots:
                     off = bb.emit(relax.op.concat([off, *slot_of], axis=0))
-                h = bb.emit(relax.call_tir(gv["gate_up"], [x, *w1, off, order], out_ty=relax.TensorType([t * k, i], DTYPE)))
+                h = bb.emit(relax.call_tir(gv["gate_up"], [x, *w1, off, order], out_ty=relax.TensorType([t * k, i], spec.h_dtype)))
                 y = bb.emit(relax.call_tir(gv["down"], [h, *w2, off, order, rw], out_ty=relax.TensorType([t * k, d], "float32")))
                 out = bb.emit_output(relax.call_tir(gv["combine"], [y, ids], out_ty=relax.TensorType([t, d], DTYPE)))
             bb.emit_func_output(out)
@@ -437,16 +444,21 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     # FP8 e4m3 weights: against the reference over the dequantized weights
     (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
+    args8h = [tvm.runtime.from_dlpack(inp["x"].half().contiguous())] + args8[1:]  # the float16 forms' x
+
+    def fp8_args(v):
+        return args8h if FP8_VARIANTS.get(v, {}).get("x_dtype") == "float16" else args8
+
     ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
     row["active_weight_bytes_fp8"] = active * 3 * d * i
     for v in ("fp8", *FP8_VARIANTS):  # the default FP8 form, then its other launch shapes
         if f"experts_{v}" not in funcs:
             continue
-        out8 = torch.from_dlpack(vm[f"experts_{v}"](*args8)).float()
+        out8 = torch.from_dlpack(vm[f"experts_{v}"](*fp8_args(v))).float()
         row[f"{v}_max_rel_error_vs_dequantized"] = float((out8 - ref8).abs().max()) / (float(ref8.abs().max()) or 1.0)
         row[f"{v}_max_rel_error_vs_bf16_fp32"] = float((out8 - ref).abs().max()) / scale
         row["passed"] = row["passed"] and row[f"{v}_max_rel_error_vs_dequantized"] < 2e-2
-        vm.save_function(f"experts_{v}", f"experts_{v}_timed", *args8)
+        vm.save_function(f"experts_{v}", f"experts_{v}_timed", *fp8_args(v))
         res = vm.time_evaluator(f"experts_{v}_timed", dev, number=number, repeat=repeat)()
         ms[f"moec_grouped_{v}"] = float(np.median(np.asarray(res.results))) * 1e3
     tin = [inp[n] for n in ("x", "ids", "rw", "w1", "w2")]
@@ -458,7 +470,8 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
             row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     if device == "cuda":  # each call's kernels cold (weights from HBM), one by one
         row["cold_us"] = cold_kernels_us({**{f: (lambda fn=vm[f]: fn(*args)) for f in COLD if f in funcs},
-                                          **{f: (lambda fn=vm[f]: fn(*args8)) for f in COLD_FP8 if f in funcs}})
+                                          **{f: (lambda fn=vm[f], a=fp8_args(f[len("experts_"):]): fn(*a))
+                                             for f in COLD_FP8 if f in funcs}})
         row["cold_GBps_active_weights"] = {f: row["active_weight_bytes_fp8" if "fp8" in f else "active_weight_bytes"]
                                            / v["total"] / 1e3 for f, v in row["cold_us"].items()}
     row["ms"] = ms

@@ -11,6 +11,10 @@ halves (``prmt``), each byte's exponent and mantissa moved under bfloat16's (``<
 bfloat16 exponent field, mantissa m at its top three bits), and one ``fma.rn.bf16x2`` by 2^120 rebiases both
 (7 -> 127): 2^(e - 127) (1 + m / 8) 2^120 for e > 0, and the bfloat16 subnormal (m / 8) 2^-126 2^120 = m 2^-9 for
 e = 0, exactly the e4m3 values; the signs are put back after. Four integer operations and one FMA a pair.
+Where the consumer can take the power of two itself (the expert GEMMs multiply it into their epilogue scales),
+the ``bf16s`` pair skips the FMA: one ``prmt`` puts each byte in the low byte of its half and its sign,
+replicated, in the high byte; ``<< 4`` and one mask leave the sign in bit 15 and the exponent and mantissa under
+bfloat16's, 2^-120 times the e4m3 value (subnormals included): three integer operations a pair.
 
 ``register()`` installs TVM's ``tvm_callback_cuda_postproc`` hook (chaining any hook already
 installed), which puts the helpers' definitions at the top of a generated source that calls one of
@@ -31,6 +35,8 @@ E4M3_HI = "moec_e4m3x2_hi"  # bytes 2, 3 likewise
 PACK_BF2 = "moec_pack_bf2"  # (lo, hi) float32 -> two bfloat16, rounded to nearest (cvt.rn.bf16x2.f32)
 E4M3_BF_LO = "moec_e4m3x2_bf16_lo"  # bytes 0, 1 (FP8 e4m3) -> two bfloat16, exactly (see below)
 E4M3_BF_HI = "moec_e4m3x2_bf16_hi"  # bytes 2, 3 likewise
+E4M3_BFS_LO = "moec_e4m3x2_bf16s_lo"  # bytes 0, 1 (FP8 e4m3) -> two bfloat16 of 2^-120 times their values (see below)
+E4M3_BFS_HI = "moec_e4m3x2_bf16s_hi"  # bytes 2, 3 likewise
 ST_B32X2 = "moec_st_b32x2"  # (address, lo, hi): one 8-byte store of two 32-bit words (the address 8-byte aligned)
 
 _GUARD = "MOEC_CUDA_PRELUDE"
@@ -72,6 +78,16 @@ __device__ __forceinline__ unsigned int {E4M3_BF_LO}(unsigned int a) {{
 __device__ __forceinline__ unsigned int {E4M3_BF_HI}(unsigned int a) {{
   return moec_e4m3_pair_bf16_(__byte_perm(a, 0u, 0x4342u));
 }}
+__device__ __forceinline__ unsigned int {E4M3_BFS_LO}(unsigned int a) {{
+  unsigned int p;
+  asm("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(p) : "r"(a));
+  return (p << 4) & 0x87F087F0u;
+}}
+__device__ __forceinline__ unsigned int {E4M3_BFS_HI}(unsigned int a) {{
+  unsigned int p;
+  asm("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(p) : "r"(a));
+  return (p << 4) & 0x87F087F0u;
+}}
 __device__ __forceinline__ void {ST_B32X2}(void* p, unsigned int lo, unsigned int hi) {{
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }}
@@ -88,7 +104,8 @@ __device__ __forceinline__ unsigned int {E4M3_HI}(unsigned int a) {{
 #endif
 """
 
-_CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI, PACK_BF2, E4M3_BF_LO, E4M3_BF_HI, ST_B32X2)))
+_CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI, PACK_BF2, E4M3_BF_LO, E4M3_BF_HI, E4M3_BFS_LO, E4M3_BFS_HI,
+                                           ST_B32X2)))
 _HOOK = "tvm_callback_cuda_postproc"
 _installed = False
 

@@ -156,6 +156,17 @@ static inline uint moec_pack_bf2(float lo, float hi) { return (uint)nv_bfloat16(
 static inline uint bf16_exact_(float f) { uint32_t u; memcpy(&u, &f, 4); return u >> 16; }  // (f exact in bfloat16)
 static inline uint moec_e4m3x2_bf16_lo(uint a) { return bf16_exact_(e4m3_to_float_(a & 0xff)) | (bf16_exact_(e4m3_to_float_((a >> 8) & 0xff)) << 16); }
 static inline uint moec_e4m3x2_bf16_hi(uint a) { return moec_e4m3x2_bf16_lo(a >> 16); }
+static inline uint prmt_(uint a, uint b, uint s) {  // PTX prmt.b32 (default mode): selector msb replicates the byte's sign
+  uint64_t v = ((uint64_t)b << 32) | a;
+  uint r = 0;
+  for (int i = 0; i < 4; ++i) {
+    uint n = (s >> (4 * i)) & 15, byte = (uint)(v >> (8 * (n & 7))) & 0xff;
+    r |= ((n & 8) ? ((byte & 0x80) ? 0xffu : 0u) : byte) << (8 * i);
+  }
+  return r;
+}
+static inline uint moec_e4m3x2_bf16s_lo(uint a) { return (prmt_(a, 0, 0x9180) << 4) & 0x87F087F0u; }
+static inline uint moec_e4m3x2_bf16s_hi(uint a) { return (prmt_(a, 0, 0xB3A2) << 4) & 0x87F087F0u; }
 static inline void moec_st_b32x2(void *p, uint lo, uint hi) {
   if ((uintptr_t)p % 8) throw std::runtime_error("moec_st_b32x2: address not 8-byte aligned");
   uint v[2] = {lo, hi}; std::memcpy(p, v, 8);

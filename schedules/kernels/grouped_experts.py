@@ -117,6 +117,8 @@ class GroupedExpertsSpec:
     #                 of a block looping over an expert's passes (``_pass_grid``)
     dyn_shared: int = 0  # cp.async forms: 0, the stages in static shared memory (SMEM_LIMIT); else in dynamic shared
     #                 memory of at most this many bytes (up to DYN_SMEM_LIMIT): more stages for gate_up, whose stage is 20 KB
+    interleave: bool = False  # cp.async forms: a k-step's mma k16 step by k16 step over every (row tile, token tile),
+    #                 not a token tile's four at a time (``_mma_pipe_mainloop``)
     tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
     #                 128 output rows a tile, both operands through shared memory, ldmatrix), for prefill-sized chunks
     tile_k: int = TILE_K  # tiled: k a cp.async stage (32 or 64)
@@ -134,6 +136,8 @@ class GroupedExpertsSpec:
         check_dyn_shared(self.dyn_shared, "grouped_experts")
         if not isinstance(self.pass_blocks, bool):
             raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
+        if not isinstance(self.interleave, bool):
+            raise MoecError(f"grouped_experts: interleave must be a bool, got {self.interleave!r}")
         if not isinstance(self.tiled, bool):
             raise MoecError(f"grouped_experts: tiled must be a bool, got {self.tiled!r}")
         if self.tiled and (self.w_format != "float" or not self.tensor_cores):
@@ -415,17 +419,27 @@ def _fp8_widen(byte, dtype: str):
     return T.reinterpret(dtype, T.Cast("uint16", ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(shift))))
 
 
-_FP8_PAIR = {0: 0x1404, 1: 0x3424}  # __byte_perm selectors: bytes (0, 1) or (2, 3) of a word into the high bytes of its halves
+# The cp.async forms widen two bytes a register (``_fp8_widen_pair``): to bfloat16 as ``_fp8_widen``'s bits (2^-120
+# times the value), to float16 by the conversion instruction (the value itself); the epilogues multiply this back
+_FP8_PAIR_FACTOR = {"bfloat16": 2.0**120, "float16": 1.0}
+
+
+def _register_prelude() -> None:
+    from ..cuda_prelude import register
+
+    register()
 
 
 def _fp8_widen_pair(word, half: int, dtype: str):
-    """Two e4m3 bytes of a uint32 ``word`` (bytes 0, 1 for ``half`` 0, bytes 2, 3 for 1) widened as ``_fp8_widen``
-    into the two 16-bit halves of a uint32 (the lower byte in the lower half: an mma fragment register). Each byte
-    goes to the high byte of its half, where its sign already is the 16-bit sign; its other 7 bits shift right into
-    place: a byte permute, a shift and two masks for two elements (the per-byte form takes about six each)."""
-    shift = _FP8_WIDEN[dtype][0]
-    p = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0), T.uint32(_FP8_PAIR[half]))
-    return (p & T.uint32(0x80008000)) | ((p >> T.uint32(8 - shift)) & T.uint32(0x7F007F << shift))
+    """Two e4m3 bytes of a uint32 ``word`` (bytes 0, 1 for ``half`` 0, bytes 2, 3 for 1) widened into the two 16-bit
+    halves of a uint32 (the lower byte in the lower half: an mma fragment register), ``_FP8_PAIR_FACTOR[dtype]``
+    times smaller than their values. float16: ``cvt.rn.f16x2.e4m3x2``, one instruction (sm_89 or newer). bfloat16
+    (no conversion before sm_100): ``_fp8_widen``'s bits, a byte permute that also replicates each byte's sign over
+    the high byte of its half, a shift and a mask: three instructions for two elements (``cuda_prelude``)."""
+    from ..cuda_prelude import E4M3_BFS_HI, E4M3_BFS_LO, E4M3_HI, E4M3_LO
+
+    fn = {"bfloat16": (E4M3_BFS_LO, E4M3_BFS_HI), "float16": (E4M3_LO, E4M3_HI)}[dtype][half]
+    return T.call_pure_extern("uint32", fn, word)
 
 
 def mma_tiles(spec: GroupedExpertsSpec) -> tuple[int, int, int]:
@@ -549,6 +563,12 @@ def _pass_grid(spec: GroupedExpertsSpec, nbx: int, tok: int):
             lambda bx, by: by % nbx, lambda bx: bx, lambda bx, npass: T.min(bx + 1, npass))
 
 
+def _rows_ok(check, rows: int, tiles_per_block: int):
+    """A form's ``tile_ok``: ``check`` (row tile t of the warp in range), or statically true where the blocks' row
+    tiles (``tiles_per_block`` of 16 rows) cover the rows exactly."""
+    return (lambda t: True) if rows % (16 * tiles_per_block) == 0 else check
+
+
 def _mma(a, a_off, b, b_off, c, c_off, ab: str):
     return T.ptx_legacy.mma("m16n8k16", "row", "col", ab, ab, "fp32", a.data, a_off, b.data, b_off, c.data, c_off, False,
                             dtype="float32")
@@ -603,7 +623,8 @@ def _mma_mainloop(widen=None):
     return mainloop
 
 
-def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0, widen_to: str | None = None):
+def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0, widen_to: str | None = None,
+                       interleave: bool = False):
     """The k loop of the cp.async forms of gate_up and down (``spec.stages``), as a TIR macro.
 
     Same tiles, fragments and k permutation as ``_mma_mainloop``, but each k-step's operands go through shared
@@ -636,7 +657,12 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
     slot s holds k = 16 q + s, the register form's permutation (``_mma_mainloop``). Each fragment register is two
     bytes widened in place (``_fp8_widen_pair``: register 2 h + rh of step st is half h of word st of row rh). The
     token chunks 2 q and 2 q + 1 of a row (k = 16 q + 0..15) are then the lane's; in ``xs`` odd rows swap
-    neighbouring chunks (position ``ch ^ 1``), so a load phase's rows g, g + 1 again fall on disjoint banks."""
+    neighbouring chunks (position ``ch ^ 1``), so a load phase's rows g, g + 1 again fall on disjoint banks.
+
+    ``interleave``: a step first reads every token tile's operand (``xb`` / ``xf`` hold NT tiles of 16), then
+    issues its mma k16 step by k16 step, each over every (row tile, token tile), so consecutive mma add into
+    different accumulators instead of one tile's chain of four; the mma loop is specialised on the pass's token
+    tiles with tokens (``ceil(nv / 8)``, at most NT), so no branch sits between them."""
     cpw = "cp.async.cg.shared.global" + (f".L2::{l2_prefetch}B" if l2_prefetch else "")
     cpx = "cp.async.cg.shared.global"
     assert isinstance(k_groups, int) and k_groups >= 1, f"k_groups {k_groups!r}"
@@ -712,6 +738,57 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
                         T.address_of(x_at(j, kc * 64 + (xt_of(tx, nw) % 8) * 8)), 16))
 
     @T.macro
+    def x_frag(xs, xb, xf, n, o, tx, g, q, nt, stages, nw, kc):  # token tile n's operand of step kc into xf[o: o + 16]
+        for c in T.unroll(2):
+            for v in T.vectorized(8):
+                xb[o + c * 8 + v] = xs[xoff((((kc % stages) * nt * 8 + n * 8 + g) * 8 + xread(g, q, c)) * 8 + v, tx, nw,
+                                            nt * 8, stages)]
+        for i in T.unroll(16):
+            xf[o + i] = xb[o + i]
+
+    @T.macro
+    def mma_by_tile(xs, xb, xf, af, acc, tx, g, q, nv, tiles, nt, stages, nw, tile_ok, kc, ab):
+        for n in T.unroll(nt):
+            if n * 8 < nv:
+                x_frag(xs, xb, xf, n, 0, tx, g, q, nt, stages, nw, kc)
+                for t in T.unroll(tiles):
+                    if tile_ok(t):
+                        for st in T.unroll(4):
+                            T.evaluate(_mma(af, (t * 4 + st) * AW, xf, 4 * st, acc, (t * nt + n) * 4, ab))
+
+    def mma_k16(m: int):  # the step's mma over m token tiles: k16 steps outermost, every (row tile, token tile) inside
+        @T.macro
+        def run(xf, af, acc, nv, tiles, nt, tile_ok, ab):  # (nv: the signature of ``upto``'s)
+            for st in T.unroll(4):
+                for t in T.unroll(tiles):
+                    if tile_ok(t):
+                        for n in T.unroll(m):
+                            T.evaluate(_mma(af, (t * 4 + st) * AW, xf, n * 16 + 4 * st, acc, (t * nt + n) * 4, ab))
+        return run
+
+    def upto(m: int):  # the pass's token tiles with tokens, ceil(nv / 8) capped at m, told apart from m down to 1
+        if m == 1:
+            return mma_k16(1)
+        top, below = mma_k16(m), upto(m - 1)
+
+        @T.macro
+        def run(xf, af, acc, nv, tiles, nt, tile_ok, ab):
+            if nv > (m - 1) * 8:
+                top(xf, af, acc, nv, tiles, nt, tile_ok, ab)
+            else:
+                below(xf, af, acc, nv, tiles, nt, tile_ok, ab)
+        return run
+
+    by_count = [None] + [upto(m) for m in range(1, 9)]
+
+    @T.macro
+    def mma_interleaved(xs, xb, xf, af, acc, tx, g, q, nv, tiles, nt, stages, nw, tile_ok, kc, ab):
+        for n in T.unroll(nt):
+            if n * 8 < nv:
+                x_frag(xs, xb, xf, n, n * 16, tx, g, q, nt, stages, nw, kc)
+        by_count[nt](xf, af, acc, nv, tiles, nt, tile_ok, ab)
+
+    @T.macro
     def mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, tiles, nt, steps, stages, nw, xl, tile_row, tile_ok, w_at, x_ok,
                  x_at, ab):
         for i in T.unroll(tiles * 4 * nt):
@@ -729,18 +806,10 @@ def _mma_pipe_mainloop(l2_prefetch: int = 0, k_groups: int = 1, x_base: int = 0,
                       w_at, x_ok, x_at, stages)
             T.evaluate(T.ptx["cp.async.commit_group"]())
             read_w(ws, wa, af, kc % stages, tx, tiles, nw, tile_ok)
-            for n in T.unroll(nt):
-                if n * 8 < nv:
-                    for c in T.unroll(2):
-                        for v in T.vectorized(8):
-                            xb[c * 8 + v] = xs[xoff((((kc % stages) * nt * 8 + n * 8 + g) * 8 + xread(g, q, c)) * 8 + v, tx, nw,
-                                                    nt * 8, stages)]
-                    for i in T.unroll(16):
-                        xf[i] = xb[i]
-                    for t in T.unroll(tiles):
-                        if tile_ok(t):
-                            for st in T.unroll(4):
-                                T.evaluate(_mma(af, (t * 4 + st) * AW, xf, 4 * st, acc, (t * nt + n) * 4, ab))
+            if interleave:
+                mma_interleaved(xs, xb, xf, af, acc, tx, g, q, nv, tiles, nt, stages, nw, tile_ok, kc, ab)
+            else:
+                mma_by_tile(xs, xb, xf, af, acc, tx, g, q, nv, tiles, nt, stages, nw, tile_ok, kc, ab)
 
     return mainloop
 
@@ -874,7 +943,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
                                 tok[n] = T.if_then_else(n * 8 + g < nv, order[T.min(lo + ps * TOK + n * 8 + g, lo + cnt - 1)] // K, -1)
                             mainloop(wa, af, xb, xf, acc, g, q, nv, 2 * RT, NT, KC,
                                      lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
-                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(we), row, k],
+                                     _rows_ok(lambda t: rb + (t // 2) * 16 < I, I, spec.warps * RT), lambda row, k: w[ei(we), row, k],
                                      lambda n: tok[n] >= 0, lambda n, k: x[tok[n], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -959,8 +1028,12 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     XL = -(-(TOK * 8) // (32 * NW))  # token chunks each thread copies per step
     wdt, odt, ab, _, f = _mma_weight_form(spec, spec.x_dtype)
     fp8 = spec.w_format == "fp8"
+    if fp8:  # pairs widened by the prelude's helpers (``_fp8_widen_pair``)
+        f = _FP8_PAIR_FACTOR[odt]
+        _register_prelude()
     sdt, WT, AW = ("uint32", 256, 4) if fp8 else (wdt, 1024, 8)  # shared / register weight type; a tile's elements a stage
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None)
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None, interleave=spec.interleave)
+    XF = 16 * (NT if spec.interleave else 1)  # token operands held a step
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     def swiglu(gv, uv):
@@ -981,8 +1054,8 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                         xs = T.sblock_alloc_buffer((S * TOK * 64,), odt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
                         wa = T.sblock_alloc_buffer((RT * WT // 16,), sdt, scope="local")
                         af = T.sblock_alloc_buffer((RT * 8 * AW,), sdt, scope="local")
-                        xb = T.sblock_alloc_buffer((16,), odt, scope="local")
-                        xf = T.sblock_alloc_buffer((16,), odt, scope="local")
+                        xb = T.sblock_alloc_buffer((XF,), odt, scope="local")
+                        xf = T.sblock_alloc_buffer((XF,), odt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 8 * NT,), "float32", scope="local")  # [r][gate|up][tile][4]
                         ltok = T.sblock_alloc_buffer((XL,), "int32", scope="local")  # tokens of the chunks this thread copies
                         e: T.let[T.int32] = e_of(bx, by)
@@ -1000,7 +1073,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                                                          order[T.min(lo + ps * TOK + (j * 32 * NW + tx) // 8, lo + cnt - 1)] // K, -1)
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, 2 * RT, NT, KC, S, NW, XL,
                                      lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
-                                     lambda t: rb + (t // 2) * 16 < I, lambda row, k: w[ei(we), row, k],
+                                     _rows_ok(lambda t: rb + (t // 2) * 16 < I, I, spec.warps * RT), lambda row, k: w[ei(we), row, k],
                                      lambda j: ltok[j] >= 0, lambda j, k: x[ltok[j], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -1024,8 +1097,12 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
     SSC = _stage_scope(spec)
     wdt, odt, ab, _, f = _mma_weight_form(spec, spec.h_dtype)
     fp8 = spec.w_format == "fp8"
+    if fp8:  # pairs widened by the prelude's helpers (``_fp8_widen_pair``)
+        f = _FP8_PAIR_FACTOR[odt]
+        _register_prelude()
     sdt, WT, AW = ("uint32", 256, 4) if fp8 else (wdt, 1024, 8)
-    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None)
+    mainloop = _mma_pipe_mainloop(spec.l2_prefetch, widen_to=odt if fp8 else None, interleave=spec.interleave)
+    XF = 16 * (NT if spec.interleave else 1)  # token operands held a step
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     def scale(s2, we, d):
@@ -1043,8 +1120,8 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         xs = T.sblock_alloc_buffer((S * TOK * 64,), odt, scope=SSC)  # [stage][token][chunk (swizzled)][8]
                         wa = T.sblock_alloc_buffer((RT * WT // 32,), sdt, scope="local")
                         af = T.sblock_alloc_buffer((RT * 4 * AW,), sdt, scope="local")
-                        xb = T.sblock_alloc_buffer((16,), odt, scope="local")
-                        xf = T.sblock_alloc_buffer((16,), odt, scope="local")
+                        xb = T.sblock_alloc_buffer((XF,), odt, scope="local")
+                        xf = T.sblock_alloc_buffer((XF,), odt, scope="local")
                         acc = T.sblock_alloc_buffer((RT * 4 * NT,), "float32", scope="local")  # [r][tile][4]
                         e: T.let[T.int32] = e_of(bx, by)
                         lane: T.let[T.int32] = tx % 32
@@ -1057,7 +1134,7 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,
-                                     lambda t: rb + t * 16 < D, lambda row, k: w[ei(we), row, k],
+                                     _rows_ok(lambda t: rb + t * 16 < D, D, spec.warps * RT), lambda row, k: w[ei(we), row, k],
                                      lambda j: (j * 32 * NW + tx) // 8 < nv,
                                      lambda j, k: h[lo + ps * TOK + (j * 32 * NW + tx) // 8, k], ab)
                             for r in T.unroll(RT):

@@ -386,13 +386,15 @@ def test_fp8_widening_is_exact(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fp8_pair_widening_matches_the_bytes(dtype):
     """``_fp8_widen_pair`` (the cp.async forms' widening, two bytes of a word at a time) puts every pair of e4m3
-    bytes, from either half of a word, into a fragment register exactly as ``_fp8_widen`` widens each byte: all
-    65,536 pairs, on the CUDA emulation (its ``__byte_perm`` is the device's)."""
+    bytes, from either half of a word, into a fragment register as their values over ``_FP8_PAIR_FACTOR`` (the
+    epilogues' factor), exactly, subnormals and signed zeros included: all 65,536 pairs, on the CUDA emulation
+    (its ``prmt`` replicates signs as the device's does; float16 is the device's conversion instruction). The
+    bfloat16 bits also equal ``_fp8_widen``'s (the register form's)."""
     from cuda_emu import EmulatedKernel
     from tvm.script import tirx as T
 
     from moec.compiler.build import _cuda_modules
-    from moec.schedules.kernels.grouped_experts import _FP8_WIDEN, _fp8_widen_pair
+    from moec.schedules.kernels.grouped_experts import _FP8_PAIR_FACTOR, _FP8_WIDEN, _fp8_widen_pair
 
     @T.prim_func(s_tir=True)
     def widen_pairs(a: T.Buffer((65536,), "uint32"), b: T.Buffer((131072,), "uint32")):
@@ -409,12 +411,26 @@ def test_fp8_pair_widening_matches_the_bytes(dtype):
     out = np.zeros(131072, np.uint32)
     EmulatedKernel(src.inspect_source("cuda"), "widen_pairs_kernel")((256, 1, 1), 256, a=words, b=out)
 
-    def one(byte):  # _fp8_widen's bits (exact: test_fp8_widening_is_exact)
-        return ((byte & 0x80) << 8) | ((byte & 0x7F) << _FP8_WIDEN[dtype][0])
+    def values(halves):  # 16-bit patterns -> float64 values times the factor
+        return (halves.astype(np.uint16).view(NP[dtype]).astype(np.float64)) * _FP8_PAIR_FACTOR[dtype]
+
+    def want(byte):
+        return byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
     b0, b1 = lo & 0xFF, lo >> 8
-    np.testing.assert_array_equal(out[0::2], one(b0) | (one(b1) << 16))
-    np.testing.assert_array_equal(out[1::2], one(b1) | (one(b0) << 16))
+    finite = np.isfinite(want(b0)) & np.isfinite(want(b1))
+    assert finite.sum() == 254 * 254
+    for reg, first, second in ((out[0::2], b0, b1), (out[1::2], b1, b0)):
+        lo_h, hi_h = values(reg & 0xFFFF), values(reg >> 16)
+        np.testing.assert_array_equal(lo_h[finite], want(first)[finite])
+        np.testing.assert_array_equal(hi_h[finite], want(second)[finite])
+        np.testing.assert_array_equal(np.signbit(lo_h[finite]), np.signbit(want(first)[finite]))  # -0 stays -0
+    if dtype == "bfloat16":  # the register form's bits (``_fp8_widen``), NaN bytes included
+        def one(byte):
+            return ((byte & 0x80) << 8) | ((byte & 0x7F) << _FP8_WIDEN[dtype][0])
+
+        np.testing.assert_array_equal(out[0::2], one(b0) | (one(b1) << 16))
+        np.testing.assert_array_equal(out[1::2], one(b1) | (one(b0) << 16))
 
 
 def test_int64_weight_indexing(monkeypatch):
@@ -578,7 +594,9 @@ def test_cuda_fp8_matches_numpy_on_gpu(t, launch):
                                       (37, {"stages": 3, "warps": 3, "row_tiles": 1, "pass_blocks": True}),
                                       (300, {"stages": 6, "row_tiles": 1, "dyn_shared": 6 * 24576}),
                                       (37, {"tiled": True}), (700, {"tiled": True}), (300, {"tiled": True, "tile_stages": 2}),
-                                      (300, {"tiled": True, "tile_stages": 5}), (700, {"tiled": True, "tile_k": 64, "tile_stages": 4})])
+                                      (300, {"tiled": True, "tile_stages": 5}), (700, {"tiled": True, "tile_k": 64, "tile_stages": 4}),
+                                      (300, {"stages": 4, "row_tiles": 1, "interleave": True}),
+                                      (37, {"stages": 3, "warps": 3, "row_tiles": 1, "n_tiles": 5, "interleave": True})])
 def test_mma_forms_emulated(t, launch):
     """The mma.sync kernels on the CPU emulation of tests/cuda_emu.py. The register form and the cp.async form (4
     stages) matched numpy on the H200 (``test_cuda_matches_numpy_on_gpu``, ``test_cuda_pipe_form_matches_numpy_on_gpu``):
@@ -663,14 +681,18 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
                                           ("bfloat16", 300, {"n_tiles": 2, "pass_blocks": True}),
                                           ("float16", 37, {"warps": 3, "pass_blocks": True}),
                                           ("bfloat16", 300, {"stages": 6, "dyn_shared": 6 * 16384}),
-                                          ("bfloat16", 300, {"slots": 20})])
+                                          ("bfloat16", 300, {"slots": 20}), ("bfloat16", 300, {"interleave": True}),
+                                          ("float16", 300, {"interleave": True, "n_tiles": 3, "warps": 3}),
+                                          ("bfloat16", 37, {"interleave": True, "n_tiles": 8, "pass_blocks": True})])
 def test_fp8_mma_forms_emulated(act, t, launch):
     """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
     H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
     (``_fp8_widen_pair``) into the register form's fragments: several passes an expert (300 tokens), a block per pass
     with 2 token tiles, 3 warps with float16 activations (the widening's other shift), 6 stages in dynamic shared
     memory, and a pool of 20 slots read through the residency table (offloaded experts; the pool's other slots hold
-    NaN codes and scales). The stage of an FP8 gate_up holds half the weight bytes of a 16-bit one."""
+    NaN codes and scales); with ``interleave`` (the mma k16 step by k16 step over every token tile, specialised on
+    the pass's token tiles with tokens: 1 to NT of them, NT 3, 4 and 8). The stage of an FP8 gate_up holds half the
+    weight bytes of a 16-bit one."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
@@ -684,7 +706,9 @@ def test_fp8_mma_forms_emulated(act, t, launch):
         assert mma_stages(spec, "gate_up")[1] == spec.warps * 2 * rt * 16 * 64 + 8 * nt * 64 * 2
         assert mma_stages(spec, "gate_up")[1] < mma_stages(bf, "gate_up")[1]
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
-    assert "mma.sync" in src and ("__byte_perm" in src) == bool(spec.stages)
+    body = _kernel_bodies(src)["moe_gate_up_kernel"]
+    assert "mma.sync" in src and ("moec_e4m3x2_" in body) == bool(spec.stages)
+    assert ("moec_e4m3x2_bf16s_lo(" in body) == (bool(spec.stages) and act == "bfloat16")
     assert ("cp_async" in src) == bool(spec.stages)
     cfg = launch_config(spec)
     assert "e4m3" in cfg["gate_up"]["form"] and ("cp.async" in cfg["down"]["form"]) == bool(spec.stages)
