@@ -79,6 +79,7 @@ def compile(  # noqa: A001 - the public name users call
     gpu_memory_budget: int | None = None,
     prefill_gemm: str = "auto",
     pdl: bool = False,
+    fp8_compute: str | None = None,
     _until_phase1: bool = False,
 ) -> Path:
     """Compile an MoE model into an artifact directory.
@@ -129,6 +130,10 @@ def compile(  # noqa: A001 - the public name users call
         Storage of the grouped experts' weights: the model's dtype (default), bfloat16, or FP8 e4m3 with one
         float32 scale per output channel (half the bytes of bf16; weights quantized at compile time).
         Needs ``grouped_experts``.
+    fp8_compute : {None, "bfloat16", "float16"}
+        CUDA, ``expert_weights="fp8"`` on a bfloat16 model: the expert GEMMs' tensor-core operand type (float16: the
+        layer input cast to float16, FP8 pairs widened by one instruction; see ``moec.passes.grouped_experts``).
+        None: the pass's default.
     dense_gemm : bool
         Run the linear layers (matmuls against a transposed bf16/fp16 weight: attention projections, LM head)
         as ``dense_gemm`` kernels (``moec.passes.dense_gemm``; tensor cores on CUDA) that read the weight in its
@@ -306,7 +311,7 @@ def compile(  # noqa: A001 - the public name users call
                                        expert_slots=expert_slots,
                                        memory_budget=None if gpu_memory_budget is None else
                                        (gpu_memory_budget, sum(int(w.nbytes) for w in imported.weights)),
-                                       prefill_tiled=prefill_gemm == "tiled")
+                                       prefill_tiled=prefill_gemm == "tiled", fp8_compute=fp8_compute)
     dense = None
     if dense_gemm:
         from ..passes.dense_gemm import InsertDenseGEMM

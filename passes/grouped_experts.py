@@ -54,6 +54,13 @@ tensor-core down projection (``schedules.kernels.grouped_experts.mma_eligible``)
 most 2^-8 per element, the rounding the model's own bfloat16 forward makes (its SwiGLU output is a bfloat16
 tensor). ``rounding`` lists it too.
 
+FP8 expert weights (``expert_weights="fp8"``) of a bfloat16 model on CUDA with ``fp8_compute="float16"``: the
+tensor cores multiply in float16 instead, where an e4m3 pair becomes two float16 values in one conversion
+instruction (bfloat16 takes three integer operations a pair, ``_fp8_widen_pair``). The layer's input x is cast
+to float16 before gate_up (one elementwise kernel: values past +-65504 saturated, below 2^-14 float16
+subnormals, both exact in between, as bfloat16 has fewer mantissa bits) and h is held in float16 (saturated
+likewise) instead of bfloat16; ``rounding`` lists both.
+
 Guarantees after: each match is four ``call_tir`` of ``schedules.kernels.grouped_experts`` (llvm or
 CUDA form by target): ``route_prep(ids) -> (offsets, order)``, ``gate_up(x, W1, offsets, order) -> h``,
 ``down(h, W2, offsets, order, rw) -> y`` (per slot, float32) and ``combine(y, ids) -> out``; every user
@@ -77,7 +84,11 @@ from tvm.sym.analyzer import Analyzer
 from ..compiler.errors import MoecError
 from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], x [T, D], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
-from ..schedules.kernels.grouped_experts import _BYTES, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible, prefill_spec
+from ..schedules.kernels.grouped_experts import (_BYTES, F16_MAX, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible,
+                                                 prefill_spec)
+
+# CUDA, FP8 expert weights of a bfloat16 model: the tensor cores' operand type (``InsertGroupedExperts(fp8_compute=)``)
+FP8_COMPUTE = "bfloat16"
 
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
@@ -501,7 +512,11 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
                                                    ty_args=relax.TensorType([s.experts], "int32")))
             offsets = bb.emit(relax.op.concat([offsets, table], axis=0))
             w1, w2 = self.pools[:len(w1)], self.pools[len(w1):len(w1) + len(w2)]  # (FP8: codes and scales of each)
-        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [x, *w1, offsets, order],
+        xin = x
+        if dtype_of(x) != s.x_dtype:  # FP8 experts multiplied in float16 (fp8_compute): x saturated into its range
+            lim = F16_MAX if s.x_dtype == "float16" else None
+            xin = bb.emit(relax.op.astype(relax.op.clip(x, -lim, lim) if lim else x, s.x_dtype))
+        h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [xin, *w1, offsets, order],
                                    out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
         y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *w2, offsets, order, rw],
                                    out_ty=relax.TensorType([n, s.hidden], "float32")))  # S, D (slot order)
@@ -544,6 +559,9 @@ class InsertGroupedExperts:
         ``converted_weights`` gives the arrays to store in that order.
     weights : dict[str, numpy.ndarray], optional
         The weight values by parameter name (needed for ``expert_weights``).
+    fp8_compute : {None, "bfloat16", "float16"}
+        CUDA, FP8 expert weights of a bfloat16 model: the tensor cores' operand type (see the module docstring).
+        None: ``FP8_COMPUTE``.
     prefill_tiled : bool
         CUDA: the prefill entry's expert GEMMs in the block-tiled forms (``prefill_spec(..., tiled=True)``: 128 tokens
         x 128 weight rows a block, both operands in shared memory) where they serve, instead of the decode kernels'
@@ -552,7 +570,7 @@ class InsertGroupedExperts:
 
     def __init__(self, target: tvm.target.Target, source: str = "model", expert_weights: str | None = None,
                  weights: dict | None = None, expert_slots: int | None = None, memory_budget: tuple[int, int] | None = None,
-                 prefill_tiled: bool = False) -> None:
+                 prefill_tiled: bool = False, fp8_compute: str | None = None) -> None:
         if not isinstance(target, tvm.target.Target):
             raise MoecError(f"InsertGroupedExperts needs a tvm.target.Target, got {type(target).__name__}")
         check_offload_options(expert_slots, memory_budget)
@@ -563,6 +581,9 @@ class InsertGroupedExperts:
         self.target, self.source = target, source
         self.prefill_tiled = bool(prefill_tiled)
         self.expert_weights, self.weights = expert_weights, weights
+        self.fp8_compute = FP8_COMPUTE if fp8_compute is None else fp8_compute
+        if self.fp8_compute not in ("bfloat16", "float16"):
+            raise MoecError(f"FP8 expert compute must be bfloat16 or float16, got {self.fp8_compute!r}")
         self.converted: dict[str, dict] = {}  # weight name -> {"dtype": ..., "scale": name or None}
         self._arrays: dict[str, object] = {}  # converted arrays by (new) weight name
         self.replaced: dict[str, int] = {}
@@ -693,6 +714,7 @@ class InsertGroupedExperts:
                     raise MoecError(f"{self.source}: entry {gv.name_hint}'s weight parameters are not the model's weights "
                                     "in order; cannot convert the expert weights")
                 matches = [self._converted_match(m) for m in matches]
+                self.rounding[gv.name_hint] = [r for m in matches for r in m.rounding]
             params = {p.name: p for p in func.params}
             conv = {n: (relax.Var(n, relax.TensorType(params[n].ty.shape, self.converted[n]["dtype"])),
                         relax.Var(self.converted[n]["scale"], relax.TensorType(params[n].ty.shape.values[:2], "float32"))
@@ -776,7 +798,14 @@ class InsertGroupedExperts:
         # FP8 weights take the tensor-core forms (bytes staged by cp.async, widened in registers; the register-load
         # form matched NumPy on the H200: tests/schedules/test_grouped_experts.py::test_cuda_fp8_matches_numpy_on_gpu,
         # bench/results/gpu_tests_h200_33b9d7f.json)
-        return replace(m, spec=replace(m.spec, w_format="fp8"))
+        spec = replace(m.spec, w_format="fp8")
+        if self.fp8_compute == "float16" and self.target.kind.name == "cuda" and spec.x_dtype == "bfloat16":
+            f16 = replace(spec, x_dtype="float16", h_dtype="float16")
+            if mma_eligible(f16, "gate_up") and mma_eligible(f16, "down"):
+                return replace(m, spec=f16, rounding=m.rounding + [
+                    f"{m.where}: x rounded to float16 for the FP8 experts' float16 tensor cores (saturated past +-65504)",
+                    f"{m.where}: h held in float16 (saturated past +-65504)"])
+        return replace(m, spec=spec)
 
     def converted_weights(self, names: list[str], arrays: list) -> tuple[list[str], list]:
         """The weights to store for the rewritten entries: converted ones in place, then the FP8 scales."""
@@ -801,7 +830,8 @@ class InsertGroupedExperts:
             kernels.append({"spec": spec.to_dict(), "functions": {n: g for (s, n), g in self.kernels.items() if s == spec}})
         return {"replaced": dict(self.replaced), "kernels": kernels, "offload": self.offload, "memory_budget": self.budget_note, "skipped": {k: v for k, v in self.skipped.items() if v},
                 "rounding": {k: v for k, v in self.rounding.items() if v},
-                "expert_weights": self.expert_weights, "converted": dict(self.converted)}
+                "expert_weights": self.expert_weights, "converted": dict(self.converted),
+                "fp8_compute": self.fp8_compute if self.expert_weights == "fp8" else None}
 
 
 __all__ = ["InsertGroupedExperts"]

@@ -563,6 +563,17 @@ def _pass_grid(spec: GroupedExpertsSpec, nbx: int, tok: int):
             lambda bx, by: by % nbx, lambda bx: bx, lambda bx, npass: T.min(bx + 1, npass))
 
 
+F16_MAX = 65504.0
+
+
+def _h_store(spec: GroupedExpertsSpec, v):
+    """A float32 SwiGLU value as h: FP8 weights multiplied in float16 (a bfloat16 model's, see
+    ``passes.grouped_experts``) keep h within float16's range (past +-65504 saturated, not infinite)."""
+    if spec.w_format == "fp8" and spec.h_dtype == "float16":
+        v = T.max(T.min(v, T.float32(F16_MAX)), T.float32(-F16_MAX))
+    return T.Cast(spec.h_dtype, v)
+
+
 def _rows_ok(check, rows: int, tiles_per_block: int):
     """A form's ``tile_ok``: ``check`` (row tile t of the warp in range), or statically true where the blocks' row
     tiles (``tiles_per_block`` of 16 rows) cover the rows exactly."""
@@ -911,7 +922,7 @@ def _make_gate_up_mma(spec: GroupedExpertsSpec):
     mainloop = _mma_mainloop(widen)
 
     def swiglu(gv, uv):
-        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+        return _h_store(spec, gv / (T.float32(1) + T.exp(-gv)) * uv)
 
     def scale(s1, we, row):
         return s1[we, row] * T.float32(f) if fp8 else T.float32(1)
@@ -1037,7 +1048,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
     gx, gy, e_of, jb_of, ps_lo, ps_hi = _pass_grid(spec, NBX, TOK)
 
     def swiglu(gv, uv):
-        return T.Cast(spec.h_dtype, gv / (T.float32(1) + T.exp(-gv)) * uv)
+        return _h_store(spec, gv / (T.float32(1) + T.exp(-gv)) * uv)
 
     def scale(s1, we, row):
         return s1[we, row] * T.float32(f) if fp8 else T.float32(1)

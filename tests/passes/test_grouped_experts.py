@@ -506,6 +506,43 @@ def test_ir_converted_expert_weights(fmt):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # exactly the converted weights' function
 
 
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+def test_cuda_fp8_experts_float16_compute(monkeypatch, compute):
+    """CUDA, FP8 expert weights of a bfloat16 model: with ``fp8_compute="float16"`` the layer's input reaches gate_up
+    saturated into float16's range and cast (clip + astype, one elementwise kernel after fusion), both kernels take
+    float16 activations and h, and the manifest and ``rounding`` say so; with bfloat16 (the default) x goes in as it
+    is. (The kernels' float16 form on the CUDA emulation: tests/schedules/test_grouped_experts.py; the model on the
+    GPU: bench/e2e_cuda.py.)"""
+    import sys
+
+    from moec.passes import grouped_experts as pge
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 64)
+    monkeypatch.setattr(sys.modules[__name__], "I", 64)
+    assert pge.FP8_COMPUTE == "bfloat16"
+    cuda = make_target("cuda", "sm_90")
+    w = {n: a.astype("float32") for n, a in _weights().items()}
+    p = InsertGroupedExperts(cuda, expert_weights="fp8", weights=w, fp8_compute=None if compute == "bfloat16" else compute)
+    after = relax.transform.DeadCodeElimination(["decode"])(p(_entry_bf16()))
+    assert p.replaced == {"decode": 1} and p.manifest()["fp8_compute"] == compute
+    (spec,) = {s for s, name in p.kernels if name == "gate_up"}
+    assert spec.w_format == "fp8" and spec.x_dtype == spec.h_dtype == compute
+    gate_up = [c for c in _calls(after["decode"], "relax.call_tir") if c.args[0].name_hint == "moe_gate_up"][0]
+    x_in = gate_up.args[1].fields[0]
+    assert str(x_in.ty.dtype) == compute and str(gate_up.ty.dtype) == compute
+    casts = _calls(after["decode"], "relax.astype")
+    clips = [c for c in _calls(after["decode"], "relax.clip")]
+    notes = p.rounding["decode"]
+    if compute == "float16":
+        assert any(str(c.ty.dtype) == "float16" for c in casts) and len(clips) == 1
+        assert float(clips[0].args[1].value) == -65504.0 and float(clips[0].args[2].value) == 65504.0
+        assert any("x rounded to float16" in n for n in notes) and any("h held in float16" in n for n in notes)
+    else:
+        assert not clips and not any("to float16" in n or "in float16" in n for n in notes)
+    with pytest.raises(MoecError, match="bfloat16 or float16"):
+        InsertGroupedExperts(cuda, expert_weights="fp8", weights=w, fp8_compute="float32")
+
+
 def test_compiled_fp8_expert_weights(zoo, tmp_path):
     from safetensors.numpy import load_file
 
