@@ -802,9 +802,10 @@ class InsertGroupedExperts:
         if self.fp8_compute == "float16" and self.target.kind.name == "cuda" and spec.x_dtype == "bfloat16":
             f16 = replace(spec, x_dtype="float16", h_dtype="float16")
             if mma_eligible(f16, "gate_up") and mma_eligible(f16, "down"):
-                return replace(m, spec=f16, rounding=m.rounding + [
+                kept = [r for r in m.rounding if not r.startswith(f"{m.where}: h rounded to bfloat16 by the kernels")]
+                return replace(m, spec=f16, rounding=kept + [
                     f"{m.where}: x rounded to float16 for the FP8 experts' float16 tensor cores (saturated past +-65504)",
-                    f"{m.where}: h held in float16 (saturated past +-65504)"])
+                    f"{m.where}: h held in float16 by the kernels (saturated past +-65504)"])
         return replace(m, spec=spec)
 
     def converted_weights(self, names: list[str], arrays: list) -> tuple[list[str], list]:

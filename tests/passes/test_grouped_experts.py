@@ -537,6 +537,7 @@ def test_cuda_fp8_experts_float16_compute(monkeypatch, compute):
         assert any(str(c.ty.dtype) == "float16" for c in casts) and len(clips) == 1
         assert float(clips[0].args[1].value) == -65504.0 and float(clips[0].args[2].value) == 65504.0
         assert any("x rounded to float16" in n for n in notes) and any("h held in float16" in n for n in notes)
+        assert not any("h rounded to bfloat16 by the kernels" in n for n in notes)
     else:
         assert not clips and not any("to float16" in n or "in float16" in n for n in notes)
     with pytest.raises(MoecError, match="bfloat16 or float16"):
