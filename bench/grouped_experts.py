@@ -481,13 +481,22 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     return row
 
 
-def profile(root: Path, name: str, t: int, launches: int) -> None:
-    """Call the default form ``launches`` times at ``t`` tokens of shape ``name`` (for a profiler such as ncu to wrap)."""
+def profile(root: Path, name: str, t: int, launches: int, func: str = "experts") -> None:
+    """Call ``func`` (the default form, or another built function: FP8 ones on FP8 codes of the same weights, float16
+    forms on x in float16) ``launches`` times at ``t`` tokens of shape ``name`` (for a profiler such as ncu to wrap)."""
+    import tvm
+
     shape = SHAPES[name]
     vm, dev = _vm(root, name, shape, "cuda")
-    args = _tvm_in(_inputs(shape, t, "cuda", seed=t))
+    inp = _inputs(shape, t, "cuda", seed=t)
+    args = _tvm_in(inp)
+    if "fp8" in func:
+        (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
+        x = inp["x"].half() if FP8_VARIANTS.get(func[len("experts_"):], {}).get("x_dtype") == "float16" else inp["x"]
+        args = [tvm.runtime.from_dlpack(x.contiguous())] + args[1:3] + [tvm.runtime.from_dlpack(a.contiguous())
+                                                                         for a in (c1, s1, c2, s2)]
     for _ in range(launches):
-        vm["experts"](*args)
+        vm[func](*args)
     dev.sync()
 
 
@@ -511,6 +520,7 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--shape", default="olmoe", help="profile: the shape to call")
+    ap.add_argument("--func", default="experts", help="profile: the function to call (experts_fp8, experts_fp8_f16, ...)")
     ap.add_argument("--launches", type=int, default=2, help="profile: calls at the first of --batches")
     ap.add_argument("--variants", nargs="+", help="prepare: build only these of the launch-shape variants (VARIANTS, "
                     "FP8_VARIANTS; the default, FP8, warp and slot-pool forms are always built)")
@@ -524,7 +534,7 @@ def main() -> int:
         prepare(args.dir, args.small, args.variants, args.shapes)
         return 0
     if args.step == "profile":
-        profile(args.dir, args.shape, args.batches[0], args.launches)
+        profile(args.dir, args.shape, args.batches[0], args.launches, args.func)
         return 0
     import torch
 
