@@ -117,6 +117,8 @@ class GroupedExpertsSpec:
     #                 of a block looping over an expert's passes (``_pass_grid``)
     dyn_shared: int = 0  # cp.async forms: 0, the stages in static shared memory (SMEM_LIMIT); else in dynamic shared
     #                 memory of at most this many bytes (up to DYN_SMEM_LIMIT): more stages for gate_up, whose stage is 20 KB
+    w_tiles: bool = False  # FP8 weights, cp.async forms: stored tile-major (``tile_fp8``): a warp's k-step of a 16-row
+    #                 tile is 1 KB of contiguous bytes, its k loop one contiguous stream (rows: 64 bytes from 16 places)
     interleave: bool = False  # cp.async forms: a k-step's mma k16 step by k16 step over every (row tile, token tile),
     #                 not a token tile's four at a time (``_mma_pipe_mainloop``)
     tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
@@ -136,6 +138,11 @@ class GroupedExpertsSpec:
         check_dyn_shared(self.dyn_shared, "grouped_experts")
         if not isinstance(self.pass_blocks, bool):
             raise MoecError(f"grouped_experts: pass_blocks must be a bool, got {self.pass_blocks!r}")
+        if not isinstance(self.w_tiles, bool):
+            raise MoecError(f"grouped_experts: w_tiles must be a bool, got {self.w_tiles!r}")
+        if self.w_tiles and not (self.w_format == "fp8" and self.tensor_cores and self.stages and not self.tiled):
+            raise MoecError("grouped_experts: w_tiles (tile-major FP8 weights) needs FP8 weights in the cp.async forms "
+                            "(w_format fp8, tensor_cores, stages >= 2)")
         if not isinstance(self.interleave, bool):
             raise MoecError(f"grouped_experts: interleave must be a bool, got {self.interleave!r}")
         if not isinstance(self.tiled, bool):
@@ -210,6 +217,9 @@ def check_supported(spec: GroupedExpertsSpec, target: str = "llvm") -> None:
     if target == "cuda" and spec.experts > PREP_MAX_EXPERTS:
         raise MoecError(f"grouped_experts: {spec.experts} experts exceed the {PREP_MAX_EXPERTS} whose counts the route_prep "
                         "kernel's shared memory holds")
+    if spec.w_tiles and (target != "cuda" or not (mma_eligible(spec, "gate_up") and mma_eligible(spec, "down"))):
+        raise MoecError("grouped_experts: w_tiles (tile-major FP8 weights) needs the CUDA tensor-core forms of both "
+                        "kernels (rows a multiple of 16, reductions of 64)")
     if target == "cuda" and spec.tiled and (why := tiled_unsupported(spec)) is not None:
         raise MoecError(f"grouped_experts: tiled needs {why}")
     if target == "cuda" and _staged(spec) and not spec.tiled:
@@ -1084,7 +1094,7 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                                                          order[T.min(lo + ps * TOK + (j * 32 * NW + tx) // 8, lo + cnt - 1)] // K, -1)
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, 2 * RT, NT, KC, S, NW, XL,
                                      lambda t: g0 + (t % 2) * (u0 - g0) + rb + (t // 2) * 16,  # tile t: row tile t // 2, gate | up
-                                     _rows_ok(lambda t: rb + (t // 2) * 16 < I, I, spec.warps * RT), lambda row, k: w[ei(we), row, k],
+                                     _rows_ok(lambda t: rb + (t // 2) * 16 < I, I, spec.warps * RT), _w_reader(spec, w, ei, we, D),
                                      lambda j: ltok[j] >= 0, lambda j, k: x[ltok[j], k], ab)
                             for r in T.unroll(RT):
                                 if rb + r * 16 < I:
@@ -1145,7 +1155,7 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,
-                                     _rows_ok(lambda t: rb + t * 16 < D, D, spec.warps * RT), lambda row, k: w[ei(we), row, k],
+                                     _rows_ok(lambda t: rb + t * 16 < D, D, spec.warps * RT), _w_reader(spec, w, ei, we, I),
                                      lambda j: (j * 32 * NW + tx) // 8 < nv,
                                      lambda j, k: h[lo + ps * TOK + (j * 32 * NW + tx) // 8, k], ab)
                             for r in T.unroll(RT):
@@ -1635,6 +1645,42 @@ def quantize_fp8(w):
     return codes, scale
 
 
+W_TILE_ROWS, W_TILE_K = 16, MMA_K  # ``w_tiles``: a tile's rows, and the k of one of its contiguous k-steps
+
+
+def tile_fp8(codes):
+    """FP8 codes [E, R, C] (R a multiple of 16, C of 64) in ``w_tiles`` order, same shape: each 16-row tile's bytes
+    k-step by k-step (64 columns of its 16 rows, row after row), so the tile's k loop reads one contiguous stream."""
+    import numpy as np
+
+    c = np.asarray(codes)
+    e, r, k = c.shape
+    return np.ascontiguousarray(c.reshape(e, r // W_TILE_ROWS, W_TILE_ROWS, k // W_TILE_K, W_TILE_K)
+                                .transpose(0, 1, 3, 2, 4).reshape(e, r, k))
+
+
+def untile_fp8(tiled):
+    """The inverse of ``tile_fp8``."""
+    import numpy as np
+
+    c = np.asarray(tiled)
+    e, r, k = c.shape
+    return np.ascontiguousarray(c.reshape(e, r // W_TILE_ROWS, k // W_TILE_K, W_TILE_ROWS, W_TILE_K)
+                                .transpose(0, 1, 3, 2, 4).reshape(e, r, k))
+
+
+def _w_reader(spec: GroupedExpertsSpec, w, ei, we, red: int):
+    """``w_at(row, k)`` of the cp.async forms: element (row, k) of expert slot ``we``, where ``tile_fp8`` put it
+    with ``w_tiles`` (the tile's rows of the 3-D buffer, at k-step ``k // 64``'s 1 KB, row ``row % 16``'s 64 bytes)."""
+    if not spec.w_tiles:
+        return lambda row, k: w[ei(we), row, k]
+
+    def at(row, k):
+        within = (k // W_TILE_K) * (W_TILE_ROWS * W_TILE_K) + (row % W_TILE_ROWS) * W_TILE_K + k % W_TILE_K
+        return w[ei(we), (row // W_TILE_ROWS) * W_TILE_ROWS + within // red, within % red]
+    return at
+
+
 def dequantize_fp8(codes, scales):
     """float32 [E, R, C] weights that ``quantize_fp8`` codes stand for."""
     import ml_dtypes
@@ -1682,4 +1728,4 @@ def reference(x, w1, w2, ids, rw, gate_first: bool = True, h_dtype=None):
 
 __all__ = ["GroupedExpertsSpec", "KERNELS", "check_supported", "dequantize_fp8", "launch_config", "make_combine",
            "make_down", "make_gate_up", "make_grouped_experts", "make_route_prep", "quantize_fp8", "reference",
-           "reference_route"]
+           "reference_route", "tile_fp8", "untile_fp8"]

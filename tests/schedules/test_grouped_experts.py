@@ -434,6 +434,32 @@ def test_fp8_pair_widening_matches_the_bytes(dtype):
         np.testing.assert_array_equal(out[1::2], one(b1) | (one(b0) << 16))
 
 
+def test_fp8_tile_layout():
+    """``tile_fp8`` puts each 16-row tile's k-steps of 64 columns one after another (1 KB each, row after row) and
+    ``untile_fp8`` undoes it; ``w_tiles`` is refused outside the CUDA cp.async FP8 forms and for shapes whose
+    reductions are not whole k-steps."""
+    from moec.schedules.kernels.grouped_experts import check_supported, tile_fp8, untile_fp8
+
+    codes = np.random.default_rng(0).integers(0, 256, (2, 32, 128), dtype=np.uint8)
+    t = tile_fp8(codes)
+    assert t.shape == codes.shape and t.dtype == np.uint8
+    flat = t.reshape(2, -1)
+    for e, r, k in [(0, 0, 0), (1, 17, 5), (0, 31, 127), (1, 15, 64), (0, 16, 63)]:
+        pos = (r // 16) * 16 * 128 + (k // 64) * 1024 + (r % 16) * 64 + k % 64
+        assert flat[e, pos] == codes[e, r, k]
+    np.testing.assert_array_equal(untile_fp8(t), codes)
+    fp8 = GroupedExpertsSpec(hidden=128, inter=64, experts=4, top_k=2, x_dtype="bfloat16", h_dtype="bfloat16",
+                             w_format="fp8", w_tiles=True)
+    check_supported(fp8, "cuda")
+    for bad in ({"stages": 0}, {"w_format": "float", "w_dtype": "bfloat16"}, {"tensor_cores": False}):
+        with pytest.raises(MoecError, match="w_tiles"):
+            replace(fp8, **bad).check()
+    with pytest.raises(MoecError, match="w_tiles"):
+        check_supported(fp8, "llvm")
+    with pytest.raises(MoecError, match="w_tiles"):
+        check_supported(replace(fp8, inter=96), "cuda")  # down's reduction: 96, not whole k-steps of 64
+
+
 def test_int64_weight_indexing(monkeypatch):
     """Stacked weights of 2^31 elements or more (e.g. 256 experts x 4096 x 7168) are indexed in int64: forced
     here on small shapes, the llvm forms still match NumPy (float and FP8), the CUDA form's offsets are 64-bit."""
@@ -684,7 +710,10 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
                                           ("bfloat16", 300, {"stages": 6, "dyn_shared": 6 * 16384}),
                                           ("bfloat16", 300, {"slots": 20}), ("bfloat16", 300, {"interleave": True}),
                                           ("float16", 300, {"interleave": True, "n_tiles": 3, "warps": 3}),
-                                          ("bfloat16", 37, {"interleave": True, "n_tiles": 8, "pass_blocks": True})])
+                                          ("bfloat16", 37, {"interleave": True, "n_tiles": 8, "pass_blocks": True}),
+                                          ("bfloat16", 300, {"w_tiles": True}),
+                                          ("float16", 37, {"w_tiles": True, "n_tiles": 2, "pass_blocks": True, "warps": 3}),
+                                          ("bfloat16", 300, {"w_tiles": True, "slots": 20})])
 def test_fp8_mma_forms_emulated(act, t, launch):
     """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
     H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
@@ -692,12 +721,13 @@ def test_fp8_mma_forms_emulated(act, t, launch):
     with 2 token tiles, 3 warps with float16 activations (the widening's other shift), 6 stages in dynamic shared
     memory, and a pool of 20 slots read through the residency table (offloaded experts; the pool's other slots hold
     NaN codes and scales); with ``interleave`` (the mma k16 step by k16 step over every token tile, specialised on
-    the pass's token tiles with tokens: 1 to NT of them, NT 3, 4 and 8). The stage of an FP8 gate_up holds half the
-    weight bytes of a 16-bit one."""
+    the pass's token tiles with tokens: 1 to NT of them, NT 3, 4 and 8); with ``w_tiles`` (the codes stored
+    tile-major by ``tile_fp8``: plain, a block per pass with 3 warps and float16, a pool of slots). The stage of an
+    FP8 gate_up holds half the weight bytes of a 16-bit one."""
     from cuda_emu import EmulatedKernel
 
     from moec.compiler.build import _cuda_modules
-    from moec.schedules.kernels.grouped_experts import dequantize_fp8, mma_stages, mma_tiles, quantize_fp8
+    from moec.schedules.kernels.grouped_experts import dequantize_fp8, mma_stages, mma_tiles, quantize_fp8, tile_fp8
 
     spec = GroupedExpertsSpec(hidden=256, inter=128, experts=16, top_k=4, x_dtype=act, h_dtype=act, rw_dtype=act,
                               out_dtype="float32", w_format="fp8", **launch)
@@ -716,7 +746,8 @@ def test_fp8_mma_forms_emulated(act, t, launch):
     k = {name: EmulatedKernel(src, f"moe_{name}_kernel") for name in ("route_prep", "gate_up", "down", "combine")}
     x, w1, w2, ids, rw = _data(bf, t, seed=t + 1)
     (c1, s1), (c2, s2) = quantize_fp8(w1.astype(np.float32)), quantize_fp8(w2.astype(np.float32))
-    k1, k2, q1, q2 = c1, c2, s1, s2  # what the kernels read: stacked, or the slots of a pool
+    t1, t2 = (tile_fp8(c1), tile_fp8(c2)) if spec.w_tiles else (c1, c2)  # the codes as the kernels read them
+    k1, k2, q1, q2 = t1, t2, s1, s2  # what the kernels read: stacked, or the slots of a pool
     offsets, order = np.zeros(spec.experts + 1, np.int32), np.zeros(t * 4, np.int32)
     h = np.zeros((t * 4, spec.inter), NP[act])
     y = np.zeros((t * 4, spec.hidden), np.float32)
@@ -735,7 +766,7 @@ def test_fp8_mma_forms_emulated(act, t, launch):
         slot_of = np.random.default_rng(t).choice(spec.slots, spec.experts, replace=False).astype(np.int32)
         k1, k2 = (np.full((spec.slots,) + c.shape[1:], 0x7F, np.uint8) for c in (c1, c2))  # 0x7F: an e4m3 NaN
         q1, q2 = (np.full((spec.slots,) + q.shape[1:], np.nan, np.float32) for q in (s1, s2))
-        k1[slot_of], k2[slot_of], q1[slot_of], q2[slot_of] = c1, c2, s1, s2
+        k1[slot_of], k2[slot_of], q1[slot_of], q2[slot_of] = t1, t2, s1, s2
         table = np.concatenate([offsets, slot_of])
     k["gate_up"](grid(cfg["gate_up"]), cfg["gate_up"]["threads"], x=x, w=k1, s1=q1, offsets=table, order=order, h=h, **extra)
     k["down"](grid(cfg["down"]), cfg["down"]["threads"], h=h, w=k2, s2=q2, offsets=table, order=order, rw=rw, y=y, **extra)
