@@ -51,12 +51,13 @@ def _spec(e: int, k: int, d: int, i: int, w_format: str = "float", tensor_cores:
                               **{"x_dtype": DTYPE, "h_dtype": DTYPE, **launch})
 
 
-def _funcs(only=None) -> dict:
+def _funcs(only=None, kind: str = "cuda") -> dict:
     """function name -> (weight format, tensor cores, launch overrides); ``only``: the variants to build (of VARIANTS
     and FP8_VARIANTS; None: all), beside the functions of FUNCS and the slot-pool form, which are always built."""
     out = {name: (fmt, tc, {}) for name, (fmt, tc) in FUNCS.items()}
     out.update({f"experts_{v}": ("float", True, kw) for v, kw in VARIANTS.items() if only is None or v in only})
-    out.update({f"experts_{v}": ("fp8", True, kw) for v, kw in FP8_VARIANTS.items() if only is None or v in only})
+    out.update({f"experts_{v}": ("fp8", True, kw) for v, kw in FP8_VARIANTS.items() if (only is None or v in only)
+                and (kind == "cuda" or not kw.get("w_tiles"))})  # (tile-major codes: CUDA forms only)
     out[SLOTS_FUNC] = ("float", True, {})
     return out
 
@@ -108,13 +109,18 @@ FP8_VARIANTS = {"fp8_regs": {"stages": 0, "l2_prefetch": 0}, "fp8_s3": {"stages"
                 # activations and h in float16: the e4m3 pairs widened by one conversion instruction, not three integer
                 # operations); the float16 forms take x in float16 (cast before the timed call, not counted)
                 "fp8_i": {"interleave": True}, "fp8_f16": F16, "fp8_f16_i": {**F16, "interleave": True},
-                "fp8_f16_i_s6d": {**F16, "interleave": True, "stages": 6, "dyn_shared": 6 * 16384}}
+                "fp8_f16_i_s6d": {**F16, "interleave": True, "stages": 6, "dyn_shared": 6 * 16384},
+                # the codes stored tile-major (``w_tiles``, ``tile_fp8``: a warp's k-step one contiguous KB, its k loop
+                # one stream, where the row-major codes give 64 bytes from each of 16 rows); codes permuted before the call
+                "fp8_wt": {"w_tiles": True}, "fp8_f16_wt": {**F16, "w_tiles": True},
+                "fp8_wt_pf128": {"w_tiles": True, "l2_prefetch": 128}, "fp8_wt_s6d": {"w_tiles": True, "stages": 6,
+                                                                                   "dyn_shared": 6 * 16384}}
 # timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
 # forms that differ from it in shared memory, and the FP8 forms (on their own inputs)
 COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
 COLD_FP8 = ("experts_fp8", "experts_fp8_regs", "experts_fp8_s3", "experts_fp8_w2", "experts_fp8_w2_s6", "experts_fp8_w8",
             "experts_fp8_s8d", "experts_fp8_pf0", "experts_fp8_pb", "experts_fp8_i", "experts_fp8_f16", "experts_fp8_f16_i",
-            "experts_fp8_f16_i_s6d")
+            "experts_fp8_f16_i_s6d", "experts_fp8_wt", "experts_fp8_f16_wt", "experts_fp8_wt_pf128", "experts_fp8_wt_s6d")
 
 
 def build_module(shape, kind: str, only=None):
@@ -127,7 +133,7 @@ def build_module(shape, kind: str, only=None):
 
     e, k, d, i = shape
     bb = relax.BlockBuilder()
-    for fname, (fmt, tc, launch) in _funcs(only).items():
+    for fname, (fmt, tc, launch) in _funcs(only, kind).items():
         slots = fname == SLOTS_FUNC  # then also slot_of [E] int32: the residency table, after route_prep's bounds
         spec = _spec(*shape, w_format=fmt, tensor_cores=tc, **launch, **({"slots": e} if slots else {}))
         gv = {n: bb.add_func(make(spec, kind).without_attr("global_symbol").with_attr("op_pattern", 8), f"moe_{n}_{fname}")
@@ -164,7 +170,7 @@ def compile_module(shape, target, only=None):
 
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
     return tvm.compile(build_module(shape, kind, only), target=target,
-                       relax_pipeline=lowering_pipeline(target, list(_funcs(only))))
+                       relax_pipeline=lowering_pipeline(target, list(_funcs(only, kind))))
 
 
 def prepare(out: Path, small: bool, only=None, shapes=None) -> None:
@@ -240,6 +246,12 @@ def quantize_fp8_torch(w):
     scale = (wf.abs().amax(-1) / 448.0).clamp_min(2.0**-24)
     codes = (wf / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale
+
+
+def tile_fp8_torch(codes):
+    """``schedules.kernels.grouped_experts.tile_fp8`` on a device tensor: each 16-row tile's k-steps of 64 in turn."""
+    e, r, k = codes.shape
+    return codes.reshape(e, r // 16, 16, k // 64, 64).permute(0, 1, 3, 2, 4).contiguous().reshape(e, r, k)
 
 
 def dequantize_fp8_torch(codes, scale):
@@ -445,9 +457,13 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
     args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
     args8h = [tvm.runtime.from_dlpack(inp["x"].half().contiguous())] + args8[1:]  # the float16 forms' x
+    tiled = [tvm.runtime.from_dlpack(tile_fp8_torch(c1)), args8[4], tvm.runtime.from_dlpack(tile_fp8_torch(c2)), args8[6]]
+    variants8 = {(False, False): args8, (True, False): args8h, (False, True): args8[:3] + tiled,
+                 (True, True): args8h[:3] + tiled}
 
     def fp8_args(v):
-        return args8h if FP8_VARIANTS.get(v, {}).get("x_dtype") == "float16" else args8
+        kw = FP8_VARIANTS.get(v, {})
+        return variants8[(kw.get("x_dtype") == "float16", bool(kw.get("w_tiles")))]
 
     ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
     row["active_weight_bytes_fp8"] = active * 3 * d * i
@@ -492,7 +508,10 @@ def profile(root: Path, name: str, t: int, launches: int, func: str = "experts")
     args = _tvm_in(inp)
     if "fp8" in func:
         (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
-        x = inp["x"].half() if FP8_VARIANTS.get(func[len("experts_"):], {}).get("x_dtype") == "float16" else inp["x"]
+        kw = FP8_VARIANTS.get(func[len("experts_"):], {})
+        x = inp["x"].half() if kw.get("x_dtype") == "float16" else inp["x"]
+        if kw.get("w_tiles"):
+            c1, c2 = tile_fp8_torch(c1), tile_fp8_torch(c2)
         args = [tvm.runtime.from_dlpack(x.contiguous())] + args[1:3] + [tvm.runtime.from_dlpack(a.contiguous())
                                                                          for a in (c1, s1, c2, s2)]
     for _ in range(launches):
@@ -554,7 +573,7 @@ def main() -> int:
     for name, shape in shapes.items():
         vm, dev = _vm(args.dir, name, shape, args.device)
         funcs = (json.loads((args.dir / "index.json").read_text())[name].get("functions")
-                 if args.device == "cuda" else None)  # (indexes before 12ec812: every function)
+                 if args.device == "cuda" else list(_funcs(kind="llvm")))  # (indexes before 12ec812: every function)
         for t in args.batches:
             doc["rows"].append(run_shape(vm, dev, name, shape, t, args.device, number, repeat, compiled, funcs))
             for r in doc["rows"][-1:]:
