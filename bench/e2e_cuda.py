@@ -26,13 +26,15 @@ PT2_MODELS = ["tiny", "hf-olmoe"]  # also compiled from torch.export (.pt2); art
 # bfloat16 HF OLMoE (the benchmark's tiny shape) from torch.export: tensor-core dense and grouped expert
 # GEMMs; artifact -> KV cache. bf16: logits within 5% of their scale of torch's bf16 forward; tiered: reported
 BF16_MODELS = {"olmoe-bf16": "bf16", "olmoe-bf16-tiered": "tiered", "olmoe-bf16-fp8experts": "bf16",
-               "olmoe-bf16-tiered-pdl": "tiered", "olmoe-bf16-fp8experts-f16": "bf16"}
+               "olmoe-bf16-tiered-pdl": "tiered", "olmoe-bf16-fp8experts-f16": "bf16", "olmoe-bf16-fp8experts-wt": "bf16"}
 # compiled with --pdl (every kernel launched with programmatic dependent launch): the same checks as without (the
 # tiered cache: compile refuses --pdl with TVM's paged caches, moec.passes.pdl.PAGED_REASON)
 PDL_MODELS = {"olmoe-bf16-tiered-pdl"}
 # compiled with the routed experts' weights in FP8 e4m3 (--expert-weights fp8: the tensor-core forms widening the
 # bytes); the torch reference then runs on the weights those codes stand for (``fp8_reference``)
-FP8_EXPERT_MODELS = {"olmoe-bf16-fp8experts", "olmoe-bf16-fp8experts-f16"}
+FP8_EXPERT_MODELS = {"olmoe-bf16-fp8experts", "olmoe-bf16-fp8experts-f16", "olmoe-bf16-fp8experts-wt"}
+# of those, stored tile-major (``moec.passes.grouped_experts.FP8_W_TILES`` on while it compiles)
+TILE_MODELS = {"olmoe-bf16-fp8experts-wt"}
 # of those, multiplied in float16 (``fp8_compute="float16"``: x cast to float16 before gate_up, h in float16)
 F16_COMPUTE_MODELS = {"olmoe-bf16-fp8experts-f16"}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 1, 4, 1, 5]]
@@ -81,9 +83,16 @@ def prepare(out: Path, only=None) -> None:
         model, vocab = make_model(name)
         pt2_path = out / f"{name}.pt2"
         save_pt2(model, vocab, pt2_path, max_seq=64)
-        moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True,
-                     **({"expert_weights": "fp8"} if name in FP8_EXPERT_MODELS else {}), pdl=name in PDL_MODELS,
-                     **({"fp8_compute": "float16"} if name in F16_COMPUTE_MODELS else {}))
+        from moec.passes import grouped_experts as pge
+
+        tiles = pge.FP8_W_TILES
+        pge.FP8_W_TILES = tiles or name in TILE_MODELS
+        try:
+            moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True,
+                         **({"expert_weights": "fp8"} if name in FP8_EXPERT_MODELS else {}), pdl=name in PDL_MODELS,
+                         **({"fp8_compute": "float16"} if name in F16_COMPUTE_MODELS else {}))
+        finally:
+            pge.FP8_W_TILES = tiles
         pt2_path.unlink()
 
 

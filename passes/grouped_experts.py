@@ -85,10 +85,12 @@ from ..compiler.errors import MoecError
 from ..runtime.expert_cache import RESIDENCY_FUNC  # (ids [T, K], x [T, D], layer) -> slot of each expert [E] int32
 from ..compiler.graph import DataflowGraph, KernelCache, const_scalar, dtype_of, is_static, num_input_entries, shape_of
 from ..schedules.kernels.grouped_experts import (_BYTES, F16_MAX, KERNELS, GroupedExpertsSpec, check_supported, mma_eligible,
-                                                 prefill_spec)
+                                                 prefill_spec, tile_fp8)
 
 # CUDA, FP8 expert weights of a bfloat16 model: the tensor cores' operand type (``InsertGroupedExperts(fp8_compute=)``)
 FP8_COMPUTE = "bfloat16"
+# CUDA, FP8 expert weights: stored tile-major (``schedules.kernels.grouped_experts.tile_fp8``, the kernels' ``w_tiles``)
+FP8_W_TILES = False
 
 # ops that keep the row-major order of ids / routing weights (slot s = t * K + k); a permute would not
 _ORDER_KEEPING = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze"})
@@ -775,6 +777,7 @@ class InsertGroupedExperts:
             for n in sorted(names - common):
                 self.skipped.setdefault("conversion", []).append(f"{n}: not matched in every entry, kept as {self.weights[n].dtype}")
         order = [n for n in self.weights if n in common]
+        tiles = self._tileable(with_matches) if self.expert_weights == "fp8" else set()
         for n in order:
             w = np.asarray(self.weights[n])
             if self.expert_weights == "bf16":
@@ -786,9 +789,27 @@ class InsertGroupedExperts:
                 from ..schedules.kernels.grouped_experts import quantize_fp8
 
                 codes, scale = quantize_fp8(w)
+                if n in tiles:  # the CUDA cp.async forms read each 16-row tile's k-steps as contiguous KB
+                    codes = tile_fp8(codes)
                 self._arrays[n], self._arrays[f"{n}.fp8_scale"] = codes, scale
-                self.converted[n] = {"dtype": "uint8", "scale": f"{n}.fp8_scale", "from": str(w.dtype)}
+                self.converted[n] = {"dtype": "uint8", "scale": f"{n}.fp8_scale", "from": str(w.dtype),
+                                     "layout": "tiles" if n in tiles else "rows"}
         return order
+
+    def _tileable(self, with_matches) -> set[str]:
+        """FP8 weights to store tile-major (``tile_fp8``): on CUDA with ``FP8_W_TILES``, those whose every match's
+        kernels take the tile-major cp.async forms (a weight and its layer's other weight alike)."""
+        if not FP8_W_TILES or self.target.kind.name != "cuda":
+            return set()
+        ok, bad = set(), set()
+        for matches in with_matches:
+            for m in matches:
+                try:
+                    check_supported(replace(m.spec, w_format="fp8", w_tiles=True), "cuda")
+                    ok |= {m.w1.name, m.w2.name}
+                except MoecError:
+                    bad |= {m.w1.name, m.w2.name}
+        return ok - bad
 
     def _converted_match(self, m: _Match) -> _Match:
         if m.w1.name not in self.converted or m.w2.name not in self.converted:
@@ -798,7 +819,10 @@ class InsertGroupedExperts:
         # FP8 weights take the tensor-core forms (bytes staged by cp.async, widened in registers; the register-load
         # form matched NumPy on the H200: tests/schedules/test_grouped_experts.py::test_cuda_fp8_matches_numpy_on_gpu,
         # bench/results/gpu_tests_h200_33b9d7f.json)
-        spec = replace(m.spec, w_format="fp8")
+        layouts = {self.converted[w.name].get("layout") for w in (m.w1, m.w2)}
+        if len(layouts) > 1:
+            raise MoecError(f"{self.source}: {m.where}: gate/up and down FP8 weights stored in different layouts {sorted(layouts)}")
+        spec = replace(m.spec, w_format="fp8", w_tiles=layouts == {"tiles"})
         if self.fp8_compute == "float16" and self.target.kind.name == "cuda" and spec.x_dtype == "bfloat16":
             f16 = replace(spec, x_dtype="float16", h_dtype="float16")
             if mma_eligible(f16, "gate_up") and mma_eligible(f16, "down"):

@@ -544,6 +544,35 @@ def test_cuda_fp8_experts_float16_compute(monkeypatch, compute):
         InsertGroupedExperts(cuda, expert_weights="fp8", weights=w, fp8_compute="float32")
 
 
+@pytest.mark.parametrize("tiles", [False, True])
+def test_cuda_fp8_experts_tile_major(monkeypatch, tiles):
+    """CUDA, FP8 expert weights with ``FP8_W_TILES``: the stored codes are ``tile_fp8`` of the quantized weights (each
+    16-row tile's k-steps as contiguous KB), the kernels' spec reads them so (``w_tiles``) and the manifest records the
+    layout; without it, or on llvm, the codes stay row-major. (The tile-major kernels on the CUDA emulation:
+    tests/schedules/test_grouped_experts.py; on the GPU: bench/grouped_experts.py, bench/e2e_cuda.py.)"""
+    import sys
+
+    from moec.passes import grouped_experts as pge
+    from moec.schedules.kernels.grouped_experts import quantize_fp8, untile_fp8
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 128)  # (two k-steps of 64 a row: tile-major differs)
+    monkeypatch.setattr(sys.modules[__name__], "I", 128)
+    monkeypatch.setattr(pge, "FP8_W_TILES", tiles)
+    w = {n: a.astype("float32") for n, a in _weights().items()}
+    for target in (make_target("cuda", "sm_90"), LLVM):
+        p = InsertGroupedExperts(target, expert_weights="fp8", weights=w)
+        p(_entry_bf16())
+        on = tiles and target.kind.name == "cuda"
+        names, arrays = p.converted_weights(list(w), list(w.values()))
+        for n in ("w1", "w2"):
+            codes = quantize_fp8(w[n])[0]
+            got = arrays[names.index(n)]
+            np.testing.assert_array_equal(untile_fp8(got) if on else got, codes)
+            assert on == (not np.array_equal(got, codes))  # (random codes: the permutation moves bytes)
+            assert p.manifest()["converted"][n]["layout"] == ("tiles" if on else "rows")
+        assert {s.w_tiles for s, _ in p.kernels if s.w_format == "fp8"} == {on}
+
+
 def test_compiled_fp8_expert_weights(zoo, tmp_path):
     from safetensors.numpy import load_file
 
