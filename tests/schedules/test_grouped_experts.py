@@ -713,7 +713,8 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
                                           ("bfloat16", 37, {"interleave": True, "n_tiles": 8, "pass_blocks": True}),
                                           ("bfloat16", 300, {"w_tiles": True}),
                                           ("float16", 37, {"w_tiles": True, "n_tiles": 2, "pass_blocks": True, "warps": 3}),
-                                          ("bfloat16", 300, {"w_tiles": True, "slots": 20})])
+                                          ("bfloat16", 300, {"w_tiles": True, "slots": 20}),
+                                          ("bfloat16", 300, {"w_tiles": True, "row_tiles": 2})])
 def test_fp8_mma_forms_emulated(act, t, launch):
     """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
     H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
