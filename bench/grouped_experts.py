@@ -118,14 +118,19 @@ FP8_VARIANTS = {"fp8_regs": {"stages": 0, "l2_prefetch": 0}, "fp8_s3": {"stages"
                 # two 16-row tiles a warp (twice a block's weight bytes a k-step, each token operand used twice; an FP8
                 # block's k loop then as long as a bf16 one's), row-major and tile-major; gate_up's stage is then 20 KB
                 "fp8_rt2": {"row_tiles": 2}, "fp8_wt_rt2": {"w_tiles": True, "row_tiles": 2},
-                "fp8_wt_rt2_s4d": {"w_tiles": True, "row_tiles": 2, "stages": 4, "dyn_shared": 4 * 20480}}
+                "fp8_wt_rt2_s4d": {"w_tiles": True, "row_tiles": 2, "stages": 4, "dyn_shared": 4 * 20480},
+                # more blocks an SM (ncu: 4 blocks of 4 warps in every FP8 form, limited by registers and shared memory):
+                # launch bounds of 5 or 6 blocks, 3 stages so that 6 gate_up blocks fit in shared memory
+                "fp8_mb5": {"min_blocks": 5}, "fp8_mb6_s3": {"min_blocks": 6, "stages": 3},
+                "fp8_wt_mb6_s3": {"w_tiles": True, "min_blocks": 6, "stages": 3}}
 # timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
 # forms that differ from it in shared memory, and the FP8 forms (on their own inputs)
 COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
 COLD_FP8 = ("experts_fp8", "experts_fp8_regs", "experts_fp8_s3", "experts_fp8_w2", "experts_fp8_w2_s6", "experts_fp8_w8",
             "experts_fp8_s8d", "experts_fp8_pf0", "experts_fp8_pb", "experts_fp8_i", "experts_fp8_f16", "experts_fp8_f16_i",
             "experts_fp8_f16_i_s6d", "experts_fp8_wt", "experts_fp8_f16_wt", "experts_fp8_wt_pf128", "experts_fp8_wt_s6d",
-            "experts_fp8_rt2", "experts_fp8_wt_rt2", "experts_fp8_wt_rt2_s4d")
+            "experts_fp8_rt2", "experts_fp8_wt_rt2", "experts_fp8_wt_rt2_s4d", "experts_fp8_mb5", "experts_fp8_mb6_s3",
+            "experts_fp8_wt_mb6_s3")
 
 
 def build_module(shape, kind: str, only=None):

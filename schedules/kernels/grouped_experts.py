@@ -119,6 +119,8 @@ class GroupedExpertsSpec:
     #                 memory of at most this many bytes (up to DYN_SMEM_LIMIT): more stages for gate_up, whose stage is 20 KB
     w_tiles: bool = False  # FP8 weights, cp.async forms: stored tile-major (``tile_fp8``): a warp's k-step of a 16-row
     #                 tile is 1 KB of contiguous bytes, its k loop one contiguous stream (rows: 64 bytes from 16 places)
+    min_blocks: int = 0  # cp.async forms: 0, or __launch_bounds__ of gate_up and down declaring that many blocks an SM
+    #                 (registers capped at 65536 / (32 warps min_blocks))
     interleave: bool = False  # cp.async forms: a k-step's mma k16 step by k16 step over every (row tile, token tile),
     #                 not a token tile's four at a time (``_mma_pipe_mainloop``)
     tiled: bool = False  # 16-bit weights on tensor cores: block-tiled gate_up and down (``_make_tiled``: 128 tokens x
@@ -143,6 +145,10 @@ class GroupedExpertsSpec:
         if self.w_tiles and not (self.w_format == "fp8" and self.tensor_cores and self.stages and not self.tiled):
             raise MoecError("grouped_experts: w_tiles (tile-major FP8 weights) needs FP8 weights in the cp.async forms "
                             "(w_format fp8, tensor_cores, stages >= 2)")
+        if not isinstance(self.min_blocks, int) or isinstance(self.min_blocks, bool) or not 0 <= self.min_blocks <= 16:
+            raise MoecError(f"grouped_experts: min_blocks must be 0 (no bound) or 1..16 blocks an SM, got {self.min_blocks!r}")
+        if self.min_blocks and not (self.tensor_cores and self.stages and not self.tiled):
+            raise MoecError("grouped_experts: min_blocks applies to the cp.async forms (tensor_cores, stages >= 2)")
         if not isinstance(self.interleave, bool):
             raise MoecError(f"grouped_experts: interleave must be a bool, got {self.interleave!r}")
         if not isinstance(self.tiled, bool):
@@ -1087,6 +1093,9 @@ def _make_gate_up_pipe(spec: GroupedExpertsSpec):
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
+                        if spec.min_blocks > 0:  # __launch_bounds__(threads, min_blocks): registers capped for that many blocks
+                            with T.attr(T.int32(0), "tirx.launch_bounds_min_blocks_per_sm", spec.min_blocks):
+                                acc[0] = T.float32(0)
                         for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             for j in T.unroll(XL):
@@ -1152,6 +1161,9 @@ def _make_down_pipe(spec: GroupedExpertsSpec):
                         lo: T.let[T.int32] = offsets[e]
                         cnt: T.let[T.int32] = offsets[e + 1] - lo
                         we: T.let[T.int32] = _weight_slot(spec, offsets, e)
+                        if spec.min_blocks > 0:  # __launch_bounds__(threads, min_blocks): registers capped for that many blocks
+                            with T.attr(T.int32(0), "tirx.launch_bounds_min_blocks_per_sm", spec.min_blocks):
+                                acc[0] = T.float32(0)
                         for ps in T.serial(ps_lo(bx), ps_hi(bx, (cnt + TOK - 1) // TOK)):
                             nv: T.let[T.int32] = cnt - ps * TOK
                             mainloop(ws, xs, wa, af, xb, xf, acc, tx, g, q, nv, RT, NT, KC, S, NW, -(-(TOK * 8) // (32 * NW)), lambda t: rb + t * 16,

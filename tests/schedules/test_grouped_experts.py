@@ -132,7 +132,7 @@ OLMOE = GroupedExpertsSpec(hidden=2048, inter=1024, experts=64, top_k=8, **{k: "
 
 def _kernel_bodies(src):
     """Each kernel's definition in the CUDA source, by name."""
-    starts = [(m.start(), m.group(2)) for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(', src)]
+    starts = [(m.start(), m.group(2)) for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+(?:, \d+)?)\) (\w+)\(', src)]
     return {name: src[a:(starts[i + 1][0] if i + 1 < len(starts) else len(src))] for i, (a, name) in enumerate(starts)}
 
 
@@ -458,6 +458,9 @@ def test_fp8_tile_layout():
         check_supported(fp8, "llvm")
     with pytest.raises(MoecError, match="w_tiles"):
         check_supported(replace(fp8, inter=96), "cuda")  # down's reduction: 96, not whole k-steps of 64
+    for bad in ({"min_blocks": 17}, {"min_blocks": True}, {"min_blocks": 2, "stages": 0, "w_tiles": False}):
+        with pytest.raises(MoecError, match="min_blocks"):
+            replace(fp8, **bad).check()
 
 
 def test_int64_weight_indexing(monkeypatch):
@@ -714,7 +717,8 @@ def test_route_prep_cuda_emulated(experts, k, t, ids_dtype):
                                           ("bfloat16", 300, {"w_tiles": True}),
                                           ("float16", 37, {"w_tiles": True, "n_tiles": 2, "pass_blocks": True, "warps": 3}),
                                           ("bfloat16", 300, {"w_tiles": True, "slots": 20}),
-                                          ("bfloat16", 300, {"w_tiles": True, "row_tiles": 2})])
+                                          ("bfloat16", 300, {"w_tiles": True, "row_tiles": 2}),
+                                          ("bfloat16", 300, {"min_blocks": 6, "stages": 3})])
 def test_fp8_mma_forms_emulated(act, t, launch):
     """FP8 e4m3 weights on tensor cores, on the CPU emulation: the register form (``stages`` 0, matched numpy on the
     H200) and the cp.async forms, whose lanes copy 16 weight bytes each and widen them two at a time
@@ -738,6 +742,10 @@ def test_fp8_mma_forms_emulated(act, t, launch):
         assert mma_stages(spec, "gate_up")[1] == spec.warps * 2 * rt * 16 * 64 + 8 * nt * 64 * 2
         assert mma_stages(spec, "gate_up")[1] < mma_stages(bf, "gate_up")[1]
     src = _cuda_modules(_build(spec, "cuda").mod)[0].inspect_source("cuda")
+    for name in ("gate_up", "down"):  # launch bounds where asked for (registers capped; the sums the same)
+        assert (f"__launch_bounds__({32 * spec.warps}, {spec.min_blocks}) moe_{name}_kernel" in src) == bool(spec.min_blocks)
+    for name in ("gate_up", "down"):  # launch bounds where asked for (registers capped; the sums the same)
+        assert (f"__launch_bounds__({32 * spec.warps}, {spec.min_blocks}) moe_{name}_kernel" in src) == bool(spec.min_blocks)
     body = _kernel_bodies(src)["moe_gate_up_kernel"]
     assert "mma.sync" in src and ("moec_e4m3x2_" in body) == bool(spec.stages)
     assert ("moec_e4m3x2_bf16s_lo(" in body) == (bool(spec.stages) and act == "bfloat16")
