@@ -6,15 +6,13 @@ keep the pairs in ``uint32`` registers and call these helpers through ``T.call_p
 helpers are PTX, one instruction each (``fma.rn.f16x2``, ``cvt.rn.f16x2.f32``, ``cvt.f32.f16``;
 sm_80 or newer; ``cvt.rn.f16x2.e4m3x2``, sm_89 or newer). Subnormal halves are kept, not flushed (no ``.ftz``).
 
-FP8 e4m3 to bfloat16 has no conversion instruction before sm_100. The byte pair is spread into two 16-bit
-halves (``prmt``), each byte's exponent and mantissa moved under bfloat16's (``<< 4``: exponent e in the
-bfloat16 exponent field, mantissa m at its top three bits), and one ``fma.rn.bf16x2`` by 2^120 rebiases both
-(7 -> 127): 2^(e - 127) (1 + m / 8) 2^120 for e > 0, and the bfloat16 subnormal (m / 8) 2^-126 2^120 = m 2^-9 for
-e = 0, exactly the e4m3 values; the signs are put back after. Four integer operations and one FMA a pair.
-Where the consumer can take the power of two itself (the expert GEMMs multiply it into their epilogue scales),
-the ``bf16s`` pair skips the FMA: one ``prmt`` puts each byte in the low byte of its half and its sign,
-replicated, in the high byte; ``<< 4`` and one mask leave the sign in bit 15 and the exponent and mantissa under
-bfloat16's, 2^-120 times the e4m3 value (subnormals included): three integer operations a pair.
+FP8 e4m3 to bfloat16 has no conversion instruction before sm_100. The ``bf16s`` pair places the bits: one
+``prmt`` puts each byte in the low byte of its half and its sign, replicated, in the high byte; ``<< 4`` and one
+mask leave the sign in bit 15 and the exponent and mantissa under bfloat16's (exponent e in the bfloat16 exponent
+field, mantissa m at its top three bits): 2^(e - 127) (1 + m / 8) for e > 0 and the bfloat16 subnormal
+(m / 8) 2^-126 for e = 0, 2^-120 times the e4m3 values, in three integer operations a pair. Consumers that take
+the power of two themselves (the expert GEMMs multiply it into their epilogue scales) use that; the ``bf16`` pair
+adds one ``fma.rn.bf16x2`` by 2^120 (+ -0, which keeps +0 and -0) that rebiases both (7 -> 127), exactly.
 
 ``register()`` installs TVM's ``tvm_callback_cuda_postproc`` hook (chaining any hook already
 installed), which puts the helpers' definitions at the top of a generated source that calls one of
@@ -67,17 +65,6 @@ __device__ __forceinline__ unsigned int {PACK_BF2}(float lo, float hi) {{
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }}
-__device__ __forceinline__ unsigned int moec_e4m3_pair_bf16_(unsigned int p) {{  // bytes at bits 0 .. 7, 16 .. 23
-  unsigned int d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"((p & 0x007F007Fu) << 4), "r"(0x7B807B80u), "r"(0x80008000u));
-  return d | ((p & 0x00800080u) << 8);
-}}
-__device__ __forceinline__ unsigned int {E4M3_BF_LO}(unsigned int a) {{
-  return moec_e4m3_pair_bf16_(__byte_perm(a, 0u, 0x4140u));
-}}
-__device__ __forceinline__ unsigned int {E4M3_BF_HI}(unsigned int a) {{
-  return moec_e4m3_pair_bf16_(__byte_perm(a, 0u, 0x4342u));
-}}
 __device__ __forceinline__ unsigned int {E4M3_BFS_LO}(unsigned int a) {{
   unsigned int p;
   asm("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(p) : "r"(a));
@@ -87,6 +74,17 @@ __device__ __forceinline__ unsigned int {E4M3_BFS_HI}(unsigned int a) {{
   unsigned int p;
   asm("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(p) : "r"(a));
   return (p << 4) & 0x87F087F0u;
+}}
+__device__ __forceinline__ unsigned int moec_bf16x2_rebias_(unsigned int s) {{  // both halves times 2^120, exactly
+  unsigned int d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(s), "r"(0x7B807B80u), "r"(0x80008000u));
+  return d;
+}}
+__device__ __forceinline__ unsigned int {E4M3_BF_LO}(unsigned int a) {{
+  return moec_bf16x2_rebias_({E4M3_BFS_LO}(a));
+}}
+__device__ __forceinline__ unsigned int {E4M3_BF_HI}(unsigned int a) {{
+  return moec_bf16x2_rebias_({E4M3_BFS_HI}(a));
 }}
 __device__ __forceinline__ void {ST_B32X2}(void* p, unsigned int lo, unsigned int hi) {{
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);

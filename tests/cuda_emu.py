@@ -139,11 +139,17 @@ struct half4 {
       : x(e4m3_to_float_(v.__x & 0xff)), y(e4m3_to_float_((v.__x >> 8) & 0xff)), z(e4m3_to_float_((v.__x >> 16) & 0xff)),
         w(e4m3_to_float_(v.__x >> 24)) {}
 };
-static inline uint __byte_perm(uint x, uint y, uint s) {  // result byte i = byte (s >> 4 i) & 7 of {y, x}
-  uint64_t v = ((uint64_t)y << 32) | x;
+static inline uint prmt_(uint a, uint b, uint s) {  // PTX prmt.b32 (default mode): selector msb replicates the byte's sign
+  uint64_t v = ((uint64_t)b << 32) | a;
   uint r = 0;
-  for (int i = 0; i < 4; ++i) r |= (uint)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  for (int i = 0; i < 4; ++i) {
+    uint n = (s >> (4 * i)) & 15, byte = (uint)(v >> (8 * (n & 7))) & 0xff;
+    r |= ((n & 8) ? ((byte & 0x80) ? 0xffu : 0u) : byte) << (8 * i);
+  }
   return r;
+}
+static inline uint __byte_perm(uint x, uint y, uint s) {  // result byte i = byte (s >> 4 i) & 7 of {y, x} (no sign mode)
+  return prmt_(x, y, s & 0x7777u);
 }
 // moec's float16-pair helpers (schedules/cuda_prelude.py; PTX there): fma.rn.f16x2, cvt.rn.f16x2.f32, cvt.f32.f16
 static inline half h_bits_(uint16_t b) { half h; h.x = b; return h; }
@@ -156,15 +162,6 @@ static inline uint moec_pack_bf2(float lo, float hi) { return (uint)nv_bfloat16(
 static inline uint bf16_exact_(float f) { uint32_t u; memcpy(&u, &f, 4); return u >> 16; }  // (f exact in bfloat16)
 static inline uint moec_e4m3x2_bf16_lo(uint a) { return bf16_exact_(e4m3_to_float_(a & 0xff)) | (bf16_exact_(e4m3_to_float_((a >> 8) & 0xff)) << 16); }
 static inline uint moec_e4m3x2_bf16_hi(uint a) { return moec_e4m3x2_bf16_lo(a >> 16); }
-static inline uint prmt_(uint a, uint b, uint s) {  // PTX prmt.b32 (default mode): selector msb replicates the byte's sign
-  uint64_t v = ((uint64_t)b << 32) | a;
-  uint r = 0;
-  for (int i = 0; i < 4; ++i) {
-    uint n = (s >> (4 * i)) & 15, byte = (uint)(v >> (8 * (n & 7))) & 0xff;
-    r |= ((n & 8) ? ((byte & 0x80) ? 0xffu : 0u) : byte) << (8 * i);
-  }
-  return r;
-}
 static inline uint moec_e4m3x2_bf16s_lo(uint a) { return (prmt_(a, 0, 0x9180) << 4) & 0x87F087F0u; }
 static inline uint moec_e4m3x2_bf16s_hi(uint a) { return (prmt_(a, 0, 0xB3A2) << 4) & 0x87F087F0u; }
 static inline void moec_st_b32x2(void *p, uint lo, uint hi) {
