@@ -126,11 +126,7 @@ FP8_VARIANTS = {"fp8_regs": {"stages": 0, "l2_prefetch": 0}, "fp8_s3": {"stages"
 # timed cold too (each call after a 256 MB write; every kernel's own time from the device trace): the default and the
 # forms that differ from it in shared memory, and the FP8 forms (on their own inputs)
 COLD = ("experts", "experts_pipe_s3d", "experts_pipe_s4d", "experts_pipe_s6d")
-COLD_FP8 = ("experts_fp8", "experts_fp8_regs", "experts_fp8_s3", "experts_fp8_w2", "experts_fp8_w2_s6", "experts_fp8_w8",
-            "experts_fp8_s8d", "experts_fp8_pf0", "experts_fp8_pb", "experts_fp8_i", "experts_fp8_f16", "experts_fp8_f16_i",
-            "experts_fp8_f16_i_s6d", "experts_fp8_wt", "experts_fp8_f16_wt", "experts_fp8_wt_pf128", "experts_fp8_wt_s6d",
-            "experts_fp8_rt2", "experts_fp8_wt_rt2", "experts_fp8_wt_rt2_s4d", "experts_fp8_mb5", "experts_fp8_mb6_s3",
-            "experts_fp8_wt_mb6_s3")
+COLD_FP8 = ("experts_fp8", *(f"experts_{v}" for v in FP8_VARIANTS if v != "fp8_nt8_pb"))  # (nt8_pb: the prefill form)
 
 
 def build_module(shape, kind: str, only=None):
@@ -256,6 +252,27 @@ def quantize_fp8_torch(w):
     scale = (wf.abs().amax(-1) / 448.0).clamp_min(2.0**-24)
     codes = (wf / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale
+
+
+def fp8_arguments(inp, args):
+    """``(args_of, (c1, s1, c2, s2))``: the FP8 codes and scales of ``inp``'s weights, and ``args_of(variant)``, the
+    arguments of FP8 form ``variant`` (``fp8`` or a key of FP8_VARIANTS): x in float16 for the float16 forms, the codes
+    tile-major for ``w_tiles`` (each kind built once)."""
+    import tvm
+
+    (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
+    built = {}
+
+    def args_of(v):
+        kw = FP8_VARIANTS.get(v, {})
+        key = (kw.get("x_dtype") == "float16", bool(kw.get("w_tiles")))
+        if key not in built:
+            x = inp["x"].half() if key[0] else inp["x"]
+            k1, k2 = (tile_fp8_torch(c1), tile_fp8_torch(c2)) if key[1] else (c1, c2)
+            built[key] = [tvm.runtime.from_dlpack(x.contiguous())] + list(args[1:3]) + [
+                tvm.runtime.from_dlpack(a.contiguous()) for a in (k1, s1, k2, s2)]
+        return built[key]
+    return args_of, (c1, s1, c2, s2)
 
 
 def tile_fp8_torch(codes):
@@ -464,16 +481,7 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
     ms["moec_grouped_slots"] = float(np.median(np.asarray(res.results))) * 1e3
     del p1, p2, args_s
     # FP8 e4m3 weights: against the reference over the dequantized weights
-    (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
-    args8 = args[:3] + [tvm.runtime.from_dlpack(a.contiguous()) for a in (c1, s1, c2, s2)]
-    args8h = [tvm.runtime.from_dlpack(inp["x"].half().contiguous())] + args8[1:]  # the float16 forms' x
-    tiled = [tvm.runtime.from_dlpack(tile_fp8_torch(c1)), args8[4], tvm.runtime.from_dlpack(tile_fp8_torch(c2)), args8[6]]
-    variants8 = {(False, False): args8, (True, False): args8h, (False, True): args8[:3] + tiled,
-                 (True, True): args8h[:3] + tiled}
-
-    def fp8_args(v):
-        kw = FP8_VARIANTS.get(v, {})
-        return variants8[(kw.get("x_dtype") == "float16", bool(kw.get("w_tiles")))]
+    fp8_args, (c1, s1, c2, s2) = fp8_arguments(inp, args)
 
     ref8 = reference(inp["x"], inp["ids"], inp["rw"], dequantize_fp8_torch(c1, s1), dequantize_fp8_torch(c2, s2))
     row["active_weight_bytes_fp8"] = active * 3 * d * i
@@ -510,20 +518,12 @@ def run_shape(vm, dev, name: str, shape, t: int, device: str, number: int, repea
 def profile(root: Path, name: str, t: int, launches: int, func: str = "experts") -> None:
     """Call ``func`` (the default form, or another built function: FP8 ones on FP8 codes of the same weights, float16
     forms on x in float16) ``launches`` times at ``t`` tokens of shape ``name`` (for a profiler such as ncu to wrap)."""
-    import tvm
-
     shape = SHAPES[name]
     vm, dev = _vm(root, name, shape, "cuda")
     inp = _inputs(shape, t, "cuda", seed=t)
     args = _tvm_in(inp)
     if "fp8" in func:
-        (c1, s1), (c2, s2) = quantize_fp8_torch(inp["w1"]), quantize_fp8_torch(inp["w2"])
-        kw = FP8_VARIANTS.get(func[len("experts_"):], {})
-        x = inp["x"].half() if kw.get("x_dtype") == "float16" else inp["x"]
-        if kw.get("w_tiles"):
-            c1, c2 = tile_fp8_torch(c1), tile_fp8_torch(c2)
-        args = [tvm.runtime.from_dlpack(x.contiguous())] + args[1:3] + [tvm.runtime.from_dlpack(a.contiguous())
-                                                                         for a in (c1, s1, c2, s2)]
+        args = fp8_arguments(inp, args)[0](func[len("experts_"):])
     for _ in range(launches):
         vm[func](*args)
     dev.sync()

@@ -515,9 +515,8 @@ class _GroupedExpertsRewriter(relax.PyExprMutator):
             offsets = bb.emit(relax.op.concat([offsets, table], axis=0))
             w1, w2 = self.pools[:len(w1)], self.pools[len(w1):len(w1) + len(w2)]  # (FP8: codes and scales of each)
         xin = x
-        if dtype_of(x) != s.x_dtype:  # FP8 experts multiplied in float16 (fp8_compute): x saturated into its range
-            lim = F16_MAX if s.x_dtype == "float16" else None
-            xin = bb.emit(relax.op.astype(relax.op.clip(x, -lim, lim) if lim else x, s.x_dtype))
+        if dtype_of(x) != s.x_dtype:  # (only) FP8 experts multiplied in float16 (fp8_compute): x saturated into its range
+            xin = bb.emit(relax.op.astype(relax.op.clip(x, -F16_MAX, F16_MAX), s.x_dtype))
         h = bb.emit(relax.call_tir(self.kernel(s, "gate_up"), [xin, *w1, offsets, order],
                                    out_ty=relax.TensorType([n, s.inter], s.h_dtype)))  # S, I (expert order)
         y = bb.emit(relax.call_tir(self.kernel(s, "down"), [h, *w2, offsets, order, rw],
