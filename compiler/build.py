@@ -266,7 +266,9 @@ def compile(  # noqa: A001 - the public name users call
     from .moe_structure import analyze
 
     bound_main = _bind_batch_to_one(imported.main, imported.num_inputs)
-    structure = analyze(bound_main, imported.num_inputs, imported.source_name)
+    structure = analyze(bound_main, imported.num_inputs, imported.source_name).find_windows(
+        bound_main, imported.num_inputs, imported.source_name)
+    windows = [layer.attention.sliding_window for layer in structure.layers]
     tiered_doc = None
     if tiered is not None:
         from ..passes.tiered_kv_attention import check_supported, decode_form, prefill_mma_dtype
@@ -353,6 +355,8 @@ def compile(  # noqa: A001 - the public name users call
         raise
     # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
     structure = insert.structure if cascade is None else cascade.structure
+    for layer, window in zip(structure.layers, windows):  # (the passes' re-analysis does not read the masks)
+        layer.attention.sliding_window = window
     _log(progress, f"built for {tgt.kind.name}{' ' + tgt.arch if tgt.kind.name == 'cuda' else ''} in {time.perf_counter() - t1:.1f}s: {structure.num_layers} layers, {len(structure.moe_layers)} MoE")
     if grouped is not None:
         _warn_unreplaced_experts(grouped.manifest(), len(structure.moe_layers), imported.source_name)
@@ -390,6 +394,7 @@ def compile(  # noqa: A001 - the public name users call
                 "num_layers": structure.num_layers, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
                 "head_dim": attn.head_dim, "vocab_size": structure.vocab_size, "hidden_size": structure.hidden_size,
                 "dtype": structure.dtype, "kv_cache_dtype": (kv_cache_dtype or structure.dtype) if tiered is None else kv_cache,
+                "max_context": structure.max_context,
             },
             "structure": structure.to_dict(),
             "passes": ["CascadeGating"] * (cascade is not None)

@@ -138,7 +138,8 @@ def cmd_inspect(args) -> int:
     from .moe_structure import analyze
 
     imported = import_model(args.model)
-    structure = analyze(imported.main, imported.num_inputs, imported.source_name)
+    structure = analyze(imported.main, imported.num_inputs, imported.source_name).find_windows(
+        imported.main, imported.num_inputs, imported.source_name)
     if args.json:
         print(json.dumps(structure.to_dict(), indent=2))
     else:

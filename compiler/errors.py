@@ -15,3 +15,7 @@ class UnsupportedModel(MoecError):
 
 class ArtifactError(MoecError):
     """An artifact directory is missing files, corrupt, stale or built for another target."""
+
+
+class ContextTooLong(MoecError):
+    """A sequence would grow past the tokens the compiled model may attend over (its smallest sliding window)."""

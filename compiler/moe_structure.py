@@ -48,11 +48,14 @@ class AttentionInfo:
     v_layout: str = "bhsd"
     out: relax.Var | None = field(default=None, repr=False, compare=False)
     softmax: relax.Var | None = field(default=None, repr=False, compare=False)
+    mask: relax.Var | None = field(default=None, repr=False, compare=False)  # what the scores add, if anything
+    sliding_window: int | None = None  # keys a query sees (compiler.attention_mask.find_windows); None: causal
 
     def to_dict(self):
         return {
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "sm_scale": self.sm_scale, "projections": self.projections, "qk_norm": self.qk_norm,
+            "sliding_window": self.sliding_window,
         }
 
 
@@ -121,9 +124,24 @@ class MoEStructure:
     def moe_layers(self) -> list[LayerInfo]:
         return [layer for layer in self.layers if layer.router is not None]
 
+    @property
+    def max_context(self) -> int | None:
+        """Tokens a sequence may hold: the smallest sliding window of its layers (past it the paged attention,
+        which attends over whole sequences, would differ from the model); None without sliding windows."""
+        return min((a.sliding_window for a in (layer.attention for layer in self.layers) if a.sliding_window), default=None)
+
+    def find_windows(self, func: relax.Function, num_inputs: int, source: str = "model") -> "MoEStructure":
+        """Each attention's sliding window from its mask (``compiler.attention_mask``; refuses masks that are
+        neither causal nor sliding windows); returns self."""
+        from .attention_mask import find_windows
+
+        find_windows(func, num_inputs, [layer.attention for layer in self.layers], source)
+        return self
+
     def to_dict(self):
         return {
             "num_layers": self.num_layers, "num_moe_layers": len(self.moe_layers), "vocab_size": self.vocab_size,
+            "max_context": self.max_context,
             "hidden_size": self.hidden_size, "dtype": self.dtype, "embedding": self.embedding, "lm_head": self.lm_head,
             "final_norm": self.final_norm.to_dict() if self.final_norm else None,
             "layers": [layer.to_dict() for layer in self.layers],
@@ -134,7 +152,8 @@ class MoEStructure:
         rows = [head, "-" * len(head)]
         for layer in self.layers:
             a = layer.attention
-            attn = f"{a.num_heads}/{a.num_kv_heads} x {a.head_dim}, {a.sm_scale:.4g}" + (" qk-norm" if a.qk_norm else "")
+            attn = f"{a.num_heads}/{a.num_kv_heads} x {a.head_dim}, {a.sm_scale:.4g}" + (" qk-norm" if a.qk_norm else "") + (
+                f" window {a.sliding_window}" if a.sliding_window else "")
             norms = ",".join(n.role for n in layer.norms)
             if layer.router:
                 r = layer.router
@@ -258,7 +277,7 @@ class _Analyzer:
     def find_attention(self, sm) -> AttentionInfo | None:
         g = self.g
         # softmax input: [layout] [scale] [+ mask] [scale] matmul(A, B)
-        x, scale = g.value[sm].args[0], 1.0
+        x, scale, mask = g.value[sm].args[0], 1.0, None
         while isinstance(x, relax.Var):
             op, call = g.op(x), g.call(x)
             if op in LAYOUT_OPS:
@@ -269,7 +288,8 @@ class _Analyzer:
                 x = call.args[0]
             elif op == "relax.add":
                 a, b = call.args
-                x = a if self._has_matmul_upstream(a) else b
+                x, other = (a, b) if self._has_matmul_upstream(a) else (b, a)
+                mask = other if isinstance(other, relax.Var) else mask
             else:
                 break
         if g.op(x) != "relax.matmul":
@@ -306,7 +326,7 @@ class _Analyzer:
             self.fail(f"attention at {sm.name}: inconsistent heads (q {hq}, k {hk}, v {hv})")
         return AttentionInfo(
             num_heads=int(hq), num_kv_heads=int(hk), head_dim=int(head_dim), sm_scale=float(scale * qs * ks),
-            projections=[], q=q, k=k, v=v, q_layout=ql, k_layout=kl, v_layout=vl, out=out, softmax=sm,
+            projections=[], q=q, k=k, v=v, q_layout=ql, k_layout=kl, v_layout=vl, out=out, softmax=sm, mask=mask,
         )
 
     def _kt_layout(self, kb) -> bool:

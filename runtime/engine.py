@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compiler.artifact import LIBRARY, OFFLOADED_PREFIX, PREFETCH_PREFIX, WEIGHTS, read_manifest
-from ..compiler.errors import ArtifactError, MoecError
+from ..compiler.errors import ArtifactError, ContextTooLong, MoecError
 
 
 from .cuda_driver import CudaDriver, PinnedStages, launch_stream
@@ -250,6 +250,9 @@ class Engine:
         del stored
         cfg = manifest["model"]
         self.vocab_size = cfg["vocab_size"]
+        # the model's smallest sliding window (None: causal everywhere): the paged attention spans whole sequences,
+        # which equals the model's windowed attention only while a sequence holds at most that many tokens
+        self.max_context = cfg.get("max_context")
         self.token_dtype = manifest.get("token_input_dtype", "int64")
         self.max_batch, self.max_total_tokens, self.page_size = max_batch, max_total_tokens, page_size
         self.prefill_chunk = prefill_chunk
@@ -393,6 +396,8 @@ class Engine:
         for s in seq_ids:
             if s not in self.lengths:
                 raise MoecError(f"unknown sequence id {s}")
+        for s, c in zip(seq_ids, counts):
+            self._check_context(s, self.lengths[s] + c)
         if device_ids is not None:  # (argmax's ids: in range by construction)
             flat = device_ids
         else:
@@ -487,6 +492,9 @@ class Engine:
             for i, (p, t) in enumerate(zip(want, token_id_lists)):
                 if p and not (0 <= p[0] and p[-1] < len(t)):
                     raise MoecError(f"logit position out of range for prompt {i} of {len(t)} tokens")
+        for i, t in enumerate(token_id_lists):  # before any sequence is added or grown
+            have = 0 if seq_ids is None or i >= len(seq_ids) or seq_ids[i] not in self.lengths else self.lengths[seq_ids[i]]
+            self._check_context(None if seq_ids is None else seq_ids[i], have + len(t))
         if seq_ids is None and self.tiered is None:
             need = sum(self._pages(len(t)) for t in token_id_lists) * self.page_size
             used = sum(self._pages(n) for n in self.lengths.values()) * self.page_size
@@ -585,6 +593,16 @@ class Engine:
         if pending is not None:
             yield self._readback.fetch(pending)
 
+    def _check_context(self, seq, length: int) -> None:
+        """Refuses growing sequence ``seq`` (None: a new one) to ``length`` tokens past ``max_context``."""
+        if self.max_context is not None and length > self.max_context:
+            layers = [layer["index"] for layer in self.manifest["structure"]["layers"]
+                      if layer["attention"].get("sliding_window") == self.max_context]
+            raise ContextTooLong(
+                f"{'a new sequence' if seq is None else f'sequence {seq}'} would hold {length} tokens; the model's "
+                f"attention sees at most {self.max_context} (the sliding window of layer{'s' * (len(layers) > 1)} "
+                f"{', '.join(map(str, layers))}) and the compiled attention spans whole sequences: longer ones are refused")
+
     def _decode_step(self, seq_ids, tokens, on_device: bool, device_ids=None, greedy: bool = False):
         if device_ids is None and len(seq_ids) != len(tokens):
             raise MoecError("decode needs one token per sequence")
@@ -597,6 +615,8 @@ class Engine:
     def generate(self, token_id_lists, max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
         """Greedy generation for a batch of prompts; returns the new tokens of each. Without a stop token the batch
         never changes, and the steps run pipelined (``decode_greedy_steps``)."""
+        for t in token_id_lists:  # refused before any work: the prompt and all but the last new token are cached
+            self._check_context(None, len(t) + max(0, int(max_new_tokens) - 1))
         seq_ids, logits = self.prefill(token_id_lists)
         try:
             if stop_token is None:

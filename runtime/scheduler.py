@@ -189,6 +189,11 @@ class Scheduler:
                 f"request {rid!r} refused: a prompt of {len(s.prompt)} tokens + {request.max_new_tokens} new tokens "
                 f"caches up to {s.max_len} tokens ({self._describe(need)}; at most {self.engine.max_total_tokens} "
                 f"tokens): it can never fit")
+        if self.engine.max_context is not None and s.max_len > self.engine.max_context:
+            raise RequestRefused(
+                f"request {rid!r} refused: a prompt of {len(s.prompt)} tokens + {request.max_new_tokens} new tokens "
+                f"caches up to {s.max_len} tokens, more than the model's sliding window lets its attention see "
+                f"({self.engine.max_context} tokens; the compiled attention spans whole sequences)")
         if self.max_queue is not None and len(self.queue) >= self.max_queue:
             raise RequestRefused(f"request {rid!r} refused: {len(self.queue)} requests already wait (max_queue)")
         s.need = need
