@@ -346,6 +346,24 @@ class _Analyzer:
             self.fail(f"attention at {sm.name}: cannot find the key heads tensor ([B,H,S,Dh] with head dim last)")
         return best
 
+    def _sink_concat(self, sm) -> bool:
+        """Whether softmax ``sm``'s input is, up to subtractions and scaling, a concat along the last axis of
+        attention scores (a matmul upstream) and something else."""
+        g = self.g
+        x = g.value[sm].args[0]
+        for _ in range(6):
+            if not isinstance(x, relax.Var):
+                return False
+            op, call = g.op(x), g.call(x)
+            if op == "relax.concat":
+                parts = call.args[0].fields if isinstance(call.args[0], relax.Tuple) else g.value.get(call.args[0]).fields
+                return len(parts) > 1 and any(self._has_matmul_upstream(p) for p in parts)
+            if op in ("relax.subtract", "relax.add", "relax.multiply", "relax.divide") or op in LAYOUT_OPS:
+                x = call.args[0]
+            else:
+                return False
+        return False
+
     def _has_matmul_upstream(self, expr, depth: int = 6) -> bool:
         g = self.g
         for _ in range(depth):
@@ -535,6 +553,10 @@ class _Analyzer:
 
         attentions = [a for a in (self.find_attention(sm) for sm in g.calls_of("relax.nn.softmax")) if a]
         if not attentions:
+            sink = next((sm for sm in g.calls_of("relax.nn.softmax") if self._sink_concat(sm)), None)
+            if sink is not None:
+                self.fail(f"the attention at {sink.name} concatenates extra logits to its scores before the softmax "
+                          "(attention sinks: a learned logit per head that takes part of the probability): not supported")
             self.fail("no self-attention (softmax(Q @ K^T) @ V) found")
         routers = [r for r in (self.find_router(tk) for tk in g.calls_of("relax.topk")) if r]
         # a group-limited router shows two top-k ops; keep the expert-level one

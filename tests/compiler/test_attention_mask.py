@@ -122,3 +122,41 @@ def test_generate_cli_refuses_past_the_window(windowed):
     run = subprocess.run([sys.executable, "-m", "moec.compiler.cli", "generate", str(art), "--prompt-ids", "1,2,3,4,5,6",
                           "--max-new-tokens", "4"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 2 and "caches up to 9 tokens, more than the model's sliding window" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cls,kw,want", [
+    ("Cohere2Moe", dict(num_experts=8, layer_types=["sliding_attention", "full_attention"]), [6, None]),
+    ("ExaoneMoe", dict(num_experts=8, num_shared_experts=1, layer_types=["sliding_attention", "full_attention"]), [6, None]),
+    ("Mixtral", dict(num_local_experts=8), [6, 6]),  # one window for every layer
+    ("Qwen2Moe", dict(num_experts=8, use_sliding_window=True, max_window_layers=1, decoder_sparse_step=1, mlp_only_layers=[],
+                      shared_expert_intermediate_size=32), [6, None]),
+])
+def test_windows_of_other_families(cls, kw, want):
+    """The windows as each family's export computes its masks (HF's own classes, torch.export)."""
+    import transformers as tf
+
+    from moec.compiler.importers import import_model
+    from moec.compiler.moe_structure import analyze
+
+    cfg = getattr(tf, f"{cls}Config")(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256, head_dim=16, intermediate_size=64,
+                                      moe_intermediate_size=32, num_experts_per_tok=2, sliding_window=6,
+                                      experts_implementation="batched_mm", attn_implementation="eager", **kw)
+    torch.manual_seed(0)
+    imported = import_model(getattr(tf, f"{cls}ForCausalLM")(cfg).eval())
+    structure = analyze(imported.main, imported.num_inputs, imported.source_name)
+    structure.find_windows(imported.main, imported.num_inputs, imported.source_name)
+    assert [layer.attention.sliding_window for layer in structure.layers] == want
+
+
+def test_window_of_an_onnx_export(tmp_path):
+    """The same model through ONNX (the exporter's Greater / Sub / Where ops): the same windows."""
+    from moec.compiler.importers import import_model
+    from moec.compiler.moe_structure import analyze
+    from moec.models.export import save_onnx
+
+    path = save_onnx(_afmoe(6), 128, tmp_path / "m.onnx")
+    imported = import_model(path)
+    structure = analyze(imported.main, imported.num_inputs, imported.source_name)
+    structure.find_windows(imported.main, imported.num_inputs, imported.source_name)
+    assert [layer.attention.sliding_window for layer in structure.layers] == [6, None]

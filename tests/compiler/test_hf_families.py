@@ -99,3 +99,16 @@ def test_conversion_failure_names_the_node(tmp_path):
     torch.manual_seed(0)
     with pytest.raises(ImportFailure, match=r"conversion failed at node '\w+' \([\w.]+, modeling_jetmoe\.py:\d+\)"):
         moec.compile(tf.JetMoeForCausalLM(cfg).eval(), tmp_path / "c", target="llvm")
+
+
+def test_attention_sinks_are_refused(tmp_path):
+    """gpt-oss concatenates a learned logit per head to the attention scores before the softmax (sinks): refused by
+    name, not compiled without them."""
+    model = _hf("GptOssConfig", "GptOssForCausalLM", vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, intermediate_size=32,
+                num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"],
+                experts_implementation="batched_mm", attn_implementation="eager")
+    with pytest.raises(MoecError, match=r"the attention at \w+ concatenates extra logits to its scores before the softmax "
+                                        r"\(attention sinks"):
+        moec.compile(model, tmp_path / "s", target="llvm")
+    assert not (tmp_path / "s").exists()
