@@ -8,16 +8,18 @@ is exact only while a sequence holds at most ``W`` tokens, so the window is foun
 runtime refuses to grow a sequence past the smallest one (``max_context`` in the manifest). Anything else added to
 the scores (ALiBi or relative-position biases, chunked or bidirectional masks) would be silently dropped: refused.
 
-The mask is read where its computation holds constants other than a causal mask's (an integer of 2 or more: a
-window; a float other than 0, 1 and the masking value): its bindings alone (they depend on the inputs' shapes and
-the padding mask, never on weights) are compiled for the CPU and run for one sequence of ``window + 2`` tokens
-(at most ``PROBE_MAX``), and every (query, key) entry is compared with the causal and sliding-window patterns. A
-plain causal mask's constants leave it unread (no cost for the common case).
+Every term the scores add is read unless it is computed as a causal mask is (a comparison of positions or a
+triangle, and no constant but 0, 1 and the masking value): where it holds an integer of 2 or more (a window), another
+float, a table (a bias per head or position), or no comparison at all, its bindings alone (they depend on the inputs'
+shapes and the padding mask; one computed from weights is refused) are compiled for the CPU and run for one sequence
+of ``window + 2`` tokens (at most ``PROBE_MAX``), and every (query, key) entry is compared with the causal and
+sliding-window patterns. A plain causal mask is left unread (no cost for the common case).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import relax
 
 from .errors import UnsupportedModel
@@ -27,25 +29,37 @@ PROBE_MAX = 8192  # longest probe sequence (its [L, L] float32 mask: 268 MB)
 _MASKED = -1e30  # an additive mask entry at or below this hides the key (HF uses finfo.min or -inf)
 
 
-def _constants(g: DataflowGraph, mask: relax.Var) -> tuple[list[int], list[float]]:
-    """Integer constants of magnitude 2 or more, and float constants other than 0, 1 and masking values, used by
-    the bindings ``mask`` is computed from."""
-    ints, floats = [], []
-    for v in g.ancestors(mask):
+_COMPARES = ("relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal", "relax.tril", "relax.triu")
+
+
+def _probe_length(g: DataflowGraph, mask) -> int | None:
+    """None where ``mask`` is computed as a causal mask is (a comparison of positions or a triangle, and no constant
+    but 0, 1 and the masking value); else the sequence length to probe it at (the largest integer constant + 2:
+    the window, if there is one, fits)."""
+    if not isinstance(mask, relax.Var):  # a constant added to the scores: a bias
+        return 8
+    anc = g.ancestors(mask)
+    ints, other, compares = [], False, False
+    for v in anc:
         call = g.call(v)
         if call is None:
             continue
+        compares |= g.op(v) in _COMPARES
         for a in call.args:
+            if isinstance(a, tvm.ir.GenericConst) and const_scalar(a) is None:
+                other = True  # a table (a bias per head or position)
+                continue
             c = const_scalar(a)
             if c is None or not np.isfinite(c) and c < 0:
                 continue
-            kind = (dtype_of(a) or "").split("x")[0]
-            if kind.startswith(("int", "uint")):
+            if (dtype_of(a) or "").startswith(("int", "uint")):
                 if abs(c) >= 2:
                     ints.append(int(abs(c)))
-            elif kind.startswith(("float", "bfloat")) and c not in (0.0, 1.0) and c > _MASKED:
-                floats.append(c)
-    return ints, floats
+            elif c not in (0.0, 1.0) and c > _MASKED:
+                other = True
+    if ints or other or not compares:
+        return max(ints, default=6) + 2
+    return None
 
 
 def _probe_masks(g: DataflowGraph, masks: list, length: int, source: str) -> list[np.ndarray]:
@@ -105,32 +119,31 @@ def _window_of(values: np.ndarray, what: str) -> int | None:
 
 
 def find_windows(func: relax.Function, num_inputs: int, attentions: list, source: str = "model") -> None:
-    """Set ``sliding_window`` on each of ``attentions`` (``AttentionInfo`` with ``mask`` anchors of ``func``):
-    None where its mask is causal, W where it is a sliding window of W keys; refuses other masks."""
+    """Set ``sliding_window`` on each of ``attentions`` (``AttentionInfo`` with the ``masks`` its scores add, anchors
+    of ``func``): None where they are causal, W where one is a sliding window of W keys; refuses other masks."""
     g = DataflowGraph(func, num_inputs)
-    groups: dict = {}
+    users: dict = {}
     for att in attentions:
-        if att.mask is not None:
-            groups.setdefault(att.mask, []).append(att)
-    todo = {}
-    for mask, atts in groups.items():
-        ints, floats = _constants(g, mask)
-        if ints or floats:
-            todo[mask] = max(ints, default=0)
+        for m in att.masks:
+            users.setdefault(m, []).append(att)
+    todo = {m: n for m in users if (n := _probe_length(g, m)) is not None}
     if not todo:
         return
-    length = min(max(todo.values()) + 2, PROBE_MAX)
-    length = max(length, 8)
+    const = [m for m in todo if not isinstance(m, relax.Var)]
+    if const:
+        raise UnsupportedModel(f"{source}: an attention adds a constant to its scores (a positional bias): not supported")
+    length = max(8, min(max(todo.values()), PROBE_MAX))
     masks = list(todo)
     for mask, values in zip(masks, _probe_masks(g, masks, length, source)):
-        what = f"{source}: the attention mask {mask.name} (of {len(groups[mask])} attention layer(s))"
+        what = f"{source}: the attention mask {mask.name} (of {len(users[mask])} attention layer(s))"
         window = _window_of(values, what)
-        if window is None and todo[mask] + 2 > length:
+        if window is None and todo[mask] > length:
             # the probe was shorter than the constant: a window beyond PROBE_MAX keys is assumed (conservative: the
             # runtime then refuses sequences longer than it, which a causal mask would have served)
-            window = todo[mask]
-        for att in groups[mask]:
-            att.sliding_window = window
+            window = todo[mask] - 2
+        for att in users[mask]:
+            if window is not None:
+                att.sliding_window = window if att.sliding_window is None else min(att.sliding_window, window)
 
 
 __all__ = ["find_windows", "PROBE_MAX"]

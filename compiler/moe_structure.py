@@ -48,7 +48,7 @@ class AttentionInfo:
     v_layout: str = "bhsd"
     out: relax.Var | None = field(default=None, repr=False, compare=False)
     softmax: relax.Var | None = field(default=None, repr=False, compare=False)
-    mask: relax.Var | None = field(default=None, repr=False, compare=False)  # what the scores add, if anything
+    masks: list = field(default_factory=list, repr=False, compare=False)  # what the scores add (masks, biases)
     sliding_window: int | None = None  # keys a query sees (compiler.attention_mask.find_windows); None: causal
 
     def to_dict(self):
@@ -277,7 +277,7 @@ class _Analyzer:
     def find_attention(self, sm) -> AttentionInfo | None:
         g = self.g
         # softmax input: [layout] [scale] [+ mask] [scale] matmul(A, B)
-        x, scale, mask = g.value[sm].args[0], 1.0, None
+        x, scale, masks = g.value[sm].args[0], 1.0, []
         while isinstance(x, relax.Var):
             op, call = g.op(x), g.call(x)
             if op in LAYOUT_OPS:
@@ -289,7 +289,7 @@ class _Analyzer:
             elif op == "relax.add":
                 a, b = call.args
                 x, other = (a, b) if self._has_matmul_upstream(a) else (b, a)
-                mask = other if isinstance(other, relax.Var) else mask
+                masks.append(other)
             else:
                 break
         if g.op(x) != "relax.matmul":
@@ -326,7 +326,7 @@ class _Analyzer:
             self.fail(f"attention at {sm.name}: inconsistent heads (q {hq}, k {hk}, v {hv})")
         return AttentionInfo(
             num_heads=int(hq), num_kv_heads=int(hk), head_dim=int(head_dim), sm_scale=float(scale * qs * ks),
-            projections=[], q=q, k=k, v=v, q_layout=ql, k_layout=kl, v_layout=vl, out=out, softmax=sm, mask=mask,
+            projections=[], q=q, k=k, v=v, q_layout=ql, k_layout=kl, v_layout=vl, out=out, softmax=sm, masks=masks,
         )
 
     def _kt_layout(self, kb) -> bool:

@@ -160,3 +160,44 @@ def test_window_of_an_onnx_export(tmp_path):
     structure = analyze(imported.main, imported.num_inputs, imported.source_name)
     structure.find_windows(imported.main, imported.num_inputs, imported.source_name)
     assert [layer.attention.sliding_window for layer in structure.layers] == [6, None]
+
+
+class _MaskedReference(torch.nn.Module):
+    """The reference MoE with another mask: ``alibi`` adds -slope_h |q - k| (slopes a per-head table) to the causal
+    mask; ``chunked`` lets a query see only the keys of its 4-token chunk."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        from moec.models import build_reference, get_config
+
+        self.kind, self.inner = kind, build_reference(get_config("tiny"))
+        self.config = self.inner.config
+        self.register_buffer("slopes", torch.tensor([2.0 ** -(i + 1) for i in range(self.inner.config.num_heads)]))
+
+    def forward(self, input_ids, attention_mask):
+        m = self.inner
+        b, s = input_ids.shape
+        x = m.embed_tokens(input_ids)
+        pos = torch.arange(s)
+        cos, sin = m.rotary(pos)
+        allowed = torch.ones(s, s, dtype=torch.bool).tril()
+        if self.kind == "chunked":
+            chunk = torch.floor(pos.float() / 4.0)
+            allowed = allowed & (chunk[:, None] == chunk[None, :])
+        allowed = allowed[None, None] & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        if self.kind == "alibi":
+            mask = mask - self.slopes[None, :, None, None] * (pos[:, None] - pos[None, :]).abs()
+        for layer in m.layers:
+            x = layer(x, cos, sin, mask)
+        return m.lm_head(m.norm(x))
+
+
+@pytest.mark.parametrize("kind,match", [("alibi", "values other than 0 and the masking value"),
+                                        ("chunked", "neither causal nor a causal sliding window")])
+def test_other_masks_are_refused(kind, match, tmp_path):
+    """A positional bias or a chunked mask would be dropped by the paged attention: refused at compile, nothing
+    written."""
+    with pytest.raises(UnsupportedModel, match=match):
+        moec.compile(_MaskedReference(kind).eval(), tmp_path / "art", target="llvm")
+    assert not (tmp_path / "art").exists()
