@@ -134,7 +134,15 @@ def find_windows(func: relax.Function, num_inputs: int, attentions: list, source
         raise UnsupportedModel(f"{source}: an attention adds a constant to its scores (a positional bias): not supported")
     length = max(8, min(max(todo.values()), PROBE_MAX))
     masks = list(todo)
-    for mask, values in zip(masks, _probe_masks(g, masks, length, source)):
+    try:
+        probed = _probe_masks(g, masks, length, source)
+    except UnsupportedModel:
+        raise
+    except Exception as exc:  # refused rather than compiled unchecked: a wrong mask would change every output
+        msg = str(exc).strip().splitlines()
+        raise UnsupportedModel(f"{source}: the attention mask {masks[0].name} could not be evaluated to check that it is "
+                               f"causal or a sliding window ({msg[-1] if msg else type(exc).__name__})") from None
+    for mask, values in zip(masks, probed):
         what = f"{source}: the attention mask {mask.name} (of {len(users[mask])} attention layer(s))"
         window = _window_of(values, what)
         if window is None and todo[mask] > length:
