@@ -352,7 +352,10 @@ def compile(  # noqa: A001 - the public name users call
             raise cause from None
         if grouped is not None and grouped.error is not None:  # a refusal inside the pipeline, as the pass made it
             raise grouped.error from None
-        raise
+        msg = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        raise MoecError(f"{imported.source_name}: compiling for {tgt.kind.name} failed inside TVM's lowering "
+                        f"({type(exc).__name__}: {msg[-1] if msg else 'no message'}): the model uses an op or form that "
+                        "moec's passes and TVM's legalization do not handle") from exc
     # with cascade gating, phase 1 re-analyses the rewritten main; the model's own routers are the cascade pass's view
     structure = insert.structure if cascade is None else cascade.structure
     for layer, window in zip(structure.layers, windows):  # (the passes' re-analysis does not read the masks)

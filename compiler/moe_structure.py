@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import tvm
 from tvm import relax
 
 from .errors import UnsupportedModel
@@ -591,11 +592,31 @@ class _Analyzer:
         # positions). A static-length arange there is part of the frequencies (``inv_freq`` computed in the
         # forward) or of a table indexed by positions, not a position source.
         pos = []
+        others = [x for x in g.inputs if x is not tok]
         for var in g.calls_of("relax.cos") + g.calls_of("relax.sin"):
-            for v in g.ancestors(var):
+            anc = g.ancestors(var)
+            from_input = next((x for x in others if x in anc), None)
+            if from_input is not None:
+                self.fail(f"the rotary embedding's positions at {var.name} are computed from the input {from_input.name} "
+                          "(e.g. a cumulative sum of the attention mask): moec gives each token its position in its "
+                          "sequence itself and needs the export's positions as an arange of the sequence length")
+            for v in anc:
                 length = (shape_of(v) or (None,))[0] if g.op(v) == "relax.arange" else None
                 if length is not None and not is_static(length) and v not in pos:
                     pos.append(v)
+        # a table looked up by the sequence's positions (a learned absolute position embedding) would see each
+        # chunk's positions from 0 in the cached forward: refused
+        for var in g.calls_of("relax.take"):
+            table, idx = g.call(var).args[:2]
+            w = g.weight_of(table)
+            if w is embedding or not isinstance(idx, relax.Var) or (w is None and not isinstance(table, tvm.ir.GenericConst)):
+                continue
+            anc = g.ancestors(idx)
+            if tok not in anc and any(g.op(v) == "relax.arange" and not is_static((shape_of(v) or (1,))[0]) for v in anc):
+                what = f"the weight {w.name}" if w is not None else "a constant table"
+                self.fail(f"{what} is looked up by the sequence's positions at {var.name} (a learned absolute position "
+                          "embedding, or rotary tables precomputed for every position): not supported; rotary "
+                          "embeddings computed from the positions are")
         return MoEStructure(
             layers=layers, vocab_size=int(vocab), hidden_size=int(hidden), dtype=dtype_of(embedding),
             embedding=embedding.name, lm_head=lm_w.name if lm_w is not None else None, final_norm=final_norm,

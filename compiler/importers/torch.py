@@ -33,8 +33,41 @@ def _topk(node, importer):
     return importer.block_builder.emit(relax.op.topk(args[0], k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
 
 
-# ops the stock frontend lacks that MoE routers use (group scores in group-limited routing, unsorted top-k)
-EXTRA_CONVERTERS = {"amax.default": _amax, "topk.default": _topk}
+def _int_clamp(name: str):
+    """``clamp`` / ``clamp_min`` / ``clamp_max`` of an integer tensor by numbers (positions clamped at 0): the stock
+    converter emits ``clip`` with an infinite open bound, whose legalization cannot cast infinity to an integer; two
+    comparisons by integer constants do the same. Float tensors, and tensor bounds, take the stock converter."""
+
+    def convert(node, importer):
+        from tvm import relax
+
+        args = importer.retrieve_args(node)
+        x = args[0]
+        dtype = str(x.ty.dtype) if hasattr(x.ty, "dtype") else ""
+        lo = args[1] if len(args) > 1 else node.kwargs.get("min")
+        hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+        if name == "clamp_max":
+            lo, hi = None, lo
+        elif name == "clamp_min":
+            hi = None
+        numbers = all(b is None or isinstance(b, (int, float)) and not isinstance(b, bool) for b in (lo, hi))
+        if not dtype.startswith(("int", "uint")) or not numbers:
+            return getattr(importer, f"_{name}")(node)
+        import math
+
+        if lo is not None and math.isfinite(lo):
+            x = importer.block_builder.emit(relax.op.maximum(x, relax.const(math.ceil(lo), dtype)))
+        if hi is not None and math.isfinite(hi):
+            x = importer.block_builder.emit(relax.op.minimum(x, relax.const(math.floor(hi), dtype)))
+        return x
+
+    return convert
+
+
+# ops the stock frontend lacks that MoE routers use (group scores in group-limited routing, unsorted top-k), and
+# integer clamps it legalizes through an infinite bound
+EXTRA_CONVERTERS = {"amax.default": _amax, "topk.default": _topk, "clamp.default": _int_clamp("clamp"),
+                    "clamp_min.default": _int_clamp("clamp_min"), "clamp_max.default": _int_clamp("clamp_max")}
 
 
 def _host_array(value: torch.Tensor):

@@ -201,3 +201,45 @@ def test_other_masks_are_refused(kind, match, tmp_path):
     with pytest.raises(UnsupportedModel, match=match):
         moec.compile(_MaskedReference(kind).eval(), tmp_path / "art", target="llvm")
     assert not (tmp_path / "art").exists()
+
+
+class _PositionsReference(torch.nn.Module):
+    """The reference MoE with other positions: ``absolute`` adds a learned table looked up by the positions to the
+    token embeddings; ``from_mask`` takes the rotary positions from a cumulative sum of the attention mask."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        from moec.models import build_reference, get_config
+
+        self.kind, self.inner = kind, build_reference(get_config("tiny"))
+        self.config = self.inner.config
+        self.wpe = torch.nn.Embedding(256, self.config.hidden_size)
+
+    def forward(self, input_ids, attention_mask):
+        m = self.inner
+        b, s = input_ids.shape
+        x = m.embed_tokens(input_ids)
+        pos = torch.arange(s)
+        if self.kind == "absolute":
+            x = x + self.wpe(pos)[None]
+        else:
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[0]
+        cos, sin = m.rotary(pos)
+        allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        for layer in m.layers:
+            x = layer(x, cos, sin, mask)
+        return m.lm_head(m.norm(x))
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("absolute", r"the weight \w*wpe\w* is looked up by the sequence's positions at \w+ \(a learned absolute position"),
+    ("from_mask", r"the rotary embedding's positions at \w+ are computed from the input attention_mask"),
+])
+def test_positions_moec_cannot_supply_are_refused(kind, match, tmp_path):
+    """In the cached forward each chunk's aranges would start at 0: positions that are not the rotary embedding's
+    arange of the sequence would be silently wrong after the first chunk, so they are refused. (The integer clamp
+    of ``from_mask`` imports: ``clamp(min=0)`` of int64 positions.)"""
+    with pytest.raises(UnsupportedModel, match=match):
+        moec.compile(_PositionsReference(kind).eval(), tmp_path / "art", target="llvm")
+    assert not (tmp_path / "art").exists()
