@@ -206,3 +206,31 @@ def test_onnx_clip_imports_as_relax_ops(tmp_path):
     vm = relax.VirtualMachine(tvm.compile(imported.mod, target="llvm"), tvm.cpu())
     data = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(data)).numpy(), np.clip(data, -0.5, 0.75))
+
+
+@pytest.mark.parametrize("bounds", [dict(min=0), dict(max=3), dict(min=1, max=4)])
+def test_integer_clamp_by_numbers_imports(bounds):
+    """``clamp`` of an int64 tensor with an open bound (positions clamped at 0): the stock converter's ``clip`` with an
+    infinite bound cannot be legalized for integers; moec's converter emits maximum / minimum. Values equal torch's;
+    a float clamp keeps the stock converter."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    from moec.compiler.importers.torch import EXTRA_CONVERTERS
+
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return (x.cumsum(-1) - 2).clamp(**bounds), y.clamp(**bounds)
+
+    x = torch.tensor([[1, 0, 2, 1, 1, 3]], dtype=torch.int64)
+    y = torch.linspace(-2.0, 6.0, 6)[None]
+    ep = torch.export.export(M(), (x, y)).run_decompositions()
+    from tvm.relax.frontend.torch import from_exported_program
+
+    mod = from_exported_program(ep, custom_convert_map=EXTRA_CONVERTERS)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x.numpy()), tvm.runtime.tensor(y.numpy()))
+    want = M()(x, y)
+    np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+    np.testing.assert_allclose(got[1].numpy(), want[1].numpy())
