@@ -36,8 +36,8 @@ def _probe_length(g: DataflowGraph, mask) -> int | None:
     """None where ``mask`` is computed as a causal mask is (a comparison of positions or a triangle, and no constant
     but 0, 1 and the masking value); else the sequence length to probe it at (the largest integer constant + 2:
     the window, if there is one, fits)."""
-    if not isinstance(mask, relax.Var):  # a constant added to the scores: a bias
-        return 8
+    if not isinstance(mask, relax.Var):  # a constant: one number shifts every score alike (softmax ignores it)
+        return None if const_scalar(mask) is not None else 8
     anc = g.ancestors(mask)
     ints, other, compares = [], False, False
     for v in anc:
@@ -63,9 +63,8 @@ def _probe_length(g: DataflowGraph, mask) -> int | None:
 
 
 def _probe_masks(g: DataflowGraph, masks: list, length: int, source: str) -> list[np.ndarray]:
-    """Each mask's values ``[length, length]`` for one sequence of ``length`` tokens (padding mask all ones)."""
-    import tvm
-
+    """Each mask's values for one sequence of ``length`` tokens (padding mask all ones): ``[n, length, length]``,
+    the first and the last of its leading entries (heads)."""
     keep = set()
     for m in masks:
         keep |= g.ancestors(m)
@@ -91,8 +90,8 @@ def _probe_masks(g: DataflowGraph, masks: list, length: int, source: str) -> lis
     out = []
     for i, m in enumerate(masks):
         a = res[i].numpy()
-        a = a.reshape((-1,) + a.shape[-2:])[0] if a.ndim >= 2 else a
-        out.append(np.broadcast_to(a, (length, length)))
+        a = a.reshape((-1,) + a.shape[-2:]) if a.ndim >= 2 else a.reshape(1, 1, -1)
+        out.append(np.broadcast_to(a[[0, -1]], (2, length, length)))
     return out
 
 
@@ -131,7 +130,7 @@ def find_windows(func: relax.Function, num_inputs: int, attentions: list, source
         return
     const = [m for m in todo if not isinstance(m, relax.Var)]
     if const:
-        raise UnsupportedModel(f"{source}: an attention adds a constant to its scores (a positional bias): not supported")
+        raise UnsupportedModel(f"{source}: an attention adds a constant table to its scores (a positional bias): not supported")
     length = max(8, min(max(todo.values()), PROBE_MAX))
     masks = list(todo)
     try:
@@ -144,7 +143,10 @@ def find_windows(func: relax.Function, num_inputs: int, attentions: list, source
                                f"causal or a sliding window ({msg[-1] if msg else type(exc).__name__})") from None
     for mask, values in zip(masks, probed):
         what = f"{source}: the attention mask {mask.name} (of {len(users[mask])} attention layer(s))"
-        window = _window_of(values, what)
+        windows = {_window_of(v, what) for v in values}
+        if len(windows) > 1:
+            raise UnsupportedModel(f"{what} differs between heads: not supported")
+        window = windows.pop()
         if window is None and todo[mask] > length:
             # the probe was shorter than the constant: a window beyond PROBE_MAX keys is assumed (conservative: the
             # runtime then refuses sequences longer than it, which a causal mask would have served)
