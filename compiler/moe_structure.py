@@ -357,7 +357,8 @@ class _Analyzer:
                 return False
             op, call = g.op(x), g.call(x)
             if op == "relax.concat":
-                parts = call.args[0].fields if isinstance(call.args[0], relax.Tuple) else g.value.get(call.args[0]).fields
+                parts = call.args[0] if isinstance(call.args[0], relax.Tuple) else g.value.get(call.args[0])
+                parts = parts.fields if isinstance(parts, relax.Tuple) else []
                 return len(parts) > 1 and any(self._has_matmul_upstream(p) for p in parts)
             if op in ("relax.subtract", "relax.add", "relax.multiply", "relax.divide") or op in LAYOUT_OPS:
                 x = call.args[0]
