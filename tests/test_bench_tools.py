@@ -87,3 +87,20 @@ def test_e2e_command_is_the_one_that_ran(monkeypatch):
     assert cmd == ("here: python bench/e2e_cuda.py prepare .devcarry/e2e7 --models olmoe-bf16 olmoe-bf16-fp8experts; there "
                    "(carry .devcarry/base, .devcarry/e2e7): source bench/device_env.sh && python3 bench/e2e_cuda.py run "
                    ".devcarry/e2e7 --json /o/x.json --commit abc")
+
+
+def test_family_sweep_records_a_compiled_and_a_refused_family(tmp_path, monkeypatch):
+    """bench/hf_family_sweep.py end to end on two families: one compiles and matches torch, one is refused with its
+    message; the JSON names the command, commit and transformers version."""
+    import json
+
+    import hf_family_sweep
+
+    out = tmp_path / "sweep.json"
+    monkeypatch.setattr(sys, "argv", ["hf_family_sweep.py", "--families", "dots1,gpt_oss", "--json", str(out), "--commit", "abc"])
+    assert hf_family_sweep.main() == 0
+    doc = json.loads(out.read_text())
+    assert doc["git_commit"] == "abc" and doc["transformers"] and "--families dots1,gpt_oss" in doc["command"]
+    dots1, gpt_oss = doc["families"]
+    assert dots1["outcome"] == "compiled" and dots1["max_logit_error"] < 1e-4 and dots1["max_context"] is None
+    assert gpt_oss["outcome"] == "refused" and "attention sinks" in gpt_oss["message"]
