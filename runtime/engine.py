@@ -396,8 +396,9 @@ class Engine:
         for s in seq_ids:
             if s not in self.lengths:
                 raise MoecError(f"unknown sequence id {s}")
-        for s, c in zip(seq_ids, counts):
-            self._check_context(s, self.lengths[s] + c)
+        if self.max_context is not None:  # (a sliding-window model; nothing a step otherwise)
+            for s, c in zip(seq_ids, counts):
+                self._check_context(s, self.lengths[s] + c)
         if device_ids is not None:  # (argmax's ids: in range by construction)
             flat = device_ids
         else:
@@ -492,7 +493,7 @@ class Engine:
             for i, (p, t) in enumerate(zip(want, token_id_lists)):
                 if p and not (0 <= p[0] and p[-1] < len(t)):
                     raise MoecError(f"logit position out of range for prompt {i} of {len(t)} tokens")
-        for i, t in enumerate(token_id_lists):  # before any sequence is added or grown
+        for i, t in enumerate(token_id_lists if self.max_context is not None else ()):  # before any sequence grows
             have = 0 if seq_ids is None or i >= len(seq_ids) or seq_ids[i] not in self.lengths else self.lengths[seq_ids[i]]
             self._check_context(None if seq_ids is None else seq_ids[i], have + len(t))
         if seq_ids is None and self.tiered is None:
