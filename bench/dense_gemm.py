@@ -45,6 +45,8 @@ TOKENS = (1, 16, 64, 128, 4096)
 # weight rows in flight (a 2048-deep projection is 32 k-steps: 4 stages leave a block waiting on memory latency when
 # the weights come from HBM, as in a model's step, rather than from the L2, as in a warm loop); _s8dnt8: 8 stages of
 # 64-token passes (the weight read twice at 128 tokens instead of four times)
+WG = {"wgmma": True, "ldmatrix": False, "dyn_shared": DYN}  # the wgmma forms' common fields (ldmatrix off: the q/k/v forms
+#                                                          replace fields of the compiled spec, which has it on)
 VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "warps": 2}, "_s4nt8": {"stages": 4, "n_tiles": 8},
             "_s4nt2": {"stages": 4, "n_tiles": 2}, "_s4nt1": {"stages": 4, "n_tiles": 1}, "_tiled": {"tiled": True},
             "_tiled_k32s2": {"tiled": True, "tile_k": 32, "stages": 2}, "_tiled_k32s4": {"tiled": True, "tile_k": 32, "stages": 4},
@@ -92,7 +94,20 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             # tokens on the H100: 1.4 cycles an instruction waiting on shared-memory results, 1.1 on the copies)
             "_s4la": {"stages": 4, "ldmatrix": True, "frag_ahead": True},
             "_s6dla": {"stages": 6, "dyn_shared": 6 * 12288, "ldmatrix": True, "frag_ahead": True},
-            "_s4lnt8a": {"stages": 4, "n_tiles": 8, "ldmatrix": True, "frag_ahead": True}}
+            "_s4lnt8a": {"stages": 4, "n_tiles": 8, "ldmatrix": True, "frag_ahead": True},
+            # warpgroup tensor cores (``DenseSpec.wgmma``, sm_90a: the directory's fatbins are built for sm_90a when one is
+            # asked for): one wgmma m64n(8 NT)k16 per 64 rows x 8 NT tokens x 16 k, asynchronous, operands from 128-byte
+            # swizzled stages; _wg<T>: T-token passes; r2: 128-row blocks (the tokens read from the L2 half as often);
+            # k<S>: S k splits (a 2048-row projection at 128 tokens is 32 blocks of 64 rows: splits fill the GPU); s<N>: stages
+            "_wg128": {**WG, "stages": 4, "n_tiles": 16, "dyn_shared": DYN},
+            "_wg128k2": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN},
+            "_wg128k4": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
+            "_wg128k4s6": {**WG, "stages": 6, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
+            "_wg128r2k4": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 4, "dyn_shared": DYN},
+            "_wg128r2k8": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 8, "dyn_shared": DYN},
+            "_wg64k2": {**WG, "stages": 4, "n_tiles": 8, "k_splits": 2, "dyn_shared": DYN},
+            "_wg32": {**WG, "stages": 6, "n_tiles": 4, "dyn_shared": DYN},
+            "_wg32k2": {**WG, "stages": 6, "n_tiles": 4, "k_splits": 2, "dyn_shared": DYN}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
@@ -109,7 +124,12 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              "merged_s4nt8": VARIANTS["_s4nt8"], "merged_s4w2": VARIANTS["_s4w2"], "merged_s4nt2": VARIANTS["_s4nt2"],
              "merged_s4w2nt8": {"stages": 4, "warps": 2, "n_tiles": 8},
              "merged_s4l": VARIANTS["_s4l"], "merged_s4lnt8": VARIANTS["_s4lnt8"], "merged_s4lw2": VARIANTS["_s4lw2"],
-             "merged_s6dl": VARIANTS["_s6dl"], "merged_s4la": VARIANTS["_s4la"], "merged_s6dla": VARIANTS["_s6dla"]}
+             "merged_s6dl": VARIANTS["_s6dl"], "merged_s4la": VARIANTS["_s4la"], "merged_s6dla": VARIANTS["_s6dla"],
+             # wgmma (see VARIANTS): 6144 rows are 96 blocks of 64 at 128 tokens
+             "merged_wg128": VARIANTS["_wg128"], "merged_wg128k2": VARIANTS["_wg128k2"], "merged_wg128r2k2": {
+                 **WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 2, "dyn_shared": DYN},
+             "merged_wg128r2k4": VARIANTS["_wg128r2k4"], "merged_wg64": {**WG, "stages": 4, "n_tiles": 8, "dyn_shared": DYN},
+             "merged_wg32": VARIANTS["_wg32"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)
@@ -210,7 +230,8 @@ def prepare(out: Path, variants: str | None = None) -> None:
     from moec.compiler.build import _compile_cuda_kernels
     from moec.compiler.targets import make_target
 
-    target = make_target("cuda", "sm_90")
+    wgmma = any(kw.get("wgmma") for kw in list(VARIANTS.values()) + [QKV_FORMS[f] for f in QKV_ALL if f in QKV_FORMS])
+    target = make_target("cuda", "sm_90a" if wgmma else "sm_90")  # (wgmma: sm_90a only)
     with atomic_directory(out) as tmp:
         ex = compile_module(target)
         kernels = _compile_cuda_kernels(ex, target, tmp, progress=True)

@@ -24,6 +24,16 @@ def _cuda_modules(mod) -> list:
     return found
 
 
+def nvcc_arch(arch: str):
+    """nvcc's architecture arguments for ``sm_XX`` / ``sm_XXa``. An architecture-specific target (``sm_90a``: wgmma) is
+    one explicit code generation: ``-arch sm_90a`` alone also asks for compute_90 PTX, which ptxas refuses for the
+    instructions only sm_90a has."""
+    if arch.endswith("a"):
+        v = arch[3:]
+        return ["-gencode", f"arch=compute_{v},code=sm_{v}"]
+    return arch
+
+
 def _compile_cuda_kernels(executable, target, out_dir: Path, progress: bool) -> list[dict]:
     """Compile every CUDA device module's source to an sm_XX fatbin with nvcc, ahead of time.
 
@@ -39,7 +49,7 @@ def _compile_cuda_kernels(executable, target, out_dir: Path, progress: bool) -> 
         source = mod.inspect_source("cuda")
         t = time.perf_counter()
         with target:
-            fatbin = nvcc.compile_cuda(source, target_format="fatbin", arch=arch, compiler="nvcc")
+            fatbin = nvcc.compile_cuda(source, target_format="fatbin", arch=nvcc_arch(arch), compiler="nvcc")
         name = f"cuda_kernels_{i}.fatbin"
         (out_dir / name).write_bytes(bytes(fatbin))
         kernels.append({"file": name, "arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest()})

@@ -36,6 +36,48 @@ E4M3_BF_HI = "moec_e4m3x2_bf16_hi"  # bytes 2, 3 likewise
 E4M3_BFS_LO = "moec_e4m3x2_bf16s_lo"  # bytes 0, 1 (FP8 e4m3) -> two bfloat16 of 2^-120 times their values (see below)
 E4M3_BFS_HI = "moec_e4m3x2_bf16s_hi"  # bytes 2, 3 likewise
 ST_B32X2 = "moec_st_b32x2"  # (address, lo, hi): one 8-byte store of two 32-bit words (the address 8-byte aligned)
+# Warpgroup tensor cores (sm_90a): ``wgmma.mma_async`` with both operands in shared memory, K-major rows of 128 bytes
+# in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups of 1024 bytes)
+SMEM_U32 = "moec_smem_u32"  # (generic pointer into shared memory) -> its 32-bit shared address
+WG_DESC = "moec_wgmma_desc_sw128"  # (pointer to the first row of a tile, 1024-byte aligned group) -> the 64-bit descriptor
+WG_FENCE = "moec_wgmma_fence"  # wgmma.fence: register accesses before it are ordered before the next wgmma
+WG_COMMIT = "moec_wgmma_commit"  # wgmma.commit_group
+WG_WAIT0 = "moec_wgmma_wait0"  # wgmma.wait_group 0: every committed wgmma has completed (results in registers, smem read)
+FENCE_ASYNC_SMEM = "moec_fence_proxy_async_smem"  # this thread's shared-memory writes made visible to the async proxy
+WGMMA_N = (32, 64, 128)  # token widths (the instruction's n) of the wgmma helpers
+WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
+
+
+def wgmma_name(dtype: str, n: int) -> str:
+    """The helper ``(float* d, desc_a, desc_b)``: d[0 .. n / 2) += A (64 x 16, K-major) B^T (n x 16, K-major), float32."""
+    return f"moec_wgmma_m64n{n}k16_{WGMMA_TYPES[dtype]}"
+
+
+def _wgmma_helper(dtype: str, n: int) -> str:
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    t = WGMMA_TYPES[dtype]
+    return (f"__device__ __forceinline__ void {wgmma_name(dtype, n)}(float* d, unsigned long long da, unsigned long long db) {{\n"
+            f'  asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + 2}, 0;\\n'
+            f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+            f'    : {cons}\n    : "l"(da), "l"(db), "r"(1) : "memory");\n}}\n')
+
+
+WGMMA_PRELUDE = rf"""__device__ __forceinline__ unsigned int {SMEM_U32}(const void* p) {{
+  return (unsigned int)__cvta_generic_to_shared(p);
+}}
+__device__ __forceinline__ unsigned long long {WG_DESC}(const void* p) {{
+  // start address >> 4 (bits 0-13), leading offset 1 (unused by swizzled K-major tiles), stride 1024 bytes >> 4 between
+  // 8-row groups (bits 32-45), base offset 0, layout 1: the 128-byte swizzle (bits 62-63)
+  unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}}
+__device__ __forceinline__ void {WG_FENCE}() {{ asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }}
+__device__ __forceinline__ void {WG_COMMIT}() {{ asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }}
+__device__ __forceinline__ void {WG_WAIT0}() {{ asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }}
+__device__ __forceinline__ void {FENCE_ASYNC_SMEM}() {{ asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }}
+""" + "".join(_wgmma_helper(dt, n) for dt in WGMMA_TYPES for n in WGMMA_N)
 
 _GUARD = "MOEC_CUDA_PRELUDE"
 PRELUDE = rf"""#ifndef {_GUARD}
@@ -101,15 +143,21 @@ __device__ __forceinline__ unsigned int {E4M3_HI}(unsigned int a) {{
 }}
 #endif
 """
+_WG_GUARD = "MOEC_CUDA_WGMMA_PRELUDE"
 
 _CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI, PACK_BF2, E4M3_BF_LO, E4M3_BF_HI, E4M3_BFS_LO, E4M3_BFS_HI,
                                            ST_B32X2)))
+_WG_CALLS = re.compile(r"\b(?:%s)\(" % "|".join([SMEM_U32, WG_DESC, WG_FENCE, WG_COMMIT, WG_WAIT0, FENCE_ASYNC_SMEM]
+                                                  + [wgmma_name(dt, n) for dt in WGMMA_TYPES for n in WGMMA_N]))
 _HOOK = "tvm_callback_cuda_postproc"
 _installed = False
 
 
 def add_prelude(code: str) -> str:
-    """``code`` with the helpers' definitions first when it calls one of them (once), else unchanged."""
+    """``code`` with the helpers' definitions first when it calls one of them (once), else unchanged; the wgmma helpers
+    (sm_90a only) likewise, apart, so that sources for other architectures never see them."""
+    if _WG_GUARD not in code and _WG_CALLS.search(code):
+        code = f"#ifndef {_WG_GUARD}\n#define {_WG_GUARD}\n{WGMMA_PRELUDE}#endif\n" + code
     if _GUARD in code or not _CALLS.search(code):
         return code
     return PRELUDE + code

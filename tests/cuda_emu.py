@@ -3,7 +3,8 @@
 The kernel's source (``inspect_source`` of a compiled CUDA module) is compiled by the host C++ compiler
 with a small prelude that supplies what the device would: ``threadIdx`` / ``blockIdx``, ``__syncthreads``,
 warp shuffles, 16-bit float types, ``mma.sync`` and ``ldmatrix`` (each inline-asm ``mma`` or ``ldmatrix`` becomes a
-call to an emulation that gathers the warp's fragments or rows as the PTX ISA lays them out). Threads are fibers
+call to an emulation that gathers the warp's fragments or rows as the PTX ISA lays them out), and moec's ``wgmma``
+helpers (a warpgroup's products from swizzled shared-memory tiles). Threads are fibers
 (``ucontext``) on one OS thread, switched only at barriers, so a run is deterministic; the blocks of
 the grid run one after another, ``__shared__`` arrays being the function's statics.
 
@@ -299,6 +300,51 @@ static void emu_ldmatrix(int num, bool trans, const void *row, uint32_t *out, in
 // cp.async: copied at once (a valid schedule of an asynchronous copy); the group commits and waits do nothing
 #define tvm_builtin_cuda_cvta_generic_to_shared(p) ((uintptr_t)(p))
 static inline void emu_cp_async(int nbytes, uintptr_t dst, const void *src) { std::memcpy((void *)dst, src, nbytes); }
+
+// wgmma.mma_async (schedules/cuda_prelude.py's helpers), a warpgroup collective (here the block's 128 threads): each
+// thread adds A B^T to its accumulators d[0 .. n / 2) at the PTX ISA's fragment positions (warp w's rows 16 w .. + 15;
+// d[4 i + c]: row 16 w + g + 8 (c / 2), column 8 i + 2 q + c % 2). A (64 x 16) and B (n x 16) are read from shared
+// memory through their descriptors, here the tiles' addresses: K-major rows of 128 bytes in 8-row groups of 1024
+// bytes, the 16-byte chunks swizzled as the hardware does it, address bits 4-6 XOR bits 7-9. The fences, commits and
+// waits do nothing (the products are complete when the call returns).
+static std::vector<uint64_t> wg_desc_;
+static inline uint moec_smem_u32(const void *p) { return (uint)(uintptr_t)p; }
+static inline uint64_t moec_wgmma_desc_sw128(const void *p) { return (uint64_t)(uintptr_t)p; }
+static inline void moec_wgmma_fence() {}
+static inline void moec_wgmma_commit() {}
+static inline void moec_wgmma_wait0() {}
+static inline void moec_fence_proxy_async_smem() {}
+static inline float sw128_(uint64_t start, int row, int k, bool bf16) {
+  uint64_t a = start + (uint64_t)(row / 8) * 1024 + (uint64_t)(row % 8) * 128 + 2 * (uint64_t)k;
+  a ^= ((a >> 7) & 7) << 4;
+  return half_bits_(*(const uint16_t *)a, bf16);
+}
+static void emu_wgmma(float *d, uint64_t da, uint64_t db, int n, bool bf16, int site) {
+  if (blockDim.x != 128) throw std::runtime_error("wgmma emulation: blocks of one warpgroup (128 threads) only");
+  if ((da & 15) || (db & 15)) throw std::runtime_error("wgmma: a descriptor's start address is not 16-byte aligned");
+  wg_desc_.resize(256);
+  int t = threadIdx.x;
+  wg_desc_[2 * t] = da; wg_desc_[2 * t + 1] = db;
+  syncthreads_(site);
+  for (int i = 0; i < 128; i++)
+    if (wg_desc_[2 * i] != da || wg_desc_[2 * i + 1] != db)
+      throw std::runtime_error("wgmma: the warpgroup's threads pass different descriptors");
+  int w = t / 32, l = t % 32, g = l / 4, q = l % 4;
+  for (int i = 0; i < n / 8; i++)
+    for (int c = 0; c < 4; c++) {
+      int row = 16 * w + g + 8 * (c / 2), col = 8 * i + 2 * q + c % 2;
+      float acc = d[4 * i + c];
+      for (int k = 0; k < 16; k++) acc += sw128_(da, row, k, bf16) * sw128_(db, col, k, bf16);
+      d[4 * i + c] = acc;
+    }
+  syncthreads_(site);
+}
+#define moec_wgmma_m64n32k16_bf16(d, a, b) emu_wgmma(d, a, b, 32, true, __LINE__)
+#define moec_wgmma_m64n64k16_bf16(d, a, b) emu_wgmma(d, a, b, 64, true, __LINE__)
+#define moec_wgmma_m64n128k16_bf16(d, a, b) emu_wgmma(d, a, b, 128, true, __LINE__)
+#define moec_wgmma_m64n32k16_f16(d, a, b) emu_wgmma(d, a, b, 32, false, __LINE__)
+#define moec_wgmma_m64n64k16_f16(d, a, b) emu_wgmma(d, a, b, 64, false, __LINE__)
+#define moec_wgmma_m64n128k16_f16(d, a, b) emu_wgmma(d, a, b, 128, false, __LINE__)
 
 struct Launch { void (*entry)(void **); void **args; };
 static Launch launch_;

@@ -28,6 +28,7 @@ except ImportError:  # runtime-only TVM
     T = None
 
 from ...compiler.errors import MoecError
+from ..cuda_prelude import WGMMA_N
 from .grouped_experts import (_MMA_TYPE, _mma, DYN_SMEM_LIMIT, MMA_K, SMEM_LIMIT, TILE_K, TILE_PAD, TILE_ROWS, TILE_STAGES, TILE_TOKENS, _mma_mainloop,
                               _mma_pipe_mainloop, _tile_mainloop, check_dyn_shared, check_tile, tile_buffer, tile_copy_row, tile_scope)
 
@@ -63,6 +64,10 @@ class DenseSpec:
     #                        instead of each lane's 16-byte loads, whose weight fragments ptxas assembled with register
     #                        moves (sm_90: 44 moves in a k-step's 137 instructions at 32-token passes)
     frag_ahead: bool = False  # ldmatrix: the next k-step's fragments loaded under this step's mma (two fragment buffers)
+    wgmma: bool = False  # warpgroup tensor cores (sm_90a, ``_wgmma_grid``): one warpgroup a block (warps 4), RT tiles of 64
+    #                      rows, 8 NT tokens (32, 64 or 128) as the instruction's n, both operands from cp.async stages in
+    #                      the 128-byte swizzle of dynamic shared memory (``dyn_shared``); mma.sync issues one instruction
+    #                      per 16 x 8 x 16, wgmma one per 64 x 8 NT x 16, asynchronously
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -102,6 +107,16 @@ class DenseSpec:
             raise MoecError(f"dense_gemm: frag_ahead must be True or False, got {self.frag_ahead!r}")
         if self.frag_ahead and not self.ldmatrix:
             raise MoecError("dense_gemm: frag_ahead loads ldmatrix fragments a k-step ahead: it needs ldmatrix=True")
+        if not isinstance(self.wgmma, bool):
+            raise MoecError(f"dense_gemm: wgmma must be True or False, got {self.wgmma!r}")
+        if self.wgmma:
+            if self.warps != 4 or self.row_tiles not in (1, 2) or 8 * self.n_tiles not in WGMMA_N:
+                raise MoecError(f"dense_gemm: the wgmma form takes one warpgroup (warps 4, got {self.warps}), 1 or 2 row tiles "
+                                f"of 64 (got {self.row_tiles}) and {', '.join(str(n // 8) for n in WGMMA_N)} token tiles "
+                                f"(got {self.n_tiles})")
+            if self.ldmatrix or self.frag_ahead or self.k_groups > 1 or not self.stages or not self.dyn_shared:
+                raise MoecError("dense_gemm: the wgmma form takes cp.async stages in dynamic shared memory (stages >= 2, "
+                                "dyn_shared), one k group and no ldmatrix fragments")
         if self.stages and pipe_stages(self)[0] < 2:
             raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
@@ -112,6 +127,8 @@ class DenseSpec:
 
 K_GROUPS = (1, 2, 4, 8)
 K_SPLITS = (1, 2, 4, 8, 16)
+WG_K = MMA_K  # k a wgmma stage: one 128-byte row of 16-bit elements (the swizzle's width)
+WG_ALIGN = 1024  # bytes of the wgmma form's buffer kept to align its stages to the swizzle's 1024-byte groups
 
 
 def reduce_bytes(spec: DenseSpec) -> int:
@@ -162,6 +179,10 @@ def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
     """``(stages, shared bytes per stage)`` of the cp.async form: at most ``spec.stages``, as many as fit in
     ``shared_limit(spec)`` (0: the register form). A stage is one k-step of 64 of each k group: each warp's RT
     tiles of 16 rows x 128 bytes and the pass's 8 NT token rows x 128 bytes."""
+    if spec.wgmma:  # RT x 64 weight rows and 8 NT token rows of 128 bytes; 1 KB of the buffer kept for its alignment
+        per_stage = (spec.row_tiles * 64 + 8 * spec.n_tiles) * WG_K * 2
+        n = min(spec.stages, (min(spec.dyn_shared, DYN_SMEM_LIMIT) - WG_ALIGN) // per_stage)
+        return (n if n >= 2 else 0), per_stage
     per_stage = (spec.warps * spec.row_tiles * 16 * MMA_K * 2 + 8 * spec.n_tiles * MMA_K * 2) * spec.k_groups
     if not spec.stages:
         return 0, per_stage
@@ -174,6 +195,15 @@ def pipe_stages(spec: DenseSpec) -> tuple[int, int]:
 
 def launch_config(spec: DenseSpec) -> dict:
     rows = spec.warps * spec.row_tiles * 16
+    if spec.wgmma:
+        st, per = pipe_stages(spec)
+        rows = 64 * spec.row_tiles
+        blocks = ("ceil(M / %d)" % (8 * spec.n_tiles), -(-spec.out_features // rows)) + ((spec.k_splits,) if spec.k_splits > 1 else ())
+        return {"form": f"wgmma m64n{8 * spec.n_tiles}k16 (sm_90a), cp.async stages in dynamic shared memory"
+                        + (f", {spec.k_splits} k splits summed by a second kernel" if spec.k_splits > 1 else ""),
+                "stages": st, "shared_bytes": st * per + WG_ALIGN, "blocks": blocks, "threads": 128, "rows_per_block": rows,
+                "tokens_per_block": 8 * spec.n_tiles, "steps": spec.in_features // WG_K // spec.k_splits, "k_groups": 1,
+                "k_splits": spec.k_splits}
     if spec.stages:
         st, per = pipe_stages(spec)
         form = "mma.sync m16n8k16, cp.async stages" + (" in dynamic shared memory" if spec.dyn_shared else "")
@@ -345,6 +375,8 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
     if target == "llvm":
         return _dense_llvm(spec, outs)
     sum_out = _split_sum(outs, odt, KSP) if KSP > 1 else None  # (grid calls it only with k splits)
+    if spec.wgmma:
+        return _wrap(spec, outs, _wgmma_grid(spec, outs, sum_out))
 
     NW, RT, NT = spec.warps, spec.row_tiles, spec.n_tiles
     TOK, ROWS, KC = 8 * NT, NW * RT * 16, K // MMA_K
@@ -480,6 +512,139 @@ def make_dense(spec: DenseSpec, target: str = "llvm", parts: tuple[int, ...] | N
             sum_out(sums, y1, y2, y3)
 
     return _wrap(spec, outs, grid)
+
+
+def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
+    """The wgmma form's grid (``DenseSpec.wgmma``), as a TIR macro ``grid(x, sums, w1, y1, w2, y2, w3, y3)``.
+
+    Block (pass p, row block b[, split sp]), 128 threads (one warpgroup): tokens [p TOK, p TOK + TOK) (TOK = 8 NT)
+    against weight rows [b R, b R + R) (R = 64 RT; each block's rows lie in one of the ``parts``), over the split's k
+    range in k-steps of 64. A stage holds the step's RT tiles of 64 weight rows, then its TOK token rows, each row
+    128 bytes in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)); thread tx copies chunks tx, tx + 128,
+    ... of the weight rows and of the token rows (cp.async, 16 bytes; rows past the weight's or the tokens' end are not
+    copied: their stale products land in rows and columns never stored). Step kc: wait for its copies, make them
+    visible to the async proxy, one barrier (every thread's copies of the stage are in, and step kc - 1's wgmma, waited
+    for at its end, no longer read the stage refilled next), issue step kc + S - 1's copies, then 4 k16 wgmma
+    m64n(TOK)k16 a row tile (A: the tile's rows, B: the tokens, both K-major, descriptors advanced 32 bytes a k16),
+    committed and waited for. The accumulators: ``acc[r TOK / 2 + 4 i + c]`` is weight row r 64 + 16 warp + g + 8 (c // 2)
+    and token 8 i + 2 q + c % 2 (lane 4 g + q), stored as ``store`` of the mma.sync forms does (``y``, or the split's
+    ``sums``)."""
+    from ..cuda_prelude import FENCE_ASYNC_SMEM, SMEM_U32, WG_COMMIT, WG_DESC, WG_FENCE, WG_WAIT0, register, wgmma_name
+
+    register()
+    K, odt, wdt = spec.in_features, spec.out_dtype, spec.w_dtype
+    P, KSP = len(outs), spec.k_splits
+    N1, N2, N3 = (outs + (16, 16))[:3]
+    RT, NT = spec.row_tiles, spec.n_tiles
+    TOK, ROWS = 8 * NT, 64 * RT
+    NB1, NB2, NB3 = (-(-N1 // ROWS), -(-N2 // ROWS), -(-N3 // ROWS))
+    NBY = sum((NB1, NB2, NB3)[:P])
+    S = pipe_stages(spec)[0]
+    KS = K // KSP  # input features of a split
+    STEPS = KS // WG_K
+    STG = (ROWS + TOK) * WG_K  # elements of a stage
+    XO = ROWS * WG_K  # the token rows' first element in a stage
+    WL, XL = ROWS * 8 // 128, TOK * 8 // 128  # 16-byte chunks a thread copies per stage: weight rows, token rows
+    NH = TOK // 2  # accumulators a row tile
+    MMA = wgmma_name(wdt, TOK)
+    cpw = "cp.async.cg.shared.global" + (f".L2::{spec.l2_prefetch}B" if spec.l2_prefetch else "")
+    cpx = "cp.async.cg.shared.global"
+
+    def pos(base, st, row, ch):  # first element of chunk ch of a stage's row (weight rows 0 .. ROWS - 1, then tokens)
+        return base + st * STG + row * WG_K + T.bitwise_xor(ch, row % 8) * 8
+
+    @T.macro
+    def issue(sb, base, st, kc, tx, w, n_out, rb, x, p0, nv, sp):
+        for j in T.unroll(WL):
+            if rb + (j * 128 + tx) // 8 < n_out:
+                T.evaluate(T.ptx[cpw](T.address_of(sb[pos(base, st, (j * 128 + tx) // 8, tx % 8)]),
+                                      T.address_of(w[rb + (j * 128 + tx) // 8, sp * KS + kc * WG_K + tx % 8 * 8]), 16))
+        for j in T.unroll(XL):
+            if (j * 128 + tx) // 8 < nv:
+                T.evaluate(T.ptx[cpx](T.address_of(sb[pos(base, st, ROWS + (j * 128 + tx) // 8, tx % 8)]),
+                                      T.address_of(x[p0 + (j * 128 + tx) // 8, sp * KS + kc * WG_K + tx % 8 * 8]), 16))
+
+    @T.macro
+    def part(x, w, y, n_out, bbl, pb, tx, sb, acc, sp, sums, col):
+        lane: T.let[T.int32] = tx % 32
+        g: T.let[T.int32] = lane // 4
+        q: T.let[T.int32] = lane % 4
+        rb: T.let[T.int32] = bbl * ROWS
+        p0: T.let[T.int32] = T.Cast("int32", pb) * TOK
+        nv: T.let[T.int32] = T.Cast("int32", x.shape[0]) - p0
+        # the stages start at the buffer's first 1024-byte boundary (the swizzle repeats every 1024 bytes of address)
+        base: T.let[T.int32] = T.Cast("int32", (T.uint32(WG_ALIGN) - (T.call_pure_extern("uint32", SMEM_U32, T.address_of(sb[0]))
+                                                                         & T.uint32(WG_ALIGN - 1))) & T.uint32(WG_ALIGN - 1)) // 2
+        for i in T.unroll(RT * NH):
+            acc[i] = T.float32(0)
+        for s0 in T.unroll(S - 1):
+            if s0 < STEPS:
+                issue(sb, base, s0, s0, tx, w, n_out, rb, x, p0, nv, sp)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kc in T.serial(STEPS):
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.evaluate(T.call_extern("void", FENCE_ASYNC_SMEM))
+            T.tvm_storage_sync("shared")
+            if kc + S - 1 < STEPS:
+                issue(sb, base, (kc + S - 1) % S, kc + S - 1, tx, w, n_out, rb, x, p0, nv, sp)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            T.evaluate(T.call_extern("void", WG_FENCE))
+            for s in T.unroll(4):
+                for r in T.unroll(RT):
+                    T.evaluate(T.call_extern(
+                        "void", MMA, T.address_of(acc[r * NH]),
+                        T.call_pure_extern("uint64", WG_DESC, T.address_of(sb[pos(base, kc % S, r * 64, 0) + s * 16])),
+                        T.call_pure_extern("uint64", WG_DESC, T.address_of(sb[pos(base, kc % S, ROWS, 0) + s * 16]))))
+            T.evaluate(T.call_extern("void", WG_COMMIT))
+            T.evaluate(T.call_extern("void", WG_WAIT0))
+        for r in T.unroll(RT):
+            for i in T.unroll(NT):
+                for c in T.unroll(4):  # c: (row g | g + 8) = c // 2, token 2 q + c % 2 of the 8-token column group i
+                    if rb + r * 64 + (tx // 32) * 16 + g + 8 * (c // 2) < n_out and i * 8 + 2 * q + c % 2 < nv:
+                        if KSP == 1:
+                            y[p0 + i * 8 + 2 * q + c % 2, rb + r * 64 + (tx // 32) * 16 + g + 8 * (c // 2)] = T.Cast(
+                                odt, acc[r * NH + 4 * i + c])
+                        else:
+                            sums[p0 + i * 8 + 2 * q + c % 2, sp, col + rb + r * 64 + (tx // 32) * 16 + g + 8 * (c // 2)] = \
+                                acc[r * NH + 4 * i + c]
+
+    @T.macro
+    def block(x, pb, bb, tx, sp, sums, w1, y1, w2, y2, w3, y3):
+        with T.sblock("dense_wgmma"):
+            T.reads()
+            T.writes()
+            sb = T.sblock_alloc_buffer((S * STG + WG_ALIGN // 2,), wdt, scope="shared.dyn")  # [stage][rows, tokens][64]
+            acc = T.sblock_alloc_buffer((RT * NH,), "float32", scope="local")  # [row tile][i][4]
+            if P == 1:
+                part(x, w1, y1, N1, bb, pb, tx, sb, acc, sp, sums, 0)
+            elif P == 2:
+                if bb < NB1:
+                    part(x, w1, y1, N1, bb, pb, tx, sb, acc, sp, sums, 0)
+                else:
+                    part(x, w2, y2, N2, bb - NB1, pb, tx, sb, acc, sp, sums, N1)
+            else:
+                if bb < NB1:
+                    part(x, w1, y1, N1, bb, pb, tx, sb, acc, sp, sums, 0)
+                elif bb < NB1 + NB2:
+                    part(x, w2, y2, N2, bb - NB1, pb, tx, sb, acc, sp, sums, N1)
+                else:
+                    part(x, w3, y3, N3, bb - NB1 - NB2, pb, tx, sb, acc, sp, sums, N1 + N2)
+
+    @T.macro
+    def grid(x, sums, w1, y1, w2, y2, w3, y3):
+        for pb in T.thread_binding((x.shape[0] + TOK - 1) // TOK, thread="blockIdx.x"):
+            for bb in T.thread_binding(NBY, thread="blockIdx.y"):
+                if KSP == 1:
+                    for tx in T.thread_binding(128, thread="threadIdx.x"):
+                        block(x, pb, bb, tx, 0, sums, w1, y1, w2, y2, w3, y3)
+                else:
+                    for sp in T.thread_binding(KSP, thread="blockIdx.z"):
+                        for tx in T.thread_binding(128, thread="threadIdx.x"):
+                            block(x, pb, bb, tx, sp, sums, w1, y1, w2, y2, w3, y3)
+        if KSP > 1:
+            sum_out(sums, y1, y2, y3)
+
+    return grid
 
 
 def _wrap(spec: DenseSpec, outs: tuple[int, ...], body):

@@ -649,3 +649,70 @@ def test_k_splits_refusals():
         DenseSpec(64, 1024, n_tiles=16).check()  # 16 only with stages
     assert "do not split into 4 k splits x 1 k groups" in eligible(DenseSpec(64, 192, stages=4, k_splits=4))
     assert eligible(DenseSpec(64, 256, stages=4, k_splits=4)) is None
+
+
+@pytest.mark.parametrize("row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype",
+                         [(1, 16, 4, 640, None, 1, "float32"), (2, 8, 3, 128, None, 1, "bfloat16"),
+                          (1, 4, 6, 256, None, 2, "float32"), (2, 16, 4, 512, None, 4, "float32"),
+                          (1, 8, 2, 192, (64, 32, 32), 1, "float32"), (1, 16, 4, 256, (128, 64, 64), 2, "bfloat16")])
+def test_cuda_wgmma_form_emulated(row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype):
+    """``wgmma``: one warpgroup a block, its operands staged by cp.async into the 128-byte swizzle of dynamic shared
+    memory, 4 k16 wgmma a row tile and k-step. On the CPU emulation of the generated code (the emulated wgmma reads the
+    tiles through their descriptors and the hardware's swizzle), against NumPy: one token, a partial last pass (37) and
+    three passes; rows past the weight's end (96 rows in 64- and 128-row blocks), one to three weights, k splits, fewer
+    k-steps than stages and 16-bit outputs. nvcc accepts it for sm_90a."""
+    from cuda_emu import EmulatedKernel
+    from tvm.support import nvcc
+
+    n_out = sum(parts) if parts else 96
+    spec = DenseSpec(out_features=n_out, in_features=k, stages=stages, row_tiles=row_tiles, n_tiles=n_tiles,
+                     wgmma=True, k_splits=k_splits, dyn_shared=232448, out_dtype=out_dtype)
+    cfg = launch_config(spec)
+    assert cfg["form"].startswith(f"wgmma m64n{8 * n_tiles}k16") and cfg["threads"] == 128
+    assert cfg["rows_per_block"] == 64 * row_tiles and cfg["stages"] == stages
+    src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda", parts)}),
+                      target=make_target("cuda", "sm_90a")).mod.imports[0].inspect_source()
+    assert f"moec_wgmma_m64n{8 * n_tiles}k16_bf16(" in src and "wgmma.mma_async.sync.aligned" in src
+    if k == 640:  # (ptxas takes wgmma for sm_90a only)
+        with make_target("cuda", "sm_90a"):
+            assert len(nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")) > 0
+    name = {None: "dense_gemm", 3: "dense_gemm3"}[parts and len(parts)]
+    kern = EmulatedKernel(src, f"{name}_kernel")
+    add = EmulatedKernel(src, f"{name}_kernel_1") if k_splits > 1 else None
+    for m in (1, 37, 3 * 8 * n_tiles):
+        rng = np.random.default_rng(m + k)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((n_out, k)).astype(ml_dtypes.bfloat16)
+        ref = reference(x, w)
+        widths = list(parts) if parts else [n_out]
+        grid = (-(-m // cfg["tokens_per_block"]), sum(-(-n // cfg["rows_per_block"]) for n in widths), k_splits)
+        odt = np.float32 if out_dtype == "float32" else ml_dtypes.bfloat16
+        ys = [np.full((m, n), np.nan, odt) for n in widths]
+        args = {"x": x.view(np.uint16)}
+        if parts is None:
+            args.update(w=w.view(np.uint16), y=ys[0] if out_dtype == "float32" else ys[0].view(np.uint16))
+        else:
+            ws = np.split(w, np.cumsum(parts)[:-1])
+            args.update({f"w{i + 1}": wi.view(np.uint16) for i, wi in enumerate(ws)})
+            args.update({f"y{i + 1}": yi if out_dtype == "float32" else yi.view(np.uint16) for i, yi in enumerate(ys)})
+        if k_splits > 1:
+            args["sums"] = np.full((m, k_splits, n_out), np.nan, np.float32)
+        kern(grid, cfg["threads"], M=m, **args)
+        if add is not None:
+            add((-(-(m * n_out // 4) // 256), 1, 1), 256, M=m, **args)
+        tol = (1e-5, 1e-3) if out_dtype == "float32" else (1e-2, 1e-1)
+        for y, r in zip(ys, np.split(ref, np.cumsum(widths)[:-1], axis=1)):
+            np.testing.assert_allclose(y.astype(np.float32), r, rtol=tol[0], atol=tol[1])
+
+
+def test_wgmma_form_refusals():
+    with pytest.raises(MoecError, match="one warpgroup"):
+        DenseSpec(128, 128, wgmma=True, stages=4, warps=2, dyn_shared=232448).check()
+    with pytest.raises(MoecError, match="token tiles"):
+        DenseSpec(128, 128, wgmma=True, stages=4, n_tiles=2, dyn_shared=232448).check()
+    with pytest.raises(MoecError, match="dynamic shared memory"):
+        DenseSpec(128, 128, wgmma=True, stages=4).check()
+    with pytest.raises(MoecError, match="no ldmatrix"):
+        DenseSpec(128, 128, wgmma=True, stages=4, ldmatrix=True, dyn_shared=232448).check()
+    assert "multiple of 64" in eligible(DenseSpec(128, 160, wgmma=True, stages=4, dyn_shared=232448))
+    assert "k splits" in eligible(DenseSpec(128, 256, wgmma=True, stages=4, k_splits=8, dyn_shared=232448))
