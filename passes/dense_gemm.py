@@ -26,11 +26,12 @@ from tvm.sym.analyzer import Analyzer
 
 from ..compiler.errors import MoecError
 from ..compiler.graph import DataflowGraph, KernelCache, dtype_of, num_input_entries, prod, same_shape, shape_of
-from ..schedules.kernels.dense_gemm import WIDE_OUT_FEATURES, DenseSpec, compiled_spec, eligible, make_dense, make_dense_tiled, tiled_eligible
+from ..schedules.kernels.dense_gemm import (WIDE_OUT_FEATURES, DenseSpec, compiled_spec, eligible, make_dense, make_dense_tiled,
+                                            tiled_eligible, wgmma_arch)
 
 
 
-def _match(g: DataflowGraph, mv):
+def _match(g: DataflowGraph, mv, wgmma: bool = False):
     """``((x, W, spec), None)`` for a linear layer the kernel takes; ``(None, why not)`` for one it does not;
     ``(None, None)`` for a matmul of another form."""
     call = g.call(mv)
@@ -50,7 +51,7 @@ def _match(g: DataflowGraph, mv):
     n, k = ws
     if xs is None or len(xs) < 2 or xs[-1] != k:
         return None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
-    spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv))
+    spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv), wgmma=wgmma)
     why = eligible(spec)
     if why is not None or spec.out_dtype not in ("float32", "float16", "bfloat16"):
         return None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"
@@ -86,8 +87,9 @@ def _groups(g: DataflowGraph, matches: dict) -> list[list]:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, matches: dict, kernel, groups: list | None = None) -> None:
+    def __init__(self, mod, matches: dict, kernel, groups: list | None = None, wgmma: bool = False) -> None:
         super().__init__(mod)
+        self.wgmma = wgmma
         self.matches = matches  # matmul var -> (x, W, spec)
         self.kernel = kernel  # (spec, parts or None, tiled) -> kernel GlobalVar
         self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
@@ -120,15 +122,24 @@ class _Rewriter(relax.PyExprMutator):
             run = self.first[binding.var]
             specs = [self.matches[mv][2] for mv in run]
             parts = tuple(sp.out_features for sp in specs)
-            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype)
+            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype, self.wgmma)
             ys = bb.emit(relax.call_tir(self.kernel(total, parts, False), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
-                                        out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts]))
+                                        out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts] + _sums(total, rows)))
             for i, (mv, n) in enumerate(zip(run, parts)):
                 self.set_var_remap(mv, self._unflatten(bb.emit(relax.TupleGetItem(ys, i)), xs, n))
             return
-        y = bb.emit(relax.call_tir(self.kernel(spec, None, binding.var in self.tiled), [x2, self.visit_expr(w)],
-                                   out_ty=relax.TensorType([rows, spec.out_features], spec.out_dtype)))
+        tiled = binding.var in self.tiled
+        out_ty = relax.TensorType([rows, spec.out_features], spec.out_dtype)
+        sums = [] if tiled else _sums(spec, rows)
+        y = bb.emit(relax.call_tir(self.kernel(spec, None, tiled), [x2, self.visit_expr(w)], out_ty=[out_ty] + sums if sums else out_ty))
+        if sums:
+            y = bb.emit(relax.TupleGetItem(y, 0))
         self.set_var_remap(binding.var, self._unflatten(y, xs, spec.out_features))
+
+
+def _sums(spec: DenseSpec, rows) -> list:
+    """The k splits' workspace output of a kernel of ``spec`` (``[rows, KS, N]`` float32), none with one split."""
+    return [relax.TensorType([rows, spec.k_splits, spec.out_features], "float32")] if spec.k_splits > 1 else []
 
 
 def _tiled_ok(spec: DenseSpec) -> bool:
@@ -188,13 +199,14 @@ class InsertDenseGEMM:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         form = "cuda" if self.target.kind.name == "cuda" else "llvm"
+        wgmma = form == "cuda" and wgmma_arch(str(self.target.arch))
         kernels = KernelCache(lambda key: _make(key, form), _name, self.kernels)
         out = mod
         for gv, func in num_input_entries(mod, "InsertDenseGEMM", self.source):
             g = DataflowGraph(func, int(func.attrs["num_input"]))
             matches, skipped = {}, []
             for mv in g.calls_of("relax.matmul"):
-                match, why = _match(g, mv)
+                match, why = _match(g, mv, wgmma)
                 if match is not None:
                     matches[mv] = match
                 elif why is not None:
@@ -209,7 +221,7 @@ class InsertDenseGEMM:
                 self.tiled[gv.name_hint] = len(tiled)
             groups = _groups(g, {mv: m for mv, m in matches.items() if mv not in tiled}) if self.merge else []
             self.merged[gv.name_hint] = [len(run) for run in groups]
-            rewriter = _Rewriter(out, matches, None, groups)
+            rewriter = _Rewriter(out, matches, None, groups, wgmma)
             rewriter.kernel = lambda spec, parts, tiled, b=rewriter.builder_: kernels.get(b, (spec, parts, tiled))
             rewriter.tiled = tiled
             new_func = rewriter.visit_expr(func)

@@ -162,9 +162,26 @@ COMPILED_LDMATRIX = True  # fragments by ldmatrix (``DenseSpec.ldmatrix``): fast
 #                           (bench/results/dense_gemm_ldmatrix_h100_a116b95.json)
 
 
+WG_TARGET_BLOCKS = 128  # the wgmma form's k splits: the fewest (1, 2, 4) that give a 128-token pass this many blocks
+
+
+def wgmma_arch(arch: str | None) -> bool:
+    """Whether a CUDA target of this ``arch`` compiles linear layers to the wgmma form (sm_90a: Hopper's warpgroup
+    instructions are in its architecture-specific set only)."""
+    return arch == "sm_90a"
+
+
 def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
-                  out_dtype: str = "float32") -> DenseSpec:
-    """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above)."""
+                  out_dtype: str = "float32", wgmma: bool = False) -> DenseSpec:
+    """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above); ``wgmma``
+    (sm_90a targets): the wgmma form, 64-row blocks of 128-token passes, k split so that a pass fills the GPU."""
+    if wgmma:
+        blocks = -(-out_features // 64)
+        splits = next((ks for ks in (1, 2, 4) if blocks * ks >= WG_TARGET_BLOCKS or in_features % (MMA_K * ks * 2)), 4)
+        if in_features % (MMA_K * splits):
+            splits = 1
+        return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
+                         out_dtype=out_dtype, wgmma=True, stages=4, n_tiles=16, k_splits=splits, dyn_shared=DYN_SMEM_LIMIT)
     return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
                      out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4,
                      ldmatrix=COMPILED_LDMATRIX)

@@ -716,3 +716,31 @@ def test_wgmma_form_refusals():
         DenseSpec(128, 128, wgmma=True, stages=4, ldmatrix=True, dyn_shared=232448).check()
     assert "multiple of 64" in eligible(DenseSpec(128, 160, wgmma=True, stages=4, dyn_shared=232448))
     assert "k splits" in eligible(DenseSpec(128, 256, wgmma=True, stages=4, k_splits=8, dyn_shared=232448))
+
+
+def test_ir_wgmma_target_takes_the_wgmma_form():
+    # an sm_90a target compiles linear layers to the wgmma form, k split so that a 128-token pass fills the GPU; the
+    # splits' float32 sums are one more output of the call (a workspace), the layer's value its first; sm_90 keeps
+    # the mma.sync form with one output
+    assert [compiled_spec(n, 2048, wgmma=True).k_splits for n in (2048, 6144, 50304)] == [4, 2, 1]
+    assert compiled_spec(64, 192, wgmma=True).k_splits == 1  # (192 does not split into multiples of 64 x 2)
+    widths = (64, 32, 32, 48)
+    before = _parallel_entry(widths)
+    p = InsertDenseGEMM(make_target("cuda", "sm_90a"))
+    after = relax.transform.DeadCodeElimination(["main"])(p(before))
+    calls = {b.value.args[0].name_hint: b.value for blk in after["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"}
+    assert sorted(calls) == ["dense_gemm", "dense_gemm_x3"]
+    specs = {name: spec for (spec, parts, _), name in p.kernels.items()}
+    assert all(s.wgmma and s.n_tiles == 16 and s.k_splits == 2 for s in specs.values())
+    assert [[int(v) if isinstance(v, (int, tvm.tirx.IntImm)) else "s" for v in t.shape.values] for t in calls["dense_gemm_x3"].ty.fields] \
+        == [["s", 64], ["s", 32], ["s", 32], ["s", 2, 128]]
+    assert [[int(v) if isinstance(v, (int, tvm.tirx.IntImm)) else "s" for v in t.shape.values] for t in calls["dense_gemm"].ty.fields] \
+        == [["s", 48], ["s", 2, 48]]
+    assert "moec_wgmma_m64n128k16_bf16" in after["dense_gemm"].script()
+    q = InsertDenseGEMM(make_target("cuda", "sm_90"))
+    plain = relax.transform.DeadCodeElimination(["main"])(q(before))
+    assert not any(s.wgmma for (s, _, _) in q.kernels)
+    single = [b.value for blk in plain["main"].body.blocks for b in blk.bindings
+              if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir" and b.value.args[0].name_hint == "dense_gemm"]
+    assert isinstance(single[0].ty, relax.TensorType)
