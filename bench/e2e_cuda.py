@@ -26,13 +26,17 @@ PT2_MODELS = ["tiny", "hf-olmoe"]  # also compiled from torch.export (.pt2); art
 # bfloat16 HF OLMoE (the benchmark's tiny shape) from torch.export: tensor-core dense and grouped expert
 # GEMMs; artifact -> KV cache. bf16: logits within 5% of their scale of torch's bf16 forward; tiered: reported
 BF16_MODELS = {"olmoe-bf16": "bf16", "olmoe-bf16-tiered": "tiered", "olmoe-bf16-fp8experts": "bf16",
-               "olmoe-bf16-tiered-pdl": "tiered", "olmoe-bf16-fp8experts-f16": "bf16", "olmoe-bf16-fp8experts-wt": "bf16"}
+               "olmoe-bf16-tiered-pdl": "tiered", "olmoe-bf16-fp8experts-f16": "bf16", "olmoe-bf16-fp8experts-wt": "bf16",
+               "olmoe-bf16-wgmma": "bf16", "olmoe-bf16-tiered-fp8experts-wgmma": "tiered"}
+# compiled for sm_90a (``--arch sm_90a``): the linear layers in the wgmma form (``moec.schedules.kernels.dense_gemm``)
+SM90A_MODELS = {"olmoe-bf16-wgmma", "olmoe-bf16-tiered-fp8experts-wgmma"}
 # compiled with --pdl (every kernel launched with programmatic dependent launch): the same checks as without (the
 # tiered cache: compile refuses --pdl with TVM's paged caches, moec.passes.pdl.PAGED_REASON)
 PDL_MODELS = {"olmoe-bf16-tiered-pdl"}
 # compiled with the routed experts' weights in FP8 e4m3 (--expert-weights fp8: the tensor-core forms widening the
 # bytes); the torch reference then runs on the weights those codes stand for (``fp8_reference``)
-FP8_EXPERT_MODELS = {"olmoe-bf16-fp8experts", "olmoe-bf16-fp8experts-f16", "olmoe-bf16-fp8experts-wt"}
+FP8_EXPERT_MODELS = {"olmoe-bf16-fp8experts", "olmoe-bf16-fp8experts-f16", "olmoe-bf16-fp8experts-wt",
+                     "olmoe-bf16-tiered-fp8experts-wgmma"}
 # of those, stored tile-major (``moec.passes.grouped_experts.FP8_W_TILES`` on while it compiles)
 TILE_MODELS = {"olmoe-bf16-fp8experts-wt"}
 # of those, multiplied in float16 (``fp8_compute="float16"``: x cast to float16 before gate_up, h in float16)
@@ -88,7 +92,8 @@ def prepare(out: Path, only=None) -> None:
         tiles = pge.FP8_W_TILES
         pge.FP8_W_TILES = tiles or name in TILE_MODELS
         try:
-            moec.compile(pt2_path, out / name, target="cuda", arch="sm_90", kv_cache=cache, progress=True,
+            moec.compile(pt2_path, out / name, target="cuda", arch="sm_90a" if name in SM90A_MODELS else "sm_90",
+                         kv_cache=cache, progress=True,
                          **({"expert_weights": "fp8"} if name in FP8_EXPERT_MODELS else {}), pdl=name in PDL_MODELS,
                          **({"fp8_compute": "float16"} if name in F16_COMPUTE_MODELS else {}))
         finally:
