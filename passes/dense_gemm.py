@@ -31,7 +31,7 @@ from ..schedules.kernels.dense_gemm import (WIDE_OUT_FEATURES, DenseSpec, compil
 
 
 
-def _match(g: DataflowGraph, mv, wgmma: bool = False):
+def _match(g: DataflowGraph, mv, wgmma: bool = False, splits: bool = True):
     """``((x, W, spec), None)`` for a linear layer the kernel takes; ``(None, why not)`` for one it does not;
     ``(None, None)`` for a matmul of another form."""
     call = g.call(mv)
@@ -51,7 +51,8 @@ def _match(g: DataflowGraph, mv, wgmma: bool = False):
     n, k = ws
     if xs is None or len(xs) < 2 or xs[-1] != k:
         return None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
-    spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv), wgmma=wgmma)
+    spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv), wgmma=wgmma,
+                         k_splits=splits)
     why = eligible(spec)
     if why is not None or spec.out_dtype not in ("float32", "float16", "bfloat16"):
         return None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"
@@ -87,9 +88,10 @@ def _groups(g: DataflowGraph, matches: dict) -> list[list]:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, matches: dict, kernel, groups: list | None = None, wgmma: bool = False) -> None:
+    def __init__(self, mod, matches: dict, kernel, groups: list | None = None, wgmma: bool = False,
+                 splits: bool = True) -> None:
         super().__init__(mod)
-        self.wgmma = wgmma
+        self.wgmma, self.splits = wgmma, splits
         self.matches = matches  # matmul var -> (x, W, spec)
         self.kernel = kernel  # (spec, parts or None, tiled) -> kernel GlobalVar
         self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
@@ -122,7 +124,7 @@ class _Rewriter(relax.PyExprMutator):
             run = self.first[binding.var]
             specs = [self.matches[mv][2] for mv in run]
             parts = tuple(sp.out_features for sp in specs)
-            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype, self.wgmma)
+            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype, self.wgmma, self.splits)
             ys = bb.emit(relax.call_tir(self.kernel(total, parts, False), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
                                         out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts] + _sums(total, rows)))
             for i, (mv, n) in enumerate(zip(run, parts)):
@@ -178,6 +180,11 @@ class InsertDenseGEMM:
         from WIDE_OUT_FEATURES outputs, which a prefill runs on a few gathered rows) becomes
         ``dense_gemm_tiled`` (128 tokens x 128 features a block, both operands in shared memory), one launch a
         layer (no merge); results equal up to the order of float32 sums.
+
+    An sm_90a target (``--arch sm_90a``) takes the wgmma form (``DenseSpec.wgmma``: Hopper's warpgroup tensor-core
+    instructions, in sm_90a's architecture-specific set only) for every kernel but the prefill's tiled ones: 128-token
+    passes of 64-row blocks, outside the prefill k split so that a decode batch's pass fills the GPU; a split kernel's
+    call has one more output, the splits' float32 sums (a workspace), and the layer's value is its first.
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model", merge: bool = True,
@@ -206,7 +213,7 @@ class InsertDenseGEMM:
             g = DataflowGraph(func, int(func.attrs["num_input"]))
             matches, skipped = {}, []
             for mv in g.calls_of("relax.matmul"):
-                match, why = _match(g, mv, wgmma)
+                match, why = _match(g, mv, wgmma, gv.name_hint != "prefill")
                 if match is not None:
                     matches[mv] = match
                 elif why is not None:
@@ -221,7 +228,7 @@ class InsertDenseGEMM:
                 self.tiled[gv.name_hint] = len(tiled)
             groups = _groups(g, {mv: m for mv, m in matches.items() if mv not in tiled}) if self.merge else []
             self.merged[gv.name_hint] = [len(run) for run in groups]
-            rewriter = _Rewriter(out, matches, None, groups, wgmma)
+            rewriter = _Rewriter(out, matches, None, groups, wgmma, gv.name_hint != "prefill")
             rewriter.kernel = lambda spec, parts, tiled, b=rewriter.builder_: kernels.get(b, (spec, parts, tiled))
             rewriter.tiled = tiled
             new_func = rewriter.visit_expr(func)

@@ -172,13 +172,14 @@ def wgmma_arch(arch: str | None) -> bool:
 
 
 def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
-                  out_dtype: str = "float32", wgmma: bool = False) -> DenseSpec:
+                  out_dtype: str = "float32", wgmma: bool = False, k_splits: bool = True) -> DenseSpec:
     """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above); ``wgmma``
-    (sm_90a targets): the wgmma form, 64-row blocks of 128-token passes, k split so that a pass fills the GPU."""
+    (sm_90a targets): the wgmma form, 64-row blocks of 128-token passes, k split (``k_splits``: for decode batches,
+    where one pass is all the tokens) so that a pass fills the GPU."""
     if wgmma:
         blocks = -(-out_features // 64)
         splits = next((ks for ks in (1, 2, 4) if blocks * ks >= WG_TARGET_BLOCKS or in_features % (MMA_K * ks * 2)), 4)
-        if in_features % (MMA_K * splits):
+        if in_features % (MMA_K * splits) or not k_splits:
             splits = 1
         return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
                          out_dtype=out_dtype, wgmma=True, stages=4, n_tiles=16, k_splits=splits, dyn_shared=DYN_SMEM_LIMIT)
