@@ -16,6 +16,9 @@ decode sizes (M <= TOK) the weight is streamed from HBM once per step. Nothing i
 token tiles past M are skipped (warp-uniform), rows past N are not read. Compiled models (``compiled_spec``) take
 the cp.async form with ldmatrix fragments (``DenseSpec.ldmatrix``, ``_ldsm_pipe_mainloop``): the same tiles and
 grid, the stages' chunks swizzled for ldmatrix and the k16 steps in natural order, every token tile multiplied.
+The wgmma form (``DenseSpec.wgmma``, ``_wgmma_grid``; sm_90a targets) issues one asynchronous warpgroup instruction
+per 64 rows x up to 128 tokens x 16 k from stages in the same swizzle (the 128-byte swizzle wgmma's descriptors
+name), where mma.sync issues one per 16 x 8 x 16.
 """
 
 from __future__ import annotations
