@@ -94,7 +94,7 @@ def _prefetched(name: str) -> bool:
 
 def _fp8_experts(name: str) -> bool:
     """Whether a moec system stores the experts as FP8 (resident or offloaded)."""
-    return name.removesuffix("-pdl").endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
+    return name.removesuffix("-wgmma").removesuffix("-pdl").endswith(("-fp8experts", "-offload-fp8", "-prefetch-fp8"))
 
 
 SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-graph", "moec-bf16-graph", "moec-fp8-graph",
@@ -103,7 +103,9 @@ SYSTEMS = ("moec-paged", "moec-bf16", "moec-fp8", "moec-tiered", "moec-paged-gra
     f"moec-{c}-{m}{x}" for c in ("paged", "bf16", "fp8", "tiered") for m in ("offload", "prefetch") for x in ("", "-fp8")) + tuple(
     f"moec-{c}-fp8experts" for c in ("paged", "bf16", "fp8", "tiered")) + tuple(
     f"moec-{c}-{p}" for c in ("paged", "bf16", "fp8", "tiered") for p in ("ptiled", "pstreamed")) + tuple(
-    f"moec-{c}{x}-pdl" for c in ("fp8", "tiered") for x in ("", "-fp8experts"))
+    f"moec-{c}{x}-pdl" for c in ("fp8", "tiered") for x in ("", "-fp8experts")) + tuple(
+    f"moec-{c}{x}-wgmma" for c in ("bf16", "fp8", "tiered") for x in ("", "-fp8experts"))
+# moec-<cache>[-fp8experts]-wgmma: the same compiled for sm_90a (--arch sm_90a), whose linear layers take the wgmma form
 # moec-<cache>[-fp8experts]-pdl: the same built with --pdl (every kernel launched with programmatic dependent launch;
 # the fp8 and tiered caches only: compile refuses it with TVM's paged cache)
 # moec-<cache>-ptiled / -pstreamed: the prefill entry's expert and dense GEMMs both block-tiled / both streamed
@@ -369,6 +371,8 @@ class _Moec:
         self.profile = profile
         self.synthetic_kv = synthetic_kv
         cache = kind.split("-")[1]
+        arch = "sm_90a" if kind.endswith("-wgmma") else None
+        kind = kind.removesuffix("-wgmma")
         pdl = kind.endswith("-pdl")
         kind = kind.removesuffix("-pdl")
         offload = _offloaded(kind)  # (run_bench refuses them without expert_slots)
@@ -387,7 +391,7 @@ class _Moec:
         tag = (f"-slots{expert_slots}" if offload else f"-{decode_kernel}" if decode_kernel else "") + (
             "-nograph" if kind.endswith("-nograph") else "") + (
             ("-fp8" if offload else "-fp8experts") if fp8_experts else "") + (f"-p{prefill_gemm}" if prefill_gemm != "auto" else "") + (
-            "-pdl" if pdl else "")
+            "-pdl" if pdl else "") + ("-wgmma" if arch else "")
         art = work / f"art-{cache}{tag}-{device}"
         if not (art / "manifest.json").exists():
             tiered = None
@@ -396,7 +400,7 @@ class _Moec:
 
                 tiered = TieredOptions(mode=cache, decode_kernel=decode_kernel)
             moec.compile(source() if callable(source) else source, art, target="cuda" if device == "cuda" else "llvm",
-                         kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
+                         arch=arch if device == "cuda" else None, kv_cache=cache, progress=True, cuda_graph=graph, expert_slots=expert_slots if offload else None,
                          expert_weights="fp8" if fp8_experts else None,
                          tiered_options=tiered, prefill_gemm=prefill_gemm, pdl=pdl)
             if not offload:
