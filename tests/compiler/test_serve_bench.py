@@ -304,3 +304,29 @@ def test_trace_device_without_a_tracer(monkeypatch):
     monkeypatch.setattr(serve_bench, "device_events", lambda fn: (fn(), [{"ph": "X", "cat": "gpu_memcpy", "name": "m", "ts": 0, "dur": 1}]))
     out, trace = serve_bench.trace_device(lambda: 8)
     assert out == 8 and "no kernel" in trace["error"]
+
+
+def test_wgmma_systems_compile_for_sm_90a(tmp_path, monkeypatch):
+    # moec-<cache>[-fp8experts]-wgmma: the same system compiled for sm_90a on CUDA (the wgmma linear layers); FP8
+    # experts still counted in the floor; on the CPU the llvm build as any other
+    from moec.compiler import serve_bench
+
+    assert {"moec-tiered-fp8experts-wgmma", "moec-bf16-wgmma"} <= set(serve_bench.SYSTEMS)
+    assert serve_bench._fp8_experts("moec-tiered-fp8experts-wgmma") and not serve_bench._fp8_experts("moec-tiered-wgmma")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_compile(source, art, **kw):
+        seen.append((art.name, kw.get("arch"), kw.get("expert_weights"), kw.get("kv_cache")))
+        raise Stop
+
+    import moec
+
+    monkeypatch.setattr(moec, "compile", fake_compile)
+    for device in ("cuda", "cpu"):
+        with pytest.raises(Stop):
+            serve_bench._Moec("moec-tiered-fp8experts-wgmma", build_hf("tiny-olmoe"), "src", tmp_path, device, 2, 64)
+    assert seen == [("art-tiered-fp8experts-wgmma-cuda", "sm_90a", "fp8", "tiered"),
+                    ("art-tiered-fp8experts-wgmma-cpu", None, "fp8", "tiered")]
