@@ -107,7 +107,13 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             "_wg128r2k8": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 8, "dyn_shared": DYN},
             "_wg64k2": {**WG, "stages": 4, "n_tiles": 8, "k_splits": 2, "dyn_shared": DYN},
             "_wg32": {**WG, "stages": 6, "n_tiles": 4, "dyn_shared": DYN},
-            "_wg32k2": {**WG, "stages": 6, "n_tiles": 4, "k_splits": 2, "dyn_shared": DYN}}
+            "_wg32k2": {**WG, "stages": 6, "n_tiles": 4, "k_splits": 2, "dyn_shared": DYN},
+            # a: each k-step's wgmma left in flight through the next step's wait and barrier (``wgmma_ahead``)
+            "_wg32a": {**WG, "stages": 6, "n_tiles": 4, "wgmma_ahead": True},
+            "_wg32s8a": {**WG, "stages": 8, "n_tiles": 4, "wgmma_ahead": True},
+            "_wg64a": {**WG, "stages": 6, "n_tiles": 8, "wgmma_ahead": True},
+            "_wg128a": {**WG, "stages": 4, "n_tiles": 16, "wgmma_ahead": True},
+            "_wg128s6a": {**WG, "stages": 6, "n_tiles": 16, "wgmma_ahead": True}}
 QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d": {"stages": 12, "dyn_shared": 12 * 12288},
              "merged_s4g2": VARIANTS["_s4g2"], "merged_s4g4": VARIANTS["_s4g4"], "merged_s3g4": VARIANTS["_s3g4"],
              "merged_s4w2g4": VARIANTS["_s4w2g4"], "merged_s4nt2g4": VARIANTS["_s4nt2g4"],
@@ -129,7 +135,8 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              "merged_wg128": VARIANTS["_wg128"], "merged_wg128k2": VARIANTS["_wg128k2"], "merged_wg128r2k2": {
                  **WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 2, "dyn_shared": DYN},
              "merged_wg128r2k4": VARIANTS["_wg128r2k4"], "merged_wg64": {**WG, "stages": 4, "n_tiles": 8, "dyn_shared": DYN},
-             "merged_wg32": VARIANTS["_wg32"]}
+             "merged_wg32": VARIANTS["_wg32"], "merged_wg32a": VARIANTS["_wg32a"], "merged_wg32s8a": VARIANTS["_wg32s8a"],
+             "merged_wg64a": VARIANTS["_wg64a"], "merged_wg128a": VARIANTS["_wg128a"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
 # q, k and v of one input: one dense_gemm_x3 launch (InsertDenseGEMM's merge) against three launches of the
 # compiled models' one-weight kernel, both in the compiled spec (``compiled_spec``)

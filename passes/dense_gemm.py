@@ -31,7 +31,7 @@ from ..schedules.kernels.dense_gemm import (WIDE_OUT_FEATURES, DenseSpec, compil
 
 
 
-def _match(g: DataflowGraph, mv, wgmma: bool = False, splits: bool = True):
+def _match(g: DataflowGraph, mv, wgmma: bool = False, prefill: bool = False):
     """``((x, W, spec), None)`` for a linear layer the kernel takes; ``(None, why not)`` for one it does not;
     ``(None, None)`` for a matmul of another form."""
     call = g.call(mv)
@@ -52,7 +52,7 @@ def _match(g: DataflowGraph, mv, wgmma: bool = False, splits: bool = True):
     if xs is None or len(xs) < 2 or xs[-1] != k:
         return None, f"matmul {mv.name}: input {shape_of(x)} does not end in the weight's {k} input features"
     spec = compiled_spec(int(n), int(k), x_dtype=dtype_of(x), w_dtype=dtype_of(w), out_dtype=dtype_of(mv), wgmma=wgmma,
-                         k_splits=splits)
+                         prefill=prefill)
     why = eligible(spec)
     if why is not None or spec.out_dtype not in ("float32", "float16", "bfloat16"):
         return None, f"matmul {mv.name} (weight {w.name}): {why or 'output dtype ' + spec.out_dtype}"
@@ -89,9 +89,9 @@ def _groups(g: DataflowGraph, matches: dict) -> list[list]:
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
     def __init__(self, mod, matches: dict, kernel, groups: list | None = None, wgmma: bool = False,
-                 splits: bool = True) -> None:
+                 prefill: bool = False) -> None:
         super().__init__(mod)
-        self.wgmma, self.splits = wgmma, splits
+        self.wgmma, self.prefill = wgmma, prefill
         self.matches = matches  # matmul var -> (x, W, spec)
         self.kernel = kernel  # (spec, parts or None, tiled) -> kernel GlobalVar
         self.first = {mvs[0]: mvs for mvs in groups or []}  # a merged run, emitted at its first matmul
@@ -124,24 +124,15 @@ class _Rewriter(relax.PyExprMutator):
             run = self.first[binding.var]
             specs = [self.matches[mv][2] for mv in run]
             parts = tuple(sp.out_features for sp in specs)
-            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype, self.wgmma, self.splits)
+            total = compiled_spec(sum(parts), spec.in_features, spec.x_dtype, spec.w_dtype, spec.out_dtype, self.wgmma, self.prefill)
             ys = bb.emit(relax.call_tir(self.kernel(total, parts, False), [x2] + [self.visit_expr(self.matches[mv][1]) for mv in run],
-                                        out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts] + _sums(total, rows)))
+                                        out_ty=[relax.TensorType([rows, n], spec.out_dtype) for n in parts]))
             for i, (mv, n) in enumerate(zip(run, parts)):
                 self.set_var_remap(mv, self._unflatten(bb.emit(relax.TupleGetItem(ys, i)), xs, n))
             return
-        tiled = binding.var in self.tiled
-        out_ty = relax.TensorType([rows, spec.out_features], spec.out_dtype)
-        sums = [] if tiled else _sums(spec, rows)
-        y = bb.emit(relax.call_tir(self.kernel(spec, None, tiled), [x2, self.visit_expr(w)], out_ty=[out_ty] + sums if sums else out_ty))
-        if sums:
-            y = bb.emit(relax.TupleGetItem(y, 0))
+        y = bb.emit(relax.call_tir(self.kernel(spec, None, binding.var in self.tiled), [x2, self.visit_expr(w)],
+                                   out_ty=relax.TensorType([rows, spec.out_features], spec.out_dtype)))
         self.set_var_remap(binding.var, self._unflatten(y, xs, spec.out_features))
-
-
-def _sums(spec: DenseSpec, rows) -> list:
-    """The k splits' workspace output of a kernel of ``spec`` (``[rows, KS, N]`` float32), none with one split."""
-    return [relax.TensorType([rows, spec.k_splits, spec.out_features], "float32")] if spec.k_splits > 1 else []
 
 
 def _tiled_ok(spec: DenseSpec) -> bool:
@@ -182,9 +173,8 @@ class InsertDenseGEMM:
         layer (no merge); results equal up to the order of float32 sums.
 
     An sm_90a target (``--arch sm_90a``) takes the wgmma form (``DenseSpec.wgmma``: Hopper's warpgroup tensor-core
-    instructions, in sm_90a's architecture-specific set only) for every kernel but the prefill's tiled ones: 128-token
-    passes of 64-row blocks, outside the prefill k split so that a decode batch's pass fills the GPU; a split kernel's
-    call has one more output, the splits' float32 sums (a workspace), and the layer's value is its first.
+    instructions, in sm_90a's architecture-specific set only) for every linear layer, the prefill's too (faster than
+    the tiled form there): ``compiled_spec(..., wgmma=True)`` gives its passes (one k split: the kernels' splits lost).
     """
 
     def __init__(self, target: tvm.target.Target, source: str = "model", merge: bool = True,
@@ -213,7 +203,7 @@ class InsertDenseGEMM:
             g = DataflowGraph(func, int(func.attrs["num_input"]))
             matches, skipped = {}, []
             for mv in g.calls_of("relax.matmul"):
-                match, why = _match(g, mv, wgmma, gv.name_hint != "prefill")
+                match, why = _match(g, mv, wgmma, gv.name_hint == "prefill")
                 if match is not None:
                     matches[mv] = match
                 elif why is not None:
@@ -223,12 +213,12 @@ class InsertDenseGEMM:
             if not matches:
                 continue
             tiled = set()
-            if form == "cuda" and self.prefill_tiled and gv.name_hint == "prefill":
+            if form == "cuda" and self.prefill_tiled and gv.name_hint == "prefill" and not wgmma:
                 tiled = {mv for mv, (_, _, sp) in matches.items() if _tiled_ok(sp)}
                 self.tiled[gv.name_hint] = len(tiled)
             groups = _groups(g, {mv: m for mv, m in matches.items() if mv not in tiled}) if self.merge else []
             self.merged[gv.name_hint] = [len(run) for run in groups]
-            rewriter = _Rewriter(out, matches, None, groups, wgmma, gv.name_hint != "prefill")
+            rewriter = _Rewriter(out, matches, None, groups, wgmma, gv.name_hint == "prefill")
             rewriter.kernel = lambda spec, parts, tiled, b=rewriter.builder_: kernels.get(b, (spec, parts, tiled))
             rewriter.tiled = tiled
             new_func = rewriter.visit_expr(func)

@@ -43,6 +43,7 @@ WG_DESC = "moec_wgmma_desc_sw128"  # (pointer to the first row of a tile, 1024-b
 WG_FENCE = "moec_wgmma_fence"  # wgmma.fence: register accesses before it are ordered before the next wgmma
 WG_COMMIT = "moec_wgmma_commit"  # wgmma.commit_group
 WG_WAIT0 = "moec_wgmma_wait0"  # wgmma.wait_group 0: every committed wgmma has completed (results in registers, smem read)
+WG_WAIT1 = "moec_wgmma_wait1"  # wgmma.wait_group 1: all but the latest committed group have completed
 FENCE_ASYNC_SMEM = "moec_fence_proxy_async_smem"  # this thread's shared-memory writes made visible to the async proxy
 WGMMA_N = (32, 64, 128)  # token widths (the instruction's n) of the wgmma helpers
 WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
@@ -76,6 +77,7 @@ __device__ __forceinline__ unsigned long long {WG_DESC}(const void* p) {{
 __device__ __forceinline__ void {WG_FENCE}() {{ asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }}
 __device__ __forceinline__ void {WG_COMMIT}() {{ asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }}
 __device__ __forceinline__ void {WG_WAIT0}() {{ asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }}
+__device__ __forceinline__ void {WG_WAIT1}() {{ asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }}
 __device__ __forceinline__ void {FENCE_ASYNC_SMEM}() {{ asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }}
 """ + "".join(_wgmma_helper(dt, n) for dt in WGMMA_TYPES for n in WGMMA_N)
 
@@ -147,7 +149,7 @@ _WG_GUARD = "MOEC_CUDA_WGMMA_PRELUDE"
 
 _CALLS = re.compile(r"\b(?:%s)\(" % "|".join((HFMA2, PACK_H2, H2_LO, H2_HI, E4M3_LO, E4M3_HI, PACK_BF2, E4M3_BF_LO, E4M3_BF_HI, E4M3_BFS_LO, E4M3_BFS_HI,
                                            ST_B32X2)))
-_WG_CALLS = re.compile(r"\b(?:%s)\(" % "|".join([SMEM_U32, WG_DESC, WG_FENCE, WG_COMMIT, WG_WAIT0, FENCE_ASYNC_SMEM]
+_WG_CALLS = re.compile(r"\b(?:%s)\(" % "|".join([SMEM_U32, WG_DESC, WG_FENCE, WG_COMMIT, WG_WAIT0, WG_WAIT1, FENCE_ASYNC_SMEM]
                                                   + [wgmma_name(dt, n) for dt in WGMMA_TYPES for n in WGMMA_N]))
 _HOOK = "tvm_callback_cuda_postproc"
 _installed = False

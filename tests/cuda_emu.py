@@ -313,6 +313,7 @@ static inline uint64_t moec_wgmma_desc_sw128(const void *p) { return (uint64_t)(
 static inline void moec_wgmma_fence() {}
 static inline void moec_wgmma_commit() {}
 static inline void moec_wgmma_wait0() {}
+static inline void moec_wgmma_wait1() {}
 static inline void moec_fence_proxy_async_smem() {}
 static inline float sw128_(uint64_t start, int row, int k, bool bf16) {
   uint64_t a = start + (uint64_t)(row / 8) * 1024 + (uint64_t)(row % 8) * 128 + 2 * (uint64_t)k;

@@ -71,6 +71,8 @@ class DenseSpec:
     #                      rows, 8 NT tokens (32, 64 or 128) as the instruction's n, both operands from cp.async stages in
     #                      the 128-byte swizzle of dynamic shared memory (``dyn_shared``); mma.sync issues one instruction
     #                      per 16 x 8 x 16, wgmma one per 64 x 8 NT x 16, asynchronously
+    wgmma_ahead: bool = False  # wgmma: a k-step's wgmma left in flight through the next step's wait and barrier (waited
+    #                            for one step later; its stage refilled one step later: S - 2 steps of copies ahead)
 
     def check(self) -> None:
         for what in ("out_features", "in_features", "warps", "row_tiles", "n_tiles"):
@@ -120,6 +122,9 @@ class DenseSpec:
             if self.ldmatrix or self.frag_ahead or self.k_groups > 1 or not self.stages or not self.dyn_shared:
                 raise MoecError("dense_gemm: the wgmma form takes cp.async stages in dynamic shared memory (stages >= 2, "
                                 "dyn_shared), one k group and no ldmatrix fragments")
+        if not isinstance(self.wgmma_ahead, bool) or (self.wgmma_ahead and (not self.wgmma or self.stages < 3)):
+            raise MoecError(f"dense_gemm: wgmma_ahead keeps a wgmma k-step in flight: it needs the wgmma form and 3 or more "
+                            f"stages, got {self.wgmma_ahead!r}")
         if self.stages and pipe_stages(self)[0] < 2:
             raise MoecError(f"dense_gemm: two cp.async stages ({2 * pipe_stages(self)[1]} bytes) exceed {shared_limit(self)} bytes "
                             "of shared memory; use fewer warps, row tiles or token tiles")
@@ -165,27 +170,30 @@ COMPILED_LDMATRIX = True  # fragments by ldmatrix (``DenseSpec.ldmatrix``): fast
 #                           (bench/results/dense_gemm_ldmatrix_h100_a116b95.json)
 
 
-WG_TARGET_BLOCKS = 128  # the wgmma form's k splits: the fewest (1, 2, 4) that give a 128-token pass this many blocks
-
-
 def wgmma_arch(arch: str | None) -> bool:
     """Whether a CUDA target of this ``arch`` compiles linear layers to the wgmma form (sm_90a: Hopper's warpgroup
     instructions are in its architecture-specific set only)."""
     return arch == "sm_90a"
 
 
+# The wgmma form on an H100 (bench/results/dense_gemm_wgmma_h100_358531a.json, cold, us): at 128 tokens 32-token passes
+# of 6 stages beat the mma.sync form on every projection (OLMoE 2048 x 2048: 10.3 against 11.4; q/k/v in one launch
+# 16.5 against 22.0; Mixtral 4096 x 4096 24.8 against 29.3), 128-token passes the LM head (98 against 175; cuBLAS 85)
+# and every layer at 2048 tokens (OLMoE 44.8 against 108.8 and the prefill's tiled form's ~76; q/k/v 145 against 307);
+# k splits (a float32 workspace and a second kernel) lost everywhere but one
+WG_DECODE = {"wgmma": True, "stages": 6, "n_tiles": 4}
+WG_WIDE = {"wgmma": True, "stages": 4, "n_tiles": 16}  # LM heads (from WIDE_OUT_FEATURES) and the prefill's layers
+
+
 def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
-                  out_dtype: str = "float32", wgmma: bool = False, k_splits: bool = True) -> DenseSpec:
-    """The spec compiled models use for a linear layer of these shapes and dtypes (see the table above); ``wgmma``
-    (sm_90a targets): the wgmma form, 64-row blocks of 128-token passes, k split (``k_splits``: for decode batches,
-    where one pass is all the tokens) so that a pass fills the GPU."""
+                  out_dtype: str = "float32", wgmma: bool = False, prefill: bool = False) -> DenseSpec:
+    """The spec compiled models use for a linear layer of these shapes and dtypes (see the tables above); ``wgmma``
+    (sm_90a targets): the wgmma form, 32-token passes of 64-row blocks, 128-token passes for LM heads and in the
+    prefill entry (``prefill``)."""
     if wgmma:
-        blocks = -(-out_features // 64)
-        splits = next((ks for ks in (1, 2, 4) if blocks * ks >= WG_TARGET_BLOCKS or in_features % (MMA_K * ks * 2)), 4)
-        if in_features % (MMA_K * splits) or not k_splits:
-            splits = 1
+        kw = WG_WIDE if prefill or out_features >= WIDE_OUT_FEATURES else WG_DECODE
         return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
-                         out_dtype=out_dtype, wgmma=True, stages=4, n_tiles=16, k_splits=splits, dyn_shared=DYN_SMEM_LIMIT)
+                         out_dtype=out_dtype, dyn_shared=DYN_SMEM_LIMIT, **kw)
     return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
                      out_dtype=out_dtype, stages=COMPILED_STAGES, n_tiles=8 if out_features >= WIDE_OUT_FEATURES else 4,
                      ldmatrix=COMPILED_LDMATRIX)
@@ -550,7 +558,7 @@ def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
     committed and waited for. The accumulators: ``acc[r TOK / 2 + 4 i + c]`` is weight row r 64 + 16 warp + g + 8 (c // 2)
     and token 8 i + 2 q + c % 2 (lane 4 g + q), stored as ``store`` of the mma.sync forms does (``y``, or the split's
     ``sums``)."""
-    from ..cuda_prelude import FENCE_ASYNC_SMEM, SMEM_U32, WG_COMMIT, WG_DESC, WG_FENCE, WG_WAIT0, register, wgmma_name
+    from ..cuda_prelude import FENCE_ASYNC_SMEM, SMEM_U32, WG_COMMIT, WG_DESC, WG_FENCE, WG_WAIT0, WG_WAIT1, register, wgmma_name
 
     register()
     K, odt, wdt = spec.in_features, spec.out_dtype, spec.w_dtype
@@ -561,6 +569,8 @@ def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
     NB1, NB2, NB3 = (-(-N1 // ROWS), -(-N2 // ROWS), -(-N3 // ROWS))
     NBY = sum((NB1, NB2, NB3)[:P])
     S = pipe_stages(spec)[0]
+    AHEAD = bool(spec.wgmma_ahead)
+    AH = 1 if AHEAD else 0  # k-steps whose wgmma stay in flight past the step (their stages refilled one later)
     KS = K // KSP  # input features of a split
     STEPS = KS // WG_K
     STG = (ROWS + TOK) * WG_K  # elements of a stage
@@ -598,16 +608,16 @@ def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
                                                                          & T.uint32(WG_ALIGN - 1))) & T.uint32(WG_ALIGN - 1)) // 2
         for i in T.unroll(RT * NH):
             acc[i] = T.float32(0)
-        for s0 in T.unroll(S - 1):
+        for s0 in T.unroll(S - 1 - AH):
             if s0 < STEPS:
                 issue(sb, base, s0, s0, tx, w, n_out, rb, x, p0, nv, sp)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         for kc in T.serial(STEPS):
-            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2 - AH))
             T.evaluate(T.call_extern("void", FENCE_ASYNC_SMEM))
             T.tvm_storage_sync("shared")
-            if kc + S - 1 < STEPS:
-                issue(sb, base, (kc + S - 1) % S, kc + S - 1, tx, w, n_out, rb, x, p0, nv, sp)
+            if kc + S - 1 - AH < STEPS:
+                issue(sb, base, (kc + S - 1 - AH) % S, kc + S - 1 - AH, tx, w, n_out, rb, x, p0, nv, sp)
             T.evaluate(T.ptx["cp.async.commit_group"]())
             T.evaluate(T.call_extern("void", WG_FENCE))
             for s in T.unroll(4):
@@ -617,6 +627,8 @@ def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
                         T.call_pure_extern("uint64", WG_DESC, T.address_of(sb[pos(base, kc % S, r * 64, 0) + s * 16])),
                         T.call_pure_extern("uint64", WG_DESC, T.address_of(sb[pos(base, kc % S, ROWS, 0) + s * 16]))))
             T.evaluate(T.call_extern("void", WG_COMMIT))
+            T.evaluate(T.call_extern("void", WG_WAIT1 if AHEAD else WG_WAIT0))
+        if AHEAD:
             T.evaluate(T.call_extern("void", WG_WAIT0))
         for r in T.unroll(RT):
             for i in T.unroll(NT):

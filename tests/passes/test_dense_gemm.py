@@ -651,28 +651,32 @@ def test_k_splits_refusals():
     assert eligible(DenseSpec(64, 256, stages=4, k_splits=4)) is None
 
 
-@pytest.mark.parametrize("row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype",
-                         [(1, 16, 4, 640, None, 1, "float32"), (2, 8, 3, 128, None, 1, "bfloat16"),
-                          (1, 4, 6, 256, None, 2, "float32"), (2, 16, 4, 512, None, 4, "float32"),
-                          (1, 8, 2, 192, (64, 32, 32), 1, "float32"), (1, 16, 4, 256, (128, 64, 64), 2, "bfloat16")])
-def test_cuda_wgmma_form_emulated(row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype):
+@pytest.mark.parametrize("row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype, ahead",
+                         [(1, 16, 4, 640, None, 1, "float32", False), (2, 8, 3, 128, None, 1, "bfloat16", False),
+                          (1, 4, 6, 256, None, 2, "float32", False), (2, 16, 4, 512, None, 4, "float32", False),
+                          (1, 8, 2, 192, (64, 32, 32), 1, "float32", False),
+                          (1, 16, 4, 256, (128, 64, 64), 2, "bfloat16", False), (1, 4, 6, 640, None, 1, "float32", True),
+                          (1, 16, 3, 128, (64, 32, 32), 1, "float32", True), (2, 8, 4, 192, None, 1, "bfloat16", True)])
+def test_cuda_wgmma_form_emulated(row_tiles, n_tiles, stages, k, parts, k_splits, out_dtype, ahead):
     """``wgmma``: one warpgroup a block, its operands staged by cp.async into the 128-byte swizzle of dynamic shared
     memory, 4 k16 wgmma a row tile and k-step. On the CPU emulation of the generated code (the emulated wgmma reads the
     tiles through their descriptors and the hardware's swizzle), against NumPy: one token, a partial last pass (37) and
     three passes; rows past the weight's end (96 rows in 64- and 128-row blocks), one to three weights, k splits, fewer
-    k-steps than stages and 16-bit outputs. nvcc accepts it for sm_90a."""
+    k-steps than stages and 16-bit outputs; ``wgmma_ahead`` (a step's wgmma waited for a step later, its stage refilled a
+    step later). nvcc accepts it for sm_90a."""
     from cuda_emu import EmulatedKernel
     from tvm.support import nvcc
 
     n_out = sum(parts) if parts else 96
     spec = DenseSpec(out_features=n_out, in_features=k, stages=stages, row_tiles=row_tiles, n_tiles=n_tiles,
-                     wgmma=True, k_splits=k_splits, dyn_shared=232448, out_dtype=out_dtype)
+                     wgmma=True, k_splits=k_splits, dyn_shared=232448, out_dtype=out_dtype, wgmma_ahead=ahead)
     cfg = launch_config(spec)
     assert cfg["form"].startswith(f"wgmma m64n{8 * n_tiles}k16") and cfg["threads"] == 128
     assert cfg["rows_per_block"] == 64 * row_tiles and cfg["stages"] == stages
     src = tvm.compile(tvm.IRModule({"dense_gemm": make_dense(spec, "cuda", parts)}),
                       target=make_target("cuda", "sm_90a")).mod.imports[0].inspect_source()
     assert f"moec_wgmma_m64n{8 * n_tiles}k16_bf16(" in src and "wgmma.mma_async.sync.aligned" in src
+    assert ("moec_wgmma_wait1();" in src) == ahead
     if k == 640:  # (ptxas takes wgmma for sm_90a only)
         with make_target("cuda", "sm_90a"):
             assert len(nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")) > 0
@@ -716,31 +720,30 @@ def test_wgmma_form_refusals():
         DenseSpec(128, 128, wgmma=True, stages=4, ldmatrix=True, dyn_shared=232448).check()
     assert "multiple of 64" in eligible(DenseSpec(128, 160, wgmma=True, stages=4, dyn_shared=232448))
     assert "k splits" in eligible(DenseSpec(128, 256, wgmma=True, stages=4, k_splits=8, dyn_shared=232448))
+    with pytest.raises(MoecError, match="wgmma_ahead"):
+        DenseSpec(128, 128, wgmma=True, stages=2, wgmma_ahead=True, dyn_shared=232448).check()
+    with pytest.raises(MoecError, match="wgmma_ahead"):
+        DenseSpec(128, 128, stages=4, wgmma_ahead=True).check()
 
 
 def test_ir_wgmma_target_takes_the_wgmma_form():
-    # an sm_90a target compiles linear layers to the wgmma form, k split so that a 128-token pass fills the GPU; the
-    # splits' float32 sums are one more output of the call (a workspace), the layer's value its first; sm_90 keeps
-    # the mma.sync form with one output
-    assert [compiled_spec(n, 2048, wgmma=True).k_splits for n in (2048, 6144, 50304)] == [4, 2, 1]
-    assert compiled_spec(64, 192, wgmma=True).k_splits == 1  # (192 does not split into multiples of 64 x 2)
+    # an sm_90a target compiles every linear layer to the wgmma form: 32-token passes in the decode entries, 128-token
+    # passes for LM heads and in the prefill (which then takes no tiled kernel); sm_90 keeps the mma.sync forms
+    specs = {n: compiled_spec(n, 2048, wgmma=True) for n in (2048, 6144, 50304)}
+    assert [(s.wgmma, s.n_tiles, s.stages, s.k_splits) for s in specs.values()] == [(True, 4, 6, 1), (True, 4, 6, 1), (True, 16, 4, 1)]
+    assert compiled_spec(2048, 2048, wgmma=True, prefill=True).n_tiles == 16
     widths = (64, 32, 32, 48)
-    before = _parallel_entry(widths)
-    p = InsertDenseGEMM(make_target("cuda", "sm_90a"))
-    after = relax.transform.DeadCodeElimination(["main"])(p(before))
-    calls = {b.value.args[0].name_hint: b.value for blk in after["main"].body.blocks for b in blk.bindings
-             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"}
-    assert sorted(calls) == ["dense_gemm", "dense_gemm_x3"]
-    specs = {name: spec for (spec, parts, _), name in p.kernels.items()}
-    assert all(s.wgmma and s.n_tiles == 16 and s.k_splits == 2 for s in specs.values())
-    assert [[int(v) if isinstance(v, (int, tvm.tirx.IntImm)) else "s" for v in t.shape.values] for t in calls["dense_gemm_x3"].ty.fields] \
-        == [["s", 64], ["s", 32], ["s", 32], ["s", 2, 128]]
-    assert [[int(v) if isinstance(v, (int, tvm.tirx.IntImm)) else "s" for v in t.shape.values] for t in calls["dense_gemm"].ty.fields] \
-        == [["s", 48], ["s", 2, 48]]
-    assert "moec_wgmma_m64n128k16_bf16" in after["dense_gemm"].script()
+    for entry, tok in (("main", 4), ("prefill", 16)):
+        before = _parallel_entry(widths)
+        if entry == "prefill":
+            before = tvm.IRModule({"prefill": before["main"]})
+        p = InsertDenseGEMM(make_target("cuda", "sm_90a"), prefill_tiled=True)
+        after = relax.transform.DeadCodeElimination([entry])(p(before))
+        calls = {b.value.args[0].name_hint: b.value for blk in after[entry].body.blocks for b in blk.bindings
+                 if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"}
+        assert sorted(calls) == ["dense_gemm", "dense_gemm_x3"] and p.tiled == {}  # (no tiled kernel)
+        assert all(s.wgmma and s.n_tiles == tok for (s, _, _) in p.kernels)
+        assert f"moec_wgmma_m64n{8 * tok}k16_bf16" in after["dense_gemm"].script()
     q = InsertDenseGEMM(make_target("cuda", "sm_90"))
-    plain = relax.transform.DeadCodeElimination(["main"])(q(before))
+    q(_parallel_entry(widths))
     assert not any(s.wgmma for (s, _, _) in q.kernels)
-    single = [b.value for blk in plain["main"].body.blocks for b in blk.bindings
-              if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir" and b.value.args[0].name_hint == "dense_gemm"]
-    assert isinstance(single[0].ty, relax.TensorType)
