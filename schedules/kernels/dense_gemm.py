@@ -555,7 +555,9 @@ def _wgmma_grid(spec: DenseSpec, outs: tuple[int, ...], sum_out):
     visible to the async proxy, one barrier (every thread's copies of the stage are in, and step kc - 1's wgmma, waited
     for at its end, no longer read the stage refilled next), issue step kc + S - 1's copies, then 4 k16 wgmma
     m64n(TOK)k16 a row tile (A: the tile's rows, B: the tokens, both K-major, descriptors advanced 32 bytes a k16),
-    committed and waited for. The accumulators: ``acc[r TOK / 2 + 4 i + c]`` is weight row r 64 + 16 warp + g + 8 (c // 2)
+    committed and waited for. ``wgmma_ahead``: a step's wgmma are waited for at the end of the next step (wait_group
+    1), so they run through that step's copy wait and barrier; copies go S - 2 steps ahead, so that the stage a step
+    refills is the one step kc - 2 read, whose wgmma every warp has waited for before the barrier. The accumulators: ``acc[r TOK / 2 + 4 i + c]`` is weight row r 64 + 16 warp + g + 8 (c // 2)
     and token 8 i + 2 q + c % 2 (lane 4 g + q), stored as ``store`` of the mma.sync forms does (``y``, or the split's
     ``sums``)."""
     from ..cuda_prelude import FENCE_ASYNC_SMEM, SMEM_U32, WG_COMMIT, WG_DESC, WG_FENCE, WG_WAIT0, WG_WAIT1, register, wgmma_name
