@@ -176,22 +176,28 @@ def wgmma_arch(arch: str | None) -> bool:
     return arch == "sm_90a"
 
 
-# The wgmma form on an H100 (bench/results/dense_gemm_wgmma_h100_358531a.json, cold, us): at 128 tokens 32-token passes
-# of 6 stages beat the mma.sync form on every projection (OLMoE 2048 x 2048: 10.3 against 11.4; q/k/v in one launch
-# 16.5 against 22.0; Mixtral 4096 x 4096 24.8 against 29.3), 128-token passes the LM head (98 against 175; cuBLAS 85)
-# and every layer at 2048 tokens (OLMoE 44.8 against 108.8 and the prefill's tiled form's ~76; q/k/v 145 against 307);
-# k splits (a float32 workspace and a second kernel) lost everywhere but one
+# The wgmma form on an H100 (bench/results/dense_gemm_wgmma_h100_358531a.json and dense_gemm_wgmma_ahead_h100_823374b.json,
+# cold, us): at 128 tokens 32-token passes beat the mma.sync form on every projection, best with 8 stages and each
+# step's wgmma left in flight where the blocks of a 128-token step fit at two an SM (OLMoE 2048 x 2048: 8.6 against
+# 11.3, cuBLAS 7.9; Mixtral 4096 x 4096: 22.7 against 29.2), with 6 stages where they do not (the q/k/v in one launch,
+# 384 blocks: 16.5 against 22.1); 128-token passes the LM head (98 against 175; cuBLAS 85) and, with the wgmma in
+# flight, every layer at 2048 tokens (OLMoE 41.7 against 108.5 and the prefill's tiled form's ~76; q/k/v 135.5 against
+# 306.4); k splits (a float32 workspace and a second kernel) lost everywhere but one
 WG_DECODE = {"wgmma": True, "stages": 6, "n_tiles": 4}
-WG_WIDE = {"wgmma": True, "stages": 4, "n_tiles": 16}  # LM heads (from WIDE_OUT_FEATURES) and the prefill's layers
+WG_DECODE_FEW = {"wgmma": True, "stages": 8, "n_tiles": 4, "wgmma_ahead": True}  # 96 KB a block: two an SM
+WG_FEW_BLOCKS = 2 * 132  # blocks of a 128-token step (4 passes x N / 64) that take WG_DECODE_FEW (an H100 / H200: 132 SMs)
+WG_WIDE = {"wgmma": True, "stages": 4, "n_tiles": 16}  # LM heads (from WIDE_OUT_FEATURES)
+WG_PREFILL = {"wgmma": True, "stages": 4, "n_tiles": 16, "wgmma_ahead": True}  # the prefill's layers
 
 
 def compiled_spec(out_features: int, in_features: int, x_dtype: str = "bfloat16", w_dtype: str = "bfloat16",
                   out_dtype: str = "float32", wgmma: bool = False, prefill: bool = False) -> DenseSpec:
     """The spec compiled models use for a linear layer of these shapes and dtypes (see the tables above); ``wgmma``
-    (sm_90a targets): the wgmma form, 32-token passes of 64-row blocks, 128-token passes for LM heads and in the
-    prefill entry (``prefill``)."""
+    (sm_90a targets): the wgmma form, 32-token passes of 64-row blocks (8 stages, each step's wgmma in flight, where
+    a 128-token step's blocks fit two an SM), 128-token passes for LM heads and in the prefill entry (``prefill``)."""
     if wgmma:
-        kw = WG_WIDE if prefill or out_features >= WIDE_OUT_FEATURES else WG_DECODE
+        kw = WG_PREFILL if prefill else WG_WIDE if out_features >= WIDE_OUT_FEATURES else WG_DECODE_FEW if (
+            4 * -(-out_features // 64) <= WG_FEW_BLOCKS) else WG_DECODE
         return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,
                          out_dtype=out_dtype, dyn_shared=DYN_SMEM_LIMIT, **kw)
     return DenseSpec(out_features=out_features, in_features=in_features, x_dtype=x_dtype, w_dtype=w_dtype,

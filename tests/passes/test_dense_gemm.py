@@ -729,9 +729,14 @@ def test_wgmma_form_refusals():
 def test_ir_wgmma_target_takes_the_wgmma_form():
     # an sm_90a target compiles every linear layer to the wgmma form: 32-token passes in the decode entries, 128-token
     # passes for LM heads and in the prefill (which then takes no tiled kernel); sm_90 keeps the mma.sync forms
-    specs = {n: compiled_spec(n, 2048, wgmma=True) for n in (2048, 6144, 50304)}
-    assert [(s.wgmma, s.n_tiles, s.stages, s.k_splits) for s in specs.values()] == [(True, 4, 6, 1), (True, 4, 6, 1), (True, 16, 4, 1)]
-    assert compiled_spec(2048, 2048, wgmma=True, prefill=True).n_tiles == 16
+    specs = {n: compiled_spec(n, 2048, wgmma=True) for n in (2048, 4096, 6144, 50304)}
+    assert [(s.wgmma, s.n_tiles, s.stages, s.wgmma_ahead, s.k_splits) for s in specs.values()] == [
+        (True, 4, 8, True, 1), (True, 4, 8, True, 1), (True, 4, 6, False, 1), (True, 16, 4, False, 1)]
+    pre = compiled_spec(2048, 2048, wgmma=True, prefill=True)
+    assert (pre.n_tiles, pre.wgmma_ahead) == (16, True)
+    for s_ in list(specs.values()) + [pre]:
+        s_.check()
+        assert launch_config(s_)["stages"] == s_.stages  # (all the stages fit)
     widths = (64, 32, 32, 48)
     for entry, tok in (("main", 4), ("prefill", 16)):
         before = _parallel_entry(widths)
