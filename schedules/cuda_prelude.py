@@ -14,6 +14,10 @@ field, mantissa m at its top three bits): 2^(e - 127) (1 + m / 8) for e > 0 and 
 the power of two themselves (the expert GEMMs multiply it into their epilogue scales) use that; the ``bf16`` pair
 adds one ``fma.rn.bf16x2`` by 2^120 (+ -0, which keeps +0 and -0) that rebiases both (7 -> 127), exactly.
 
+The wgmma helpers (sm_90a: ``wgmma.mma_async`` m64nNk16 with both operands in shared memory, its fence, commit and
+waits, the 128-byte-swizzle descriptor, ``fence.proxy.async``) are a second block, added only to sources that call
+them, so sources built for other architectures never carry instructions their ptxas refuses.
+
 ``register()`` installs TVM's ``tvm_callback_cuda_postproc`` hook (chaining any hook already
 installed), which puts the helpers' definitions at the top of a generated source that calls one of
 them and leaves every other source unchanged. The source a module keeps is the processed one, so the
