@@ -677,9 +677,14 @@ def test_cuda_wgmma_form_emulated(row_tiles, n_tiles, stages, k, parts, k_splits
                       target=make_target("cuda", "sm_90a")).mod.imports[0].inspect_source()
     assert f"moec_wgmma_m64n{8 * n_tiles}k16_bf16(" in src and "wgmma.mma_async.sync.aligned" in src
     assert ("moec_wgmma_wait1();" in src) == ahead
-    if k == 640:  # (ptxas takes wgmma for sm_90a only)
+    if k == 640:  # ptxas takes wgmma for sm_90a only: the build's fatbin is that one code generation, no compute_90 PTX
+        from moec.compiler.build import nvcc_arch
+
+        assert nvcc_arch("sm_90a") == ["-gencode", "arch=compute_90a,code=sm_90a"] and nvcc_arch("sm_90") == "sm_90"
         with make_target("cuda", "sm_90a"):
-            assert len(nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")) > 0
+            assert len(nvcc.compile_cuda(src, target_format="fatbin", arch=nvcc_arch("sm_90a"), compiler="nvcc")) > 0
+            with pytest.raises(RuntimeError, match="not supported on .target 'sm_90'"):
+                nvcc.compile_cuda(src, target_format="fatbin", arch="sm_90a", compiler="nvcc")
     name = {None: "dense_gemm", 3: "dense_gemm3"}[parts and len(parts)]
     kern = EmulatedKernel(src, f"{name}_kernel")
     add = EmulatedKernel(src, f"{name}_kernel_1") if k_splits > 1 else None
