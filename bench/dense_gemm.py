@@ -99,15 +99,15 @@ VARIANTS = {"": {"stages": 0}, "_s4": {"stages": 4}, "_s4w2": {"stages": 4, "war
             # asked for): one wgmma m64n(8 NT)k16 per 64 rows x 8 NT tokens x 16 k, asynchronous, operands from 128-byte
             # swizzled stages; _wg<T>: T-token passes; r2: 128-row blocks (the tokens read from the L2 half as often);
             # k<S>: S k splits (a 2048-row projection at 128 tokens is 32 blocks of 64 rows: splits fill the GPU); s<N>: stages
-            "_wg128": {**WG, "stages": 4, "n_tiles": 16, "dyn_shared": DYN},
-            "_wg128k2": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 2, "dyn_shared": DYN},
-            "_wg128k4": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
-            "_wg128k4s6": {**WG, "stages": 6, "n_tiles": 16, "k_splits": 4, "dyn_shared": DYN},
-            "_wg128r2k4": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 4, "dyn_shared": DYN},
-            "_wg128r2k8": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 8, "dyn_shared": DYN},
-            "_wg64k2": {**WG, "stages": 4, "n_tiles": 8, "k_splits": 2, "dyn_shared": DYN},
-            "_wg32": {**WG, "stages": 6, "n_tiles": 4, "dyn_shared": DYN},
-            "_wg32k2": {**WG, "stages": 6, "n_tiles": 4, "k_splits": 2, "dyn_shared": DYN},
+            "_wg128": {**WG, "stages": 4, "n_tiles": 16},
+            "_wg128k2": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 2},
+            "_wg128k4": {**WG, "stages": 4, "n_tiles": 16, "k_splits": 4},
+            "_wg128k4s6": {**WG, "stages": 6, "n_tiles": 16, "k_splits": 4},
+            "_wg128r2k4": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 4},
+            "_wg128r2k8": {**WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 8},
+            "_wg64k2": {**WG, "stages": 4, "n_tiles": 8, "k_splits": 2},
+            "_wg32": {**WG, "stages": 6, "n_tiles": 4},
+            "_wg32k2": {**WG, "stages": 6, "n_tiles": 4, "k_splits": 2},
             # a: each k-step's wgmma left in flight through the next step's wait and barrier (``wgmma_ahead``)
             "_wg32a": {**WG, "stages": 6, "n_tiles": 4, "wgmma_ahead": True},
             "_wg32s8a": {**WG, "stages": 8, "n_tiles": 4, "wgmma_ahead": True},
@@ -133,8 +133,8 @@ QKV_FORMS = {"merged_s8d": {"stages": 8, "dyn_shared": 8 * 12288}, "merged_s12d"
              "merged_s6dl": VARIANTS["_s6dl"], "merged_s4la": VARIANTS["_s4la"], "merged_s6dla": VARIANTS["_s6dla"],
              # wgmma (see VARIANTS): 6144 rows are 96 blocks of 64 at 128 tokens
              "merged_wg128": VARIANTS["_wg128"], "merged_wg128k2": VARIANTS["_wg128k2"], "merged_wg128r2k2": {
-                 **WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 2, "dyn_shared": DYN},
-             "merged_wg128r2k4": VARIANTS["_wg128r2k4"], "merged_wg64": {**WG, "stages": 4, "n_tiles": 8, "dyn_shared": DYN},
+                 **WG, "stages": 4, "n_tiles": 16, "row_tiles": 2, "k_splits": 2},
+             "merged_wg128r2k4": VARIANTS["_wg128r2k4"], "merged_wg64": {**WG, "stages": 4, "n_tiles": 8},
              "merged_wg32": VARIANTS["_wg32"], "merged_wg32a": VARIANTS["_wg32a"], "merged_wg32s8a": VARIANTS["_wg32s8a"],
              "merged_wg64a": VARIANTS["_wg64a"], "merged_wg128a": VARIANTS["_wg128a"]}
 QKV_ALL = ("merged", "separate") + tuple(QKV_FORMS)
