@@ -232,7 +232,9 @@ class _Matcher:
 
     def ids_of(self, idx, num_experts: int):
         """The [T, K] integer ids behind a gather index: through layout ops, ONNX's wrap of negatives and a
-        clamp to the expert range (``clip(i, 0, E - 1)``, which transformers adds; top-k ids are in range)."""
+        clamp to the expert range (``clip(i, 0, E - 1)``, which transformers adds; top-k ids are in range). The torch
+        importer gives an integer clamp as ``maximum(i, 0)`` then ``minimum(i, E - 1)``; each is looked through where
+        its bound cannot change an id."""
         g = self.g
         e = self.alias(idx)
         for _ in range(8):
@@ -241,6 +243,12 @@ class _Matcher:
                 lo, hi = (_int_value(a) for a in g.call(e).args[1:3])
                 if lo is not None and hi is not None and lo <= 0 and hi >= num_experts - 1:
                     e = g.call(e).args[0]
+                    continue
+            if g.op(e) in ("relax.maximum", "relax.minimum"):
+                a, b = g.call(e).args
+                bound = const_scalar(b)
+                if bound is not None and (bound <= 0 if g.op(e) == "relax.maximum" else bound >= num_experts - 1):
+                    e = a
                     continue
             if g.op(e) == "relax.where":  # where(less(i, 0), add(i, E), i)
                 c, a, b = g.call(e).args

@@ -112,3 +112,42 @@ def test_attention_sinks_are_refused(tmp_path):
                                         r"\(attention sinks"):
         moec.compile(model, tmp_path / "s", target="llvm")
     assert not (tmp_path / "s").exists()
+
+
+def test_clamped_expert_ids_take_the_grouped_kernels(tmp_path, monkeypatch):
+    """transformers 5.17's batched_mm clamps the top-k ids to [0, E - 1] before gathering the expert weights (later
+    versions only under expert parallelism). Exported with that clamp (an integer clamp imports as maximum, then
+    minimum), every MoE layer still takes the grouped expert kernels, with no UnreplacedExperts warning, and the
+    numerics match torch."""
+    import json
+    import warnings
+
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from moec.compiler.build import UnreplacedExperts
+    from moec.compiler.importers import import_model
+
+    plain = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    seen = []
+
+    def clamped(self, hidden_states, top_k_index, top_k_weights):  # 5.17's clamp is of the flattened [T * K] ids
+        seen.append(1)
+        ids = top_k_index.reshape(-1).clamp(0, self.num_experts - 1).reshape(top_k_index.shape)
+        return plain(self, hidden_states, ids, top_k_weights)
+
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "batched_mm", clamped)
+    model = tiny_hf_model("olmoe")
+    imported = import_model(model)
+    assert seen  # the export traced the clamping forward
+    assert "R.minimum" in imported.mod.script()  # ... whose clamp imported as maximum / minimum
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnreplacedExperts)
+        art = moec.compile(imported, tmp_path / "art", target="llvm")
+    manifest = json.loads((art / "manifest.json").read_text())
+    layers = model.config.num_hidden_layers
+    grouped = manifest["options"]["grouped_experts"]
+    assert grouped["replaced"] == {"decode": layers, "prefill": layers}, grouped
+    got, hist = prefill_and_decode(art, PROMPTS, 2)
+    for i in range(len(got)):
+        for b, p in enumerate(PROMPTS):
+            np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)

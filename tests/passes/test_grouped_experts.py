@@ -138,7 +138,7 @@ def test_ir_other_forms_stay_and_say_why(kw, why):
 BF16_ULP = 2.0**-8  # bfloat16 round-to-nearest: relative error at most 2^-8 (8 significant bits)
 
 
-def _entry_bf16(round_silu=True, round_h=False, round_w2=False, clamp=None):
+def _entry_bf16(round_silu=True, round_h=False, round_w2=False, clamp=None, clamp_form="clip"):
     """``decode(x, router, w1, w2)``, all bfloat16, in the form of the phase-1 IR of HF OLMoE exported in bfloat16 with
     torch.export (TVM's importer gives every matmul a float32 result): float32 halves, silu(g) rounded to bfloat16
     through a cast round trip (``round_silu``), float32 h (``round_h``: rounded to bfloat16 before the down
@@ -162,8 +162,11 @@ def _entry_bf16(round_silu=True, round_h=False, round_w2=False, clamp=None):
             xs = emit(relax.op.broadcast_to(emit(relax.op.expand_dims(x, [1])), [t, K, D]))
             xs = emit(relax.op.reshape(xs, [t * K, D]))
             rflat, flat = emit(relax.op.reshape(vals, [t * K])), emit(relax.op.reshape(ids, [t * K]))
-            if clamp is not None:  # transformers 5.17's batched_mm clamps the ids to the expert range
+            if clamp is not None and clamp_form == "clip":  # transformers 5.17's batched_mm clamps the ids to the expert range
                 flat = emit(relax.op.clip(flat, *clamp))
+            elif clamp is not None:  # the same clamp as moec's torch importer gives it (integer maximum, then minimum)
+                flat = emit(relax.op.maximum(flat, relax.const(clamp[0], "int64")))
+                flat = emit(relax.op.minimum(flat, relax.const(clamp[1], "int64")))
             gu = emit(relax.op.squeeze(emit(relax.op.matmul(emit(relax.op.take(w1, flat, axis=0, mode="fast")),
                                                            emit(relax.op.expand_dims(xs, [-1])), out_dtype=f32)), [-1]))
             halves = emit(relax.op.split(gu, 2, axis=-1))
@@ -257,20 +260,23 @@ def test_ir_bf16_torch_export_form():
             assert diff.max() > 1e-4  # the graph really rounds silu(g) there: the bound is not vacuous
 
 
-def test_ir_bf16_form_with_clamped_ids():
+@pytest.mark.parametrize("form", ["clip", "minmax"])
+def test_ir_bf16_form_with_clamped_ids(form):
     """transformers 5.17 clamps the top-k ids to [0, E - 1] before gathering the weights (a no-op on top-k ids):
-    matched through the clamp, with the same numerics as the unclamped form. A clamp that can change an id
-    (a narrower range) is not looked through, and the layer is skipped with the reason."""
-    clamped = _entry_bf16(clamp=(0, E - 1))
+    matched through the clamp (``clip``, or the integer maximum and minimum moec's torch importer emits for it), with
+    the same numerics as the unclamped form. A clamp that can change an id (a narrower range) is not looked through,
+    and the layer is skipped with the reason."""
+    clamped = _entry_bf16(clamp=(0, E - 1), clamp_form=form)
     p, after = _apply(clamped)
     assert p.replaced == {"decode": 1} and not _calls(after["decode"], "relax.take")
-    assert not _calls(after["decode"], "relax.clip")  # the clamp went with the gathers it fed
+    for op in ("relax.clip", "relax.maximum", "relax.minimum"):  # the clamp went with the gathers it fed
+        assert not _calls(after["decode"], op)
     _, plain = _apply(_entry_bf16())
     lower = relax.transform.LegalizeOps({"relax.topk": legalize_topk})
     vms = [relax.VirtualMachine(tvm.compile(lower(m), target=LLVM), tvm.cpu()) for m in (after, plain)]
     args = [tvm.runtime.tensor(a) for a in _bf16_inputs(5)]
     np.testing.assert_array_equal(vms[0]["decode"](*args).numpy(), vms[1]["decode"](*args).numpy())
-    narrow, _ = _apply(_entry_bf16(clamp=(0, E - 2)))
+    narrow, _ = _apply(_entry_bf16(clamp=(0, E - 2), clamp_form=form))
     assert narrow.replaced == {"decode": 0}
     assert any("top-k expert ids" in why for why in narrow.skipped["decode"]), narrow.skipped
 
