@@ -330,3 +330,27 @@ def test_wgmma_systems_compile_for_sm_90a(tmp_path, monkeypatch):
             serve_bench._Moec("moec-tiered-fp8experts-wgmma", build_hf("tiny-olmoe"), "src", tmp_path, device, 2, 64)
     assert seen == [("art-tiered-fp8experts-wgmma-cuda", "sm_90a", "fp8", "tiered"),
                     ("art-tiered-fp8experts-wgmma-cpu", None, "fp8", "tiered")]
+
+
+def test_system_whose_experts_stay_in_the_gather_form_is_refused(tmp_path, monkeypatch):
+    """A compile that warns UnreplacedExperts (MoE layers left gathering one weight matrix per routed token) fails
+    the system with that reason before any artifact is written or loaded: the gather form's prefill runs out of
+    device memory minutes later, and its speed is not moec's. The grid's other systems still run."""
+    import warnings
+
+    import moec
+    from moec.compiler import serve_bench
+    from moec.compiler.build import UnreplacedExperts
+
+    def warn_compile(source, art, **kw):
+        warnings.warn("m.pt2: decode: 2 of 2 MoE layers are not on the grouped expert kernels (expert matmul lv1: "
+                      "the gather index does not come from [T, K] top-k expert ids)", UnreplacedExperts, stacklevel=2)
+        raise AssertionError("the warning did not stop the compile")
+
+    monkeypatch.setattr(moec, "compile", warn_compile)
+    with pytest.raises(UnreplacedExperts, match="top-k expert ids"):
+        serve_bench._Moec("moec-tiered", build_hf("tiny-olmoe"), "src", tmp_path, "cpu", 2, 64)
+    assert not (tmp_path / "art-tiered-cpu").exists()
+    doc = serve_bench.run_bench("tiny-olmoe", [1], [24], ["moec-bf16", "hf-eager"], steps=3, work=tmp_path, progress=False)
+    assert doc["systems"]["moec-bf16"]["error"].startswith("UnreplacedExperts: m.pt2: decode: 2 of 2 MoE layers")
+    assert "tpot_ms_median" in doc["systems"]["hf-eager"]["points"][0]
