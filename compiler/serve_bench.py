@@ -819,6 +819,22 @@ def main_merge(args) -> int:
     return 0
 
 
+def _versions() -> dict:
+    """The versions a result depends on: the export's (torch, transformers) and the runtime's (TVM), and Python."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "apache-tvm-ffi"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    import tvm  # (staged on the GPU machine as files, not a package pip knows)
+
+    out["tvm"] = tvm.__version__
+    return out
+
+
 def main(args) -> int:
     import torch
 
@@ -831,7 +847,7 @@ def main(args) -> int:
     else:
         device = platform.processor() or platform.machine()
     head = {"benchmark": "serve", "command": " ".join(["moec"] + list(getattr(args, "argv", sys.argv[1:]))),
-            "git_commit": commit, "device": device}
+            "git_commit": commit, "device": device, "versions": _versions()}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
 

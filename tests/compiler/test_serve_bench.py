@@ -17,6 +17,9 @@ def test_bench_writes_json_and_plot(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["prefill_chunk"] == 32  # the prompts (21 and 37 tokens) packed into calls of 32 tokens
     assert doc["benchmark"] == "serve" and doc["command"].startswith("moec bench") and doc["git_commit"] and doc["complete"]
+    import transformers
+
+    assert doc["versions"]["transformers"] == transformers.__version__ and doc["versions"]["tvm"]  # (the export's and runtime's)
     # the two cache kinds share the model's weights file on disk (one hard-linked to the other)
     work = tmp_path / "work" / "tiny-olmoe-float32"
     a, b = (work / f"art-{k}-cpu" / "weights.safetensors" for k in ("paged", "bf16"))
