@@ -7,7 +7,8 @@ Each family: a tiny random config of transformers' own class (2 layers, hidden 6
 ``batched_mm`` experts, eager attention; norm weights and routers random, so that a misplaced norm or a tie-broken
 top-k shows), exported with torch.export and compiled for llvm; a batch of two prompts, prefill and two greedy decode
 steps, each step's logits against HF's forward over the same history (float32). Outcomes: ``compiled`` (with the
-largest logit error and, where the model has sliding windows, ``max_context``), ``refused`` (a ``MoecError``: its
+largest logit error, where the model has sliding windows ``max_context``, the MoE layers each entry took onto the
+grouped expert kernels and any ``UnreplacedExperts`` warning), ``refused`` (a ``MoecError``: its
 message), ``crash`` (anything else: a bug to fix). Not a CI test: it follows whatever transformers is installed.
 """
 
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -84,14 +86,20 @@ def sweep_one(name: str) -> dict:
     import torch
 
     import moec
+    from moec.compiler.build import UnreplacedExperts
     from moec.compiler.errors import MoecError
 
     t0 = time.perf_counter()
     rec = {"family": name, "config": FAMILIES[name][0]}
     try:
         model = build(name)
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnreplacedExperts)
             art = moec.compile(model, Path(d) / "art", target="llvm")
+            grouped = json.loads((art / "manifest.json").read_text())["options"]["grouped_experts"] or {}
+            rec["grouped_experts"] = {"replaced": grouped.get("replaced"), "skipped": grouped.get("skipped")}
+            rec["warnings"] = [f"{type(w.message).__name__}: {w.message}" for w in caught
+                               if issubclass(w.category, UnreplacedExperts)]
             engine = moec.load(art)
             seqs, logits = engine.prefill([list(p) for p in PROMPTS])
             hist, err = [list(p) for p in PROMPTS], 0.0
@@ -132,8 +140,8 @@ def main() -> int:
     for name in names:
         rows.append(sweep_one(name))
         r = rows[-1]
-        print(f"{name:18} {r['outcome']:9} " + (f"{r['max_logit_error']:.2e}" if r["outcome"] == "compiled" else r["message"][:150]),
-              flush=True)
+        print(f"{name:18} {r['outcome']:9} " + (f"{r['max_logit_error']:.2e} experts {r['grouped_experts']['replaced']}"
+                                                 if r["outcome"] == "compiled" else r["message"][:150]), flush=True)
     doc = {"benchmark": "hf_family_sweep", "command": "python " + " ".join(sys.argv), "git_commit": args.commit,
            "device": f"CPU ({platform.processor() or platform.machine()})", "transformers": transformers.__version__,
            "prompts": PROMPTS, "decode_steps": STEPS, "families": rows}
