@@ -8,8 +8,9 @@ Each family: a tiny random config of transformers' own class (2 layers, hidden 6
 top-k shows), exported with torch.export and compiled for llvm; a batch of two prompts, prefill and two greedy decode
 steps, each step's logits against HF's forward over the same history (float32). Outcomes: ``compiled`` (with the
 largest logit error, where the model has sliding windows ``max_context``, the MoE layers each entry took onto the
-grouped expert kernels and any ``UnreplacedExperts`` warning), ``refused`` (a ``MoecError``: its
-message), ``absent`` (the installed transformers lacks the class), ``crash`` (anything else: a bug to fix). Not a CI test: it follows whatever transformers is installed.
+grouped expert kernels and any ``UnreplacedExperts`` warning), ``refused`` (a ``MoecError``: its message),
+``absent`` (the installed transformers lacks the class), ``crash`` (anything else: a bug to fix). Not a CI test: it
+follows whatever transformers is installed.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def build(name: str):
 
 def sweep_one(name: str) -> dict:
     import torch
+    import transformers as tf
 
     import moec
     from moec.compiler.build import UnreplacedExperts
@@ -91,8 +93,6 @@ def sweep_one(name: str) -> dict:
 
     t0 = time.perf_counter()
     rec = {"family": name, "config": FAMILIES[name][0]}
-    import transformers as tf
-
     missing = [c for c in FAMILIES[name][:2] if not hasattr(tf, c)]
     if missing:  # a class newer than the installed transformers: nothing to try
         rec.update(outcome="absent", message=f"transformers {tf.__version__} has no {', '.join(missing)}", seconds=0.0)

@@ -30,6 +30,14 @@ def family():
     return get
 
 
+def _matches_torch(model, art, steps: int) -> None:
+    """Prefill and ``steps`` greedy decode steps of PROMPTS against HF's forward over each history (float32)."""
+    got, hist = prefill_and_decode(art, PROMPTS, steps)
+    for i in range(len(got)):
+        for b, p in enumerate(PROMPTS):
+            np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "granitemoe", "phimoe"])
 def test_family_matches_torch(family, name, tmp_path):
     """Prefill and 3 greedy decode steps of a batch of two against HF's forward over each history (float32).
@@ -37,10 +45,7 @@ def test_family_matches_torch(family, name, tmp_path):
     granitemoe: multipliers; phimoe: rotary frequencies computed in the forward, biases, LayerNorms."""
     model, imported = family(name)
     art = moec.compile(imported, tmp_path / "art", target="llvm")
-    got, hist = prefill_and_decode(art, PROMPTS, 3)
-    for i in range(len(got)):
-        for b, p in enumerate(PROMPTS):
-            np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
+    _matches_torch(model, art, 3)
 
 
 def test_static_arange_before_rotary_is_not_a_position_source(family):
@@ -147,7 +152,4 @@ def test_clamped_expert_ids_take_the_grouped_kernels(tmp_path, monkeypatch):
     layers = model.config.num_hidden_layers
     grouped = manifest["options"]["grouped_experts"]
     assert grouped["replaced"] == {"decode": layers, "prefill": layers}, grouped
-    got, hist = prefill_and_decode(art, PROMPTS, 2)
-    for i in range(len(got)):
-        for b, p in enumerate(PROMPTS):
-            np.testing.assert_allclose(got[i][b], torch_last_logits(model, hist[b][:len(p) + i]), rtol=ATOL, atol=ATOL)
+    _matches_torch(model, art, 2)
